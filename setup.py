@@ -1,0 +1,44 @@
+"""Packaging for topk_nb: every field comes from settings.ini, the nbdev project file."""
+from configparser import ConfigParser
+
+import setuptools
+
+cfg = ConfigParser(delimiters=["="])
+cfg.read("settings.ini", encoding="utf-8")
+cfg = cfg["DEFAULT"]
+
+licenses = {"apache2": ("Apache Software License 2.0", "OSI Approved :: Apache Software License")}
+statuses = ["1 - Planning", "2 - Pre-Alpha", "3 - Alpha", "4 - Beta", "5 - Production/Stable"]
+py_versions = ["3.10", "3.11", "3.12", "3.13", "3.14"]
+min_python = cfg["min_python"]
+license_name, license_classifier = licenses[cfg["license"]]
+
+setuptools.setup(
+    name=cfg["lib_name"],
+    version=cfg["version"],
+    description=cfg["description"],
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    author=cfg["author"],
+    author_email=cfg["author_email"],
+    url=cfg["git_url"],
+    license=license_name,
+    keywords=cfg["keywords"].split(),
+    classifiers=[
+        "Development Status :: " + statuses[int(cfg["status"]) - 1],
+        "Intended Audience :: " + cfg["audience"],
+        "License :: " + license_classifier,
+        "Natural Language :: " + cfg["language"],
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ] + ["Programming Language :: Python :: " + v for v in py_versions[py_versions.index(min_python):]],
+    python_requires=">=" + min_python,
+    packages=setuptools.find_packages(include=[cfg["lib_path"], cfg["lib_path"] + ".*"]),
+    include_package_data=True,
+    install_requires=cfg["requirements"].split(),
+    extras_require={"dev": cfg["dev_requirements"].split()},
+    entry_points={
+        "console_scripts": cfg.get("console_scripts", "").split(),
+        "nbdev": [f"{cfg['lib_path']}={cfg['lib_path']}._modidx:d"],
+    },
+    zip_safe=False,
+)
