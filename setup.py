@@ -7,11 +7,10 @@ cfg = ConfigParser(delimiters=["="])
 cfg.read("settings.ini", encoding="utf-8")
 cfg = cfg["DEFAULT"]
 
-licenses = {"apache2": ("Apache Software License 2.0", "OSI Approved :: Apache Software License")}
+licenses = {"apache2": "Apache-2.0"}   # SPDX identifiers
 statuses = ["1 - Planning", "2 - Pre-Alpha", "3 - Alpha", "4 - Beta", "5 - Production/Stable"]
 py_versions = ["3.10", "3.11", "3.12", "3.13", "3.14"]
 min_python = cfg["min_python"]
-license_name, license_classifier = licenses[cfg["license"]]
 
 setuptools.setup(
     name=cfg["lib_name"],
@@ -22,12 +21,11 @@ setuptools.setup(
     author=cfg["author"],
     author_email=cfg["author_email"],
     url=cfg["git_url"],
-    license=license_name,
+    license=licenses[cfg["license"]],
     keywords=cfg["keywords"].split(),
     classifiers=[
         "Development Status :: " + statuses[int(cfg["status"]) - 1],
         "Intended Audience :: " + cfg["audience"],
-        "License :: " + license_classifier,
         "Natural Language :: " + cfg["language"],
         "Topic :: Scientific/Engineering :: Artificial Intelligence",
     ] + ["Programming Language :: Python :: " + v for v in py_versions[py_versions.index(min_python):]],
