@@ -6,8 +6,6 @@
 from __future__ import annotations
 
 import functools
-import itertools
-import math
 
 import torch
 import torch.nn.functional as F

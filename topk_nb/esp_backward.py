@@ -5,14 +5,11 @@
 # %% ../nbs/02_esp_backward.ipynb #c75d1121
 from __future__ import annotations
 
-import itertools
-import math
-
 import torch
 import torch.nn.functional as F
 
 from .core import check_int, check_real, check_scores
-from .esp import _check_esp_input, dc_tree, esp_summation, log_esp, log_poly_mul, log_zero
+from .esp import _check_esp_input, dc_tree, esp_summation, log_poly_mul, log_zero
 
 # %% auto #0
 __all__ = ['LOG_SIGMA_METHODS', 'esp_grad_alg2', 'esp_grad_recursion', 'default_order', 'esp_grad_stabilised',
