@@ -15,8 +15,8 @@ import torch
 
 # %% auto #0
 __all__ = ['FLOAT_DTYPES', 'REDUCTIONS', 'check_int', 'check_real', 'check_finite', 'check_scores', 'check_target',
-           'check_reduction', 'reduce_loss', 'target_rank', 'topk_correct', 'topk_accuracy', 'macro_topk_accuracy',
-           'brute_esp', 'brute_log_esp']
+           'check_loss_input', 'check_reduction', 'reduce_loss', 'target_rank', 'topk_correct', 'topk_accuracy',
+           'macro_topk_accuracy', 'brute_esp', 'brute_log_esp']
 
 # %% ../nbs/00_core.ipynb #7530e4af
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -94,6 +94,13 @@ def check_target(target, n: int, batch: int, name: str = "target") -> torch.Tens
         if lo < 0 or hi >= n:
             raise ValueError(f"{name} must hold class indices in [0, {n - 1}], got values in [{lo}, {hi}]")
     return target.long()
+
+
+def check_loss_input(scores, target, k, check: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
+    "Validate the (scores (B, n), target (B,), k in [1, n-1]) triple that every top-k loss takes."
+    scores = check_scores(scores, "scores", ndim=2, min_classes=2, check=check)
+    target = check_target(target, scores.shape[1], scores.shape[0])
+    return scores, target, check_int(k, "k", 1, scores.shape[1] - 1)
 
 
 def check_reduction(reduction: str) -> str:

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .core import check_int, check_real, check_reduction, check_scores, check_target, reduce_loss
+from .core import check_int, check_loss_input, check_real, check_reduction, reduce_loss
 from .perturbed import draw_noise, topk_value
 
 # %% auto #0
@@ -17,17 +17,10 @@ __all__ = ['cal_hinge', 'noised_bal_topk', 'margins_from_counts', 'noised_imbal_
            'NoisedImbalTopK']
 
 # %% ../nbs/05_noised.ipynb #6d2a9022
-def _check_loss_input(scores, target, k, check_finite_):
-    scores = check_scores(scores, "scores", ndim=2, min_classes=2, check=check_finite_)
-    target = check_target(target, scores.shape[1], scores.shape[0])
-    k = check_int(k, "k", 1, scores.shape[1] - 1)
-    return scores, target, k
-
-
 def cal_hinge(scores: torch.Tensor, target: torch.Tensor, k: int = 5, alpha: float = 1.0, reduction: str = "mean",
               check_finite: bool | None = None) -> torch.Tensor:
     "Calibrated top-k hinge (alpha + top_{k+1}(s) - s_y)_+ of Yang & Koyejo (Garcin 2022, eq. 5/17)."
-    scores, target, k = _check_loss_input(scores, target, k, check_finite)
+    scores, target, k = check_loss_input(scores, target, k, check_finite)
     alpha = check_real(alpha, "alpha", 0.0)
     s_y = scores.gather(1, target[:, None])[:, 0]
     return reduce_loss(F.relu(alpha + topk_value(scores, k + 1) - s_y), check_reduction(reduction))
@@ -53,7 +46,7 @@ def noised_bal_topk(scores: torch.Tensor, target: torch.Tensor, k: int = 5, epsi
                     generator: torch.Generator | None = None, noise: torch.Tensor | None = None,
                     check_finite: bool | None = None) -> torch.Tensor:
     "Noised balanced top-k hinge (alpha + top_{k+1,eps,B}(s) - s_y)_+ (Garcin 2022, eq. 8, 10); gradient eq. 12 by autograd."
-    scores, target, k = _check_loss_input(scores, target, k, check_finite)
+    scores, target, k = check_loss_input(scores, target, k, check_finite)
     epsilon = check_real(epsilon, "epsilon", 0.0)
     alpha = check_real(alpha, "alpha", 0.0)
     if noise is None and epsilon > 0: check_int(n_samples, "n_samples", 1)
@@ -76,7 +69,7 @@ def noised_imbal_topk(scores: torch.Tensor, target: torch.Tensor, class_counts, 
                       generator: torch.Generator | None = None, noise: torch.Tensor | None = None,
                       check_finite: bool | None = None) -> torch.Tensor:
     "Noised imbalanced top-k hinge scale * (m_y + top_{k+1,eps,B}(s) - s_y)_+, m_y from class_counts (Garcin 2022, eq. 13)."
-    scores, target, k = _check_loss_input(scores, target, k, check_finite)
+    scores, target, k = check_loss_input(scores, target, k, check_finite)
     margins = margins_from_counts(class_counts, max_m)
     if margins.numel() != scores.shape[1]:
         raise ValueError(f"class_counts must have one entry per class: {scores.shape[1]} expected, got {margins.numel()}")

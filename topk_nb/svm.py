@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .core import check_int, check_real, check_reduction, check_scores, check_target, reduce_loss
+from .core import check_int, check_loss_input, check_real, check_reduction, reduce_loss
 from .esp_backward import log_sigma
 
 # %% auto #0
@@ -20,14 +20,6 @@ __all__ = ['scores_without_target', 'topk_hinge', 'subset_sums_bruteforce', 'smo
            'smooth_topk_svm', 'SmoothTopkSVM', 'TopkHinge']
 
 # %% ../nbs/03_smooth_svm.ipynb #6240521f
-def _check_loss_input(scores, target, k, check_finite_: bool | None):
-    scores = check_scores(scores, "scores", ndim=2, min_classes=2, check=check_finite_)
-    n = scores.shape[1]
-    target = check_target(target, n, scores.shape[0])
-    k = check_int(k, "k", 1, n - 1)
-    return scores, target, k
-
-
 def scores_without_target(scores: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     "s with the entry of the target removed from each row: shape (B, n-1), order kept."
     n = scores.shape[1]
@@ -38,7 +30,7 @@ def scores_without_target(scores: torch.Tensor, target: torch.Tensor) -> torch.T
 def topk_hinge(scores: torch.Tensor, target: torch.Tensor, k: int = 5, alpha: float = 1.0,
                reduction: str = "mean", check_finite: bool | None = None) -> torch.Tensor:
     "Top-k hinge loss max{alpha + ((s without y)_[k] - s_y) / k, 0} (Berrada 2018, eq. 8/19; Lapin et al.)."
-    scores, target, k = _check_loss_input(scores, target, k, check_finite)
+    scores, target, k = check_loss_input(scores, target, k, check_finite)
     alpha = check_real(alpha, "alpha", 0.0)
     reduction = check_reduction(reduction)
     kth_other = scores_without_target(scores, target).topk(k, dim=1).values[:, -1]
@@ -95,7 +87,7 @@ def hard_enough(scores: torch.Tensor, target: torch.Tensor, k: int, tau: float, 
 def smooth_topk_svm(scores: torch.Tensor, target: torch.Tensor, k: int = 5, tau: float = 1.0, alpha: float = 1.0,
                     reduction: str = "mean", hard_switch: bool = True, check_finite: bool | None = None) -> torch.Tensor:
     "Smooth top-k SVM loss L_{k,tau} (Berrada 2018, eq. 9-10) with margin alpha."
-    scores, target, k = _check_loss_input(scores, target, k, check_finite)
+    scores, target, k = check_loss_input(scores, target, k, check_finite)
     tau = check_real(tau, "tau", 0.0, lo_open=True)
     alpha = check_real(alpha, "alpha", 0.0)
     reduction = check_reduction(reduction)
