@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from fractions import Fraction
 from numbers import Integral, Real
 from typing import Iterable, Sequence
@@ -16,7 +17,7 @@ import torch
 # %% auto #0
 __all__ = ['FLOAT_DTYPES', 'REDUCTIONS', 'check_int', 'check_real', 'check_finite', 'check_scores', 'check_target',
            'check_loss_input', 'check_reduction', 'reduce_loss', 'target_rank', 'topk_correct', 'topk_accuracy',
-           'macro_topk_accuracy', 'brute_esp', 'brute_log_esp']
+           'macro_topk_accuracy', 'brute_esp', 'brute_log_esp', 'median_time', 'fwd_bwd']
 
 # %% ../nbs/00_core.ipynb #7530e4af
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -184,3 +185,20 @@ def brute_log_esp(x: torch.Tensor, k: int) -> torch.Tensor:
     out = [[_log_sum_exp([math.fsum(c) for c in itertools.combinations(row, j)]) for j in range(k + 1)]
            for row in rows]
     return torch.tensor(out, dtype=torch.float64).reshape(*x.shape[:-1], k + 1)
+
+# %% ../nbs/00_core.ipynb #845c7230
+def median_time(fn, repeats: int = 9) -> float:
+    "Median wall-clock seconds of `fn()` over `repeats` calls, after one warm-up call."
+    fn()
+    times = []
+    for _ in range(check_int(repeats, "repeats", 1)):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def fwd_bwd(fn, inputs: torch.Tensor, *args):
+    "A closure running `fn(inputs, *args).sum().backward()` on a leaf copy of `inputs`, for `median_time`."
+    leaf = inputs.detach().requires_grad_()
+    return lambda: fn(leaf, *args).sum().backward()

@@ -68,20 +68,29 @@ def _smooth_part(scores: torch.Tensor, target: torch.Tensor, k: int, tau: float,
     return tau * F.softplus(b - a)
 
 # %% ../nbs/03_smooth_svm.ipynb #6ebb4c73
+def _top_others(scores: torch.Tensor, target: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    "The k+1 largest scores other than the target's (k when n - 1 = k), sorted, and the target's score."
+    top = scores_without_target(scores, target).topk(min(k + 1, scores.shape[1] - 1), dim=1).values
+    return top, scores.gather(1, target[:, None])[:, 0]
+
+
+def _hard_mask(top: torch.Tensor, s_y: torch.Tensor, n: int, k: int, tau: float, alpha: float) -> torch.Tensor:
+    "The criterion of the claim above, in log space, from the sorted top other scores."
+    h = alpha + (top[:, k - 1] - s_y) / k
+    log_budget = math.log(torch.finfo(top.dtype).eps / 2 / 3)
+    log_binom = lambda a, b: math.lgamma(a + 1) - math.lgamma(b + 1) - math.lgamma(a - b + 1)
+    ok = -h.abs() / tau <= log_budget
+    if k >= 2:       # r_{k-1}: gap between the (k-1)-th and k-th other scores
+        ok &= log_binom(n - 1, k - 1) - (top[:, k - 2] - top[:, k - 1]) / (k * tau) <= log_budget
+    if k + 1 <= n - 1:   # r_k: gap between the k-th and (k+1)-th other scores
+        ok &= log_binom(n - 1, k) - (top[:, k - 1] - top[:, k]) / (k * tau) <= log_budget
+    return ok
+
+
 def hard_enough(scores: torch.Tensor, target: torch.Tensor, k: int, tau: float, alpha: float) -> torch.Tensor:
     "Boolean (B,): samples whose smooth loss equals the hard top-k hinge to within u * tau (u the unit roundoff)."
-    n = scores.shape[1]
-    others = scores_without_target(scores, target)
-    top = others.topk(min(k + 1, n - 1), dim=1).values
-    s_y = scores.gather(1, target[:, None])[:, 0]
-    h = alpha + (top[:, k - 1] - s_y) / k
-    log_budget = math.log(torch.finfo(scores.dtype).eps / 2 / 3)
-    ok = -h.abs() / tau <= log_budget
-    if k >= 2:
-        ok &= math.lgamma(n) - math.lgamma(k) - math.lgamma(n - k + 1) - (top[:, k - 2] - top[:, k - 1]) / (k * tau) <= log_budget
-    if k + 1 <= n - 1:
-        ok &= math.lgamma(n) - math.lgamma(k + 1) - math.lgamma(n - k) - (top[:, k - 1] - top[:, k]) / (k * tau) <= log_budget
-    return ok
+    top, s_y = _top_others(scores.detach(), target, k)
+    return _hard_mask(top, s_y, scores.shape[1], k, tau, alpha)
 
 # %% ../nbs/03_smooth_svm.ipynb #491dffe0
 def smooth_topk_svm(scores: torch.Tensor, target: torch.Tensor, k: int = 5, tau: float = 1.0, alpha: float = 1.0,
@@ -97,8 +106,9 @@ def smooth_topk_svm(scores: torch.Tensor, target: torch.Tensor, k: int = 5, tau:
         if not hard_switch:
             loss = _smooth_part(s, target, k, tau, alpha)
         else:
-            hard = hard_enough(s.detach(), target, k, tau, alpha)
-            loss = topk_hinge(s, target, k, alpha, reduction="none", check_finite=False)
+            top, s_y = _top_others(s, target, k)                          # one topk serves the test and the hinge
+            hard = _hard_mask(top.detach(), s_y.detach(), s.shape[1], k, tau, alpha)
+            loss = F.relu(alpha + (top[:, k - 1] - s_y) / k)              # topk_hinge, eq. (19)
             soft = (~hard).nonzero()[:, 0]
             if soft.numel():
                 loss = loss.index_put((soft,), _smooth_part(s[soft], target[soft], k, tau, alpha))
