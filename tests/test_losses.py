@@ -1,0 +1,110 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from topk_nb.baselines import cross_entropy
+from topk_nb.core import target_rank
+from topk_nb.losses import LOSSES, TopkMixture, WithSoftTargets, get_loss, loss_table
+from topk_nb.noised import noised_bal_topk
+from topk_nb.svm import smooth_topk_svm, topk_hinge
+
+NAMES = ["ce", "focal", "ldam", "topk_hinge", "cvx_hinge", "cal_hinge", "smooth_svm", "noised_bal", "noised_imbal",
+         "topk_grouping", "topk_transition"]
+
+
+def problem(seed=0, batch=12, n=8):
+    g = torch.Generator().manual_seed(seed)
+    s = torch.randn(batch, n, generator=g, dtype=torch.float64) * 2
+    y = torch.randint(0, n, (batch,), generator=g)
+    return s, y
+
+
+def extra(name, n=8, seed=1):
+    kw = {}
+    if LOSSES[name].needs_class_counts: kw["class_counts"] = torch.arange(1, n + 1) * 5
+    if LOSSES[name].stochastic: kw["generator"] = torch.Generator().manual_seed(seed)
+    return kw
+
+
+def test_registry_names_are_the_documented_ones():
+    assert list(LOSSES) == NAMES
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_loss_builds_with_defaults_and_matches_its_function(name):
+    entry = LOSSES[name]
+    s, y = problem()
+    crit = get_loss(name, reduction="none", **extra(name))
+    value = crit(s, y)
+    assert value.shape == (12,) and torch.isfinite(value).all() and (value >= 0).all()
+    torch.testing.assert_close(value, entry.function(s, y, **entry.defaults, reduction="none", **extra(name)))
+    assert isinstance(crit, entry.module) == entry.native_soft_targets
+    if not entry.native_soft_targets:
+        assert isinstance(crit, WithSoftTargets) and isinstance(crit.loss, entry.module)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_loss_takes_mixup_targets(name):
+    s, y = problem(2)
+    y2 = (y + 1) % 8
+    mixed = 0.6 * F.one_hot(y, 8).double() + 0.4 * F.one_hot(y2, 8).double()
+    crit = get_loss(name, reduction="none", **extra(name))
+    twin = get_loss(name, reduction="none", **extra(name))    # same seed: the same noise draws, in the same order
+    torch.testing.assert_close(crit(s, mixed), 0.6 * twin(s, y) + 0.4 * twin(s, y2))
+
+
+def test_wrapper_reduction_and_indices_pass_through():
+    s, y = problem(3)
+    crit = get_loss("smooth_svm", k=3, tau=0.5)
+    assert crit.reduction == "mean" and crit.loss.reduction == "none"
+    torch.testing.assert_close(crit(s, y), smooth_topk_svm(s, y, 3, 0.5))
+    torch.testing.assert_close(get_loss("topk_hinge", k=2, reduction="sum")(s, y), topk_hinge(s, y, 2, reduction="sum"))
+
+
+def test_stochastic_losses_reproducible_with_generator():
+    s, y = problem(4)
+    a = get_loss("noised_bal", generator=torch.Generator().manual_seed(9))(s, y)
+    b = noised_bal_topk(s, y, generator=torch.Generator().manual_seed(9))
+    torch.testing.assert_close(a, b)
+
+
+def test_registry_errors():
+    with pytest.raises(ValueError, match="unknown loss 'cross_entropy'; registered losses: ce, focal"):
+        get_loss("cross_entropy")
+    with pytest.raises(ValueError, match="does not take temperature; it accepts: alpha"):
+        get_loss("smooth_svm", temperature=0.1)
+    with pytest.raises(ValueError, match="does not take generator"):
+        get_loss("smooth_svm", generator=torch.Generator())
+    with pytest.raises(ValueError, match="needs class_counts"):
+        get_loss("noised_imbal")
+    with pytest.raises(ValueError, match="epsilon"):
+        get_loss("noised_bal", epsilon=-1.0)
+    with pytest.raises(ValueError, match="n_samples"):
+        get_loss("noised_bal", n_samples=0)
+
+
+def test_mixture_over_k():
+    s, y = problem(5)
+    mix = get_loss("smooth_svm", k={1: 2.0, 3: 2.0, 5: 4.0}, tau=0.3, reduction="none")
+    assert mix.ks == (1, 3, 5) and mix.weights == pytest.approx((0.25, 0.25, 0.5))
+    expected = sum(w * smooth_topk_svm(s, y, k, 0.3, reduction="none") for k, w in zip((1, 3, 5), mix.weights))
+    torch.testing.assert_close(mix(s, y), expected)
+    point = TopkMixture("topk_grouping", [0, 0, 1])
+    torch.testing.assert_close(point(s, y), get_loss("topk_grouping", k=3)(s, y))
+    bound = get_loss("cvx_hinge", k={1: 0.5, 4: 0.5}, reduction="none")(s, y)
+    errors = 0.5 * (target_rank(s, y) >= 1).double() + 0.5 * (target_rank(s, y) >= 4).double()
+    assert (bound >= errors - 1e-12).all()
+    with pytest.raises(ValueError, match="needs a registered top-k loss"):
+        TopkMixture("focal", [1.0])
+    with pytest.raises(ValueError, match="not all zero"):
+        TopkMixture("cal_hinge", [0.0, 0.0])
+    with pytest.raises(ValueError, match="k must be"):
+        get_loss("cal_hinge", k={8: 1.0})(s, y)
+
+
+def test_table_lists_every_loss():
+    table = loss_table()
+    for name in NAMES:
+        assert f"`{name}`" in table
+    assert "Sawada eq. (5)" in table and "Berrada 2018 eq. (10)" in table
+    torch.testing.assert_close(get_loss("ce")(*problem(6)), cross_entropy(*problem(6)))
