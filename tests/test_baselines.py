@@ -172,6 +172,8 @@ def test_module_conventions_and_bad_input(crit):
     assert crit(s32[:1], y[:1]).shape == ()
     assert crit(s32, t.float()).shape == ()
     assert crit(s32.bfloat16(), y).dtype == torch.bfloat16
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert crit(s32.bfloat16(), t.bfloat16()).dtype == torch.bfloat16
     with pytest.raises(ValueError, match="finite"):
         crit(torch.full((2, 5), float("inf")), y[:2])
     with pytest.raises(ValueError, match=r"\[0, 4\]"):
