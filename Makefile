@@ -23,6 +23,6 @@ clean:
 readme:
 	$(PYTHON) tools/build_readme.py
 
-run:      ## the main job, on its embedded default data (no download); executed notebooks land in runs/
-	mkdir -p runs
-	papermill nbs/01_esp.ipynb runs/01_esp.ipynb
+run:      ## the main job: Sawada's synthetic experiments 1-3, full paper grid on a CPU; records, notebooks and report in runs/
+	topk-nb run circles_tradeoffs --preset paper --jobs 2 --out runs
+	topk-nb report circles_tradeoffs --out runs

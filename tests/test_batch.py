@@ -1,0 +1,205 @@
+"Tests of topk_nb.batch: grid expansion, resume after kill -9, failure isolation, GPU assignment, the report."
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from topk_nb import batch
+from topk_nb.batch import (CIRCLES_TRADEOFFS, RECORD, Experiment, Figure, Finding, PaperValue, cell_dir, cell_id,
+                           expand_grid, load_records, main, parse_grid, read_record, report, run_grid, write_record)
+
+
+def fake_notebook(path, body: str, tagged: bool = True) -> Path:
+    "A tiny experiment notebook: a (`parameters`-tagged) defaults cell, then `body` (which writes the record)."
+    nb = nbformat.v4.new_notebook()
+    params = nbformat.v4.new_code_cell("x = 1\nseed = 0\nrecord_path = None")
+    if tagged: params.metadata["tags"] = ["parameters"]
+    nb.cells = [params, nbformat.v4.new_code_cell(body)]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, str(path))
+    return Path(path)
+
+
+WRITE = ("import os\nfrom topk_nb.batch import write_record\n"
+         "write_record(record_path, {'x': x, 'seed': seed}, {'final': [{'y': 10 * x + seed, "
+         "'gpu': os.environ.get('CUDA_VISIBLE_DEVICES')}]}, seed=seed)")
+
+
+# --- grid expansion -------------------------------------------------------------------------------------------
+def test_expand_grid_product_order_and_seeds():
+    cells = expand_grid({"a": [1, 2], "b": "z", "c": [True, False]}, seeds=2)
+    assert cells == [{"a": a, "b": "z", "c": c, "seed": s} for a in (1, 2) for c in (True, False) for s in (0, 1)]
+
+
+def test_expand_grid_overrides_union_and_vectorised_seeds():
+    cells = expand_grid([{"a": [1, 2], "e": 5}, {"a": [2, 3], "e": 5}], {"e": [7]}, seeds=4, seeds_param="n")
+    assert cells == [{"a": 1, "e": 7, "n": 4}, {"a": 2, "e": 7, "n": 4}, {"a": 3, "e": 7, "n": 4}]
+    assert expand_grid(None) == [{}]
+    with pytest.raises(ValueError, match="seeds must be a positive integer"):
+        expand_grid({"a": 1}, seeds=0)
+
+
+def test_parse_grid():
+    assert parse_grid(["sigma=10,12.5", "d=null", "loss=ce,topk_grouping"]) == \
+        {"sigma": [10, 12.5], "d": [None], "loss": ["ce", "topk_grouping"]}
+    with pytest.raises(ValueError, match="key=v1,v2"):
+        parse_grid(["sigma="])
+
+
+def test_paper_presets_are_the_papers_values():
+    cells = expand_grid(CIRCLES_TRADEOFFS.presets["paper"])
+    assert len(cells) == 15
+    assert sorted(c["sigma"] for c in cells if c["experiment"] == 1) == [10, 15, 20, 25, 30]
+    assert sorted(c["d"] for c in cells if c["experiment"] == 2) == [30, 45, 60, 75, 90]
+    assert sorted(c["m"] for c in cells if c["experiment"] == 3) == [2, 4, 8, 16, 32]
+    assert all(c["epochs"] == 1000 and c["n_per_class"] == c["n_test_per_class"] == 300 and c["n_seeds"] == 10
+               and c["n_classes"] == 6 and c["k"] == 2 for c in cells)
+    assert all(c["sigma"] == 10 and c["minor_ratio"] == 0.5 for c in cells if c["experiment"] > 1)
+    assert all(c["d"] == 90 for c in cells if c["experiment"] == 3)
+
+
+def test_cell_paths_are_stable():
+    assert cell_id({"a": 1, "b": [1, 2]}) == cell_id({"b": [1, 2], "a": 1})
+    assert cell_id({"a": 1}) != cell_id({"a": 2}) and cell_id({"a": 1}) != cell_id({"a": "1"})
+    assert cell_dir("o", "e", {"a": 1}) == cell_dir("o", "e", {"a": 1})
+
+
+def test_unknown_experiment_and_preset():
+    with pytest.raises(ValueError, match="unknown experiment 'nope'"):
+        run_grid("nope")
+    with pytest.raises(ValueError, match="unknown preset 'nope'"):
+        run_grid("circles_tradeoffs", preset="nope")
+
+
+# --- records ----------------------------------------------------------------------------------------------------
+def test_write_record_is_complete_and_atomic(tmp_path):
+    path = write_record(tmp_path / "c" / RECORD, {"a": 1}, {"final": [{"top1": 0.25}]}, experiment="e", seed=3,
+                        wall_time_s=2.0)
+    rec = read_record(path)
+    assert rec["status"] == "ok" and rec["params"] == {"a": 1} and rec["seed"] == 3 and rec["wall_time_s"] == 2.0
+    assert {"torch", "cuda", "device_name", "git_commit", "python"} <= set(rec["environment"])
+    assert [p.name for p in (tmp_path / "c").iterdir()] == [RECORD]
+    with pytest.raises(TypeError, match="cannot write object"):
+        write_record(tmp_path / "d" / RECORD, {"a": object()})
+    assert not (tmp_path / "d" / RECORD).exists() and list((tmp_path / "d").iterdir()) == []
+
+
+# --- resume after kill -9 ---------------------------------------------------------------------------------------
+def test_resume_after_kill(tmp_path):
+    nb = fake_notebook(tmp_path / "slow.ipynb", "import time\ntime.sleep(0.5)\n" + WRITE)
+    out = tmp_path / "runs"
+    cmd = [sys.executable, "-m", "topk_nb.batch", "run", str(nb), "--grid", "x=1,2,3", "--out", str(out),
+           "--no-progress"]
+    proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not load_records(out) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)          # the runner, its job process and the kernel, at once
+    proc.wait()
+    done_before = {r["params"]["x"] for r in load_records(out)}
+    assert 1 <= len(done_before) < 3, done_before  # killed mid-grid
+    for path in out.rglob(RECORD):               # whatever exists is complete JSON
+        json.loads(path.read_text())
+    summary = run_grid(str(nb), grid=parse_grid(["x=1,2,3"]), out_dir=out, progress=False)
+    assert summary["skipped"] == len(done_before) and summary["failed"] == 0
+    records = load_records(out, status=None)
+    assert sorted(r["params"]["x"] for r in records) == [1, 2, 3]      # each once
+    assert all(r["status"] == "ok" and r["metrics"]["final"][0]["y"] == 10 * r["params"]["x"] for r in records)
+    assert len(list(out.rglob(RECORD))) == 3 and not list(out.rglob("*.tmp"))
+    assert all((Path(r["path"]).parent / "notebook.ipynb").is_file() for r in records)
+
+
+# --- failure isolation ------------------------------------------------------------------------------------------
+def test_failure_is_recorded_and_the_grid_goes_on(tmp_path, monkeypatch):
+    (tmp_path / "nbs").mkdir()
+    nb = fake_notebook(tmp_path / "nbs" / "fails.ipynb", "if x == 2: raise RuntimeError('cell two is broken')\n" + WRITE,
+                       tagged=False)              # as nbdev_clean leaves it: the runner tags the first code cell
+    monkeypatch.chdir(tmp_path)                  # a relative --out: records land here, not in the notebook's folder
+    out = tmp_path / "runs"
+    code = main(["run", str(nb), "--grid", "x=2,3", "--out", "runs", "--no-progress", "--jobs", "2"])
+    assert code == 1
+    records = {r["params"]["x"]: r for r in load_records(out, status=None)}
+    assert sorted(records) == [2, 3]
+    assert records[2]["status"] == "failed" and "cell two is broken" in records[2]["error"]
+    assert records[3]["status"] == "ok" and records[3]["metrics"]["final"][0]["y"] == 30
+    # a rerun skips the successful cell and retries the failed one
+    summary = run_grid(str(nb), grid={"x": [2, 3]}, out_dir=out, progress=False)
+    assert (summary["skipped"], summary["ok"], summary["failed"]) == (1, 0, 1)
+    assert not list((tmp_path / "nbs").rglob(RECORD))
+
+
+def test_one_job_per_gpu(tmp_path):
+    nb = fake_notebook(tmp_path / "gpu.ipynb", WRITE)
+    summary = run_grid(str(nb), grid={"x": [1, 2]}, out_dir=tmp_path / "runs", gpus=["3", "5"], progress=False)
+    assert summary["ok"] == 2
+    gpus = [r["metrics"]["final"][0]["gpu"] for r in load_records(tmp_path / "runs")]
+    assert set(gpus) <= {"3", "5"} and len(gpus) == 2
+
+
+# --- every experiment notebook runs under papermill with its defaults --------------------------------------
+@pytest.mark.parametrize("name", sorted(batch.EXPERIMENTS))
+def test_experiment_notebook_defaults(name, tmp_path):
+    exp = batch.EXPERIMENTS[name]
+    rec = batch.run_cell(exp.notebook_path(), {}, tmp_path, experiment=name)
+    assert rec["status"] == "ok", rec.get("error")
+    assert rec["metrics"]["final"] and rec["wall_time_s"] > 0 and (tmp_path / "notebook.ipynb").is_file()
+
+
+def test_parameters_tag_added_when_missing(tmp_path):
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell("# t"), nbformat.v4.new_code_cell("x = 1"), nbformat.v4.new_code_cell("y")]
+    nbformat.write(nb, str(tmp_path / "t.ipynb"))
+    tagged = batch.with_parameters_tag(tmp_path / "t.ipynb")
+    assert [c.metadata.get("tags") for c in tagged.cells] == [None, ["parameters"], None]
+
+
+# --- the report -------------------------------------------------------------------------------------------------
+def _fabricate(out, name, params, rows):
+    write_record(cell_dir(out, name, params) / RECORD, params, {"final": rows}, experiment=name)
+
+
+def test_report_on_fabricated_records(tmp_path):
+    exp = Experiment("fab", "none.ipynb", "fabricated", group_by=("s", "loss"),
+                     figures=(Figure("f", "fabricated figure", {}, "s", metrics=("top1",)),),
+                     paper=(PaperValue("Some 2020, Tab. 1", "ce, s=1", {"s": 1, "loss": "ce"}, "top1", 0.60),
+                            PaperValue("Some 2020, Tab. 1", "g, s=3", {"s": 3, "loss": "g"}, "top1", 0.60)),
+                     findings=(Finding("Some 2020, Fig. 1", "ce is best", {}, "s", (1, 2), "top1", "best"),))
+    for s, vals in ((1, {"ce": [0.6, 0.7, 0.8], "g": [0.5, 0.5, 0.5]}), (2, {"ce": [0.4, 0.4, 0.4], "g": [0.6, 0.6, 0.6]})):
+        _fabricate(tmp_path, "fab", {"s": s}, [{"loss": l, "seed": i, "top1": v} for l, vs in vals.items()
+                                               for i, v in enumerate(vs)])
+    write_record(cell_dir(tmp_path, "fab", {"s": 9}) / RECORD, {"s": 9}, status="failed", error="ValueError: bad s")
+    md = report(exp, tmp_path).read_text()
+    assert "| Some 2020, Tab. 1 | ce, s=1 | top1 | 60.00 | 70.00 ± 10.00 | 3 | +10.00 |" in md
+    assert "| Some 2020, Tab. 1 | g, s=3 | top1 | 60.00 | n/a | 0 | n/a |" in md
+    assert "| s=1 | top1 | best | +20.00 | g | yes |" in md and "| s=2 | top1 | best | -20.00 | g | **no** |" in md
+    assert "| 1 | 70.00 ± 10.00 | 50.00 ± 0.00 |" in md and "| 2 | 40.00 ± 0.00 | 60.00 ± 0.00 |" in md
+    assert "2 successful records, 1 failed" in md and "ValueError: bad s" in md
+    assert (tmp_path / "fab" / "report" / "f.png").stat().st_size > 1000
+
+
+def test_circles_report_on_fabricated_records(tmp_path):
+    name = CIRCLES_TRADEOFFS.name
+    for d, ce2 in ((30, 0.99), (60, 0.90)):          # CE best in top-2 at d=30, worse at d=60
+        rows = [{"loss": l, "seed": s, "top1": t1, "top2": t2} for s in range(2)
+                for l, t1, t2 in (("ce", 0.8, ce2), ("topk_grouping", 0.6, 0.95), ("topk_transition", 0.7, 0.96),
+                                  ("bayes", 0.9, 1.0))]
+        _fabricate(tmp_path, name, {"experiment": 2, "sigma": 10, "d": d, "n_seeds": 2}, rows)
+    path = report(name, tmp_path)
+    md = path.read_text()
+    assert "| d=30 | top2 | best | +3.00 | topk_transition | yes |" in md
+    assert "| d=60 | top2 | not_best | -6.00 | topk_transition | yes |" in md
+    assert "| d=75 | top2 | not_best | n/a | None | n/a |" in md        # not run: not judged
+    assert "| 30 | 80.00 ± 0.00 |" in md and (path.parent / "fig3.png").is_file()
+    assert not (path.parent / "fig2.png").exists()                      # no exp. 1 records, no figure
+
+
+def test_cli_list(capsys):
+    assert main(["list"]) == 0
+    assert "circles_tradeoffs" in capsys.readouterr().out
+    assert batch.get_experiment("circles_tradeoffs").notebook_path().is_file()
