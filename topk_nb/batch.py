@@ -250,19 +250,9 @@ def environment() -> dict:
 
 
 def atomic_write_json(path, obj) -> Path:
-    "Write `obj` as JSON to `path` through a temporary file and `os.replace` (never a partial file)."
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    try:
-        with open(tmp, "w") as f:
-            json.dump(obj, f, indent=1, default=_json_default)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists(): tmp.unlink()
-    return path
+    "Write `obj` as JSON to `path` atomically (the training loop's `atomic_write`: never a partial file)."
+    from topk_nb.train import atomic_write               # lazy: `topk-nb list` and `report` need no torch import
+    return atomic_write(path, lambda f: json.dump(obj, f, indent=1, default=_json_default), "w")
 
 
 def _json_default(x):
