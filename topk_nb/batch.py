@@ -31,8 +31,8 @@ from tqdm import tqdm
 __all__ = ['CIRCLES_TRADEOFFS', 'EXPERIMENTS', 'RECORD', 'EXECUTED', 'PaperValue', 'Finding', 'Figure', 'Experiment',
            'package_dir', 'experiments_dir', 'get_experiment', 'parse_value', 'parse_grid', 'expand_grid', 'cell_id',
            'cell_slug', 'cell_dir', 'git_commit', 'environment', 'atomic_write_json', 'write_record', 'read_record',
-           'load_records', 'with_parameters_tag', 'run_cell', 'short_error', 'pending_cells', 'run_grid', 'record_rows',
-           'summarise', 'aggregate', 'fmt', 'check_finding', 'plot_figure', 'report', 'main']
+           'load_records', 'training_metrics', 'with_parameters_tag', 'run_cell', 'short_error', 'pending_cells',
+           'run_grid', 'record_rows', 'summarise', 'aggregate', 'fmt', 'check_finding', 'plot_figure', 'report', 'main']
 
 # %% ../nbs/13_batch.ipynb #ebb2c7ba
 @dataclass(frozen=True)
@@ -84,6 +84,7 @@ class Experiment:
     paper: tuple = ()                    # PaperValue entries
     findings: tuple = ()
     seeds_param: str | None = None       # set: seeds are vectorised inside one run
+    data_presets: tuple = ()             # presets that need real data: `--data-root` (the parameter `data_root`)
 
     def notebook_path(self) -> Path:
         return experiments_dir() / self.notebook
@@ -291,6 +292,14 @@ def load_records(out_dir, experiment: str | None = None, status: str | None = "o
             records.append({**rec, "path": str(path)})
     return records
 
+# %% ../nbs/13_batch.ipynb #09a4ad31
+def training_metrics(result: dict, **row) -> dict:
+    "Record metrics of a `topk_nb.train` result: one `final` row (test metrics at the selected epoch, `val_*` beside them, and `row`), the per-epoch `history`."
+    final = {**row, **(result.get("test") or {}), **{f"val_{k}": v for k, v in (result.get("val") or {}).items()},
+             "best_epoch": result.get("best_epoch")}
+    return {"final": [final], "history": result.get("history", []), "last_epoch": result.get("final"),
+            "n_params": result.get("n_params"), "train_wall_time_s": result.get("wall_time_s")}
+
 # %% ../nbs/13_batch.ipynb #6a26b1bc
 def with_parameters_tag(notebook):
     "The notebook at `notebook` with its first code cell tagged `parameters` (papermill injects after it)."
@@ -368,11 +377,17 @@ def _launch(experiment: Experiment, params: dict, out_dir, device: str | None, t
 
 def run_grid(experiment: str | Experiment, preset: str | None = None, grid: dict | None = None,
              seeds: int | None = None, out_dir="runs", gpus: Sequence[str] | None = None, jobs: int = 1,
-             timeout: float | None = None, progress: bool = True) -> dict:
-    "Run the missing cells of a grid; returns counts {'total', 'skipped', 'ok', 'failed'} and the failed cells."
+             timeout: float | None = None, progress: bool = True, data_root=None) -> dict:
+    "Run the missing cells of a grid (`data_root`: the real data's folder); returns counts {'total', 'skipped', 'ok', 'failed'} and the failures."
     exp = experiment if isinstance(experiment, Experiment) else get_experiment(experiment)
     if preset is not None and preset not in exp.presets:
         raise ValueError(f"unknown preset {preset!r} of {exp.name}; valid presets: {', '.join(exp.presets) or 'none'}")
+    if data_root is not None:
+        if not Path(data_root).is_dir():
+            raise ValueError(f"data_root={str(data_root)!r} is not a directory")
+        grid = {**(grid or {}), "data_root": [str(Path(data_root).resolve())]}
+    elif preset in exp.data_presets and "data_root" not in (grid or {}):
+        raise ValueError(f"preset {preset!r} of {exp.name} trains on the real data set: give its folder with --data-root")
     cells = expand_grid(exp.presets.get(preset), grid, seeds, exp.seeds_param)
     todo = pending_cells(exp, cells, out_dir)
     devices = [str(g) for g in gpus] if gpus else [None] * max(1, int(jobs))
@@ -560,6 +575,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--grid", nargs="*", default=[], metavar="KEY=V1,V2")
     r.add_argument("--seeds", type=int, default=None)
     r.add_argument("--out", default="runs")
+    r.add_argument("--data-root", default=None, help="folder of the real data set (paper-scale presets)")
     r.add_argument("--gpus", default=None, help="comma-separated GPU ids: one job per GPU")
     r.add_argument("--jobs", type=int, default=1, help="parallel jobs without GPUs")
     r.add_argument("--timeout", type=float, default=None, help="seconds per notebook cell")
@@ -587,7 +603,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     gpus = [g.strip() for g in args.gpus.split(",") if g.strip()] if args.gpus else None
     summary = run_grid(args.experiment, args.preset, parse_grid(args.grid), args.seeds, args.out, gpus, args.jobs,
-                       args.timeout, progress=not args.no_progress)
+                       args.timeout, progress=not args.no_progress, data_root=args.data_root)
     print(json.dumps({k: v for k, v in summary.items() if k != "failures"}))
     return 1 if summary["failed"] else 0
 
