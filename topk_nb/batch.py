@@ -28,11 +28,13 @@ from typing import Sequence
 from tqdm import tqdm
 
 # %% auto #0
-__all__ = ['CIRCLES_TRADEOFFS', 'EXPERIMENTS', 'RECORD', 'EXECUTED', 'PaperValue', 'Finding', 'Figure', 'Experiment',
-           'package_dir', 'experiments_dir', 'get_experiment', 'parse_value', 'parse_grid', 'expand_grid', 'cell_id',
-           'cell_slug', 'cell_dir', 'git_commit', 'environment', 'atomic_write_json', 'write_record', 'read_record',
-           'load_records', 'training_metrics', 'with_parameters_tag', 'run_cell', 'short_error', 'pending_cells',
-           'run_grid', 'record_rows', 'summarise', 'aggregate', 'fmt', 'check_finding', 'plot_figure', 'report', 'main']
+__all__ = ['CIRCLES_TRADEOFFS', 'CIFAR100_NOISE', 'TEMPERATURE', 'NOISE_SCALE', 'IMAGENET_SUBSETS', 'PLANTNET_IMBALANCED',
+           'IMAGENET_LT', 'CIFAR100_TRANSITION', 'STABILITY', 'LEVEL_SETS', 'SPEED', 'EXPERIMENTS', 'RECORD',
+           'EXECUTED', 'PaperValue', 'Finding', 'Figure', 'Experiment', 'package_dir', 'experiments_dir',
+           'get_experiment', 'parse_value', 'parse_grid', 'expand_grid', 'cell_id', 'cell_slug', 'cell_dir',
+           'git_commit', 'environment', 'atomic_write_json', 'write_record', 'read_record', 'load_records',
+           'training_metrics', 'with_parameters_tag', 'run_cell', 'short_error', 'pending_cells', 'run_grid',
+           'record_rows', 'summarise', 'aggregate', 'fmt', 'check_finding', 'plot_figure', 'report', 'main']
 
 # %% ../nbs/13_batch.ipynb #ebb2c7ba
 @dataclass(frozen=True)
@@ -139,7 +141,593 @@ CIRCLES_TRADEOFFS = Experiment(
     seeds_param="n_seeds",
 )
 
-EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (CIRCLES_TRADEOFFS,)}
+# %% ../nbs/13_batch.ipynb #ae0f3ecb
+# Berrada 2018, §5.1: "we use the architecture DenseNet 40-40 from Huang et al. (2017), and we use the same
+# hyper-parameters and learning rate schedule as in Huang et al. (2017)" -> train_preset "berrada_cifar100" (the
+# notebook's default; Garcin 2022, §4.4: "We use the same hyper-parameters as Berrada et al. (2018)", and the notebook
+# checks PRESETS["garcin_cifar100"] == PRESETS["berrada_cifar100"], so the runs of the two tables are shared).
+# "hold out a validation set of 5,000 images" (Berrada 2018, §5.1); "we extract 5000 images from the training set to
+# build a validation set" (Garcin 2022, §4.4). epochs / batch_size None: the preset's (300, 64).
+_CN_NOISE_COMMON = dict(model="densenet40_40", epochs=None, batch_size=None, val_size=5000,
+                     k=5,           # "L_{5,1}" (Berrada 2018, §5.1); "l^{5,0.2,10}_Noised bal." (Garcin 2022, Tab. 4)
+                     tau=1.0,       # "The temperature parameter is fixed to one." (Berrada 2018, §5.1)
+                     alpha=1.0,     # "we will keep α = 1 in this work" (Berrada 2018, §3); eq. (10) of Garcin 2022
+                     epsilon=0.2,   # "we set the noise parameter ε to 0.2" (Garcin 2022, §4.4)
+                     n_samples=10)  # "and the number of noise samples B at 10" (Garcin 2022, §4.4)
+_CN_NOISE = {
+    # Berrada 2018, §5.1, Tab. 1: CE vs L_{5,1}, noise 0 to 1; "Results are averaged over three runs with different
+    # random seeds."
+    "berrada": {**_CN_NOISE_COMMON, "loss": ["ce", "smooth_svm"], "noise_p": [0.0, 0.2, 0.4, 0.6, 0.8, 1.0],
+                "seed": [0, 1, 2]},
+    # Garcin 2022, §4.4, Tab. 4 (and appendix Tab. 6): CE, L_{5,1} and the noised balanced loss, p in 0..0.4;
+    # "The results are averaged over two runs with two different random seeds."
+    "garcin": {**_CN_NOISE_COMMON, "loss": ["ce", "smooth_svm", "noised_bal"], "noise_p": [0.0, 0.1, 0.2, 0.3, 0.4],
+               "seed": [0, 1]},
+}
+
+_CN_B1 = {  # Berrada 2018, Tab. 1 (%): noise -> (CE top-1, L51 top-1, CE top-5, L51 top-5)
+    0.0: (76.68, 69.33, 94.34, 94.29), 0.2: (68.20, 71.30, 87.89, 90.59), 0.4: (61.18, 70.02, 83.04, 87.39),
+    0.6: (52.50, 67.97, 79.59, 83.86), 0.8: (35.53, 55.85, 74.80, 79.32), 1.0: (14.06, 15.28, 67.70, 72.93)}
+_CN_G4 = {  # Garcin 2022, Tab. 4 (top-5, %): noise -> (CE, smoothed hinge L_{5,1}, noised bal. 5, 0.2, 10)
+    0.0: (94.24, 94.34, 94.35), 0.1: (90.39, 92.08, 92.03), 0.2: (87.67, 90.22, 90.68), 0.3: (85.93, 88.82, 89.58),
+    0.4: (83.74, 87.40, 87.48)}
+_CN_G6 = {  # Garcin 2022, appendix Tab. 6 (top-1 of the Tab. 4 models, %)
+    0.0: (76.56, 69.23, 68.74), 0.1: (71.01, 71.52, 68.43), 0.2: (68.19, 71.59, 69.34), 0.3: (65.61, 70.44, 69.11),
+    0.4: (61.9, 70.42, 69.44)}
+_CN_LABEL = {"ce": "CE", "smooth_svm": "L_{5,1}", "noised_bal": "Noised bal. (5, 0.2, 10)"}
+
+CIFAR100_NOISE = Experiment(
+    name="cifar100_noise",
+    notebook="cifar100_noise.ipynb",
+    description="Berrada 2018 Tab. 1 and Garcin 2022 Tab. 4 (+ appendix Tab. 6): CIFAR-100 with superclass label "
+                "noise, CE vs L_{5,1} vs the noised balanced loss, DenseNet 40-40",
+    presets={"smoke": {"loss": ["ce", "smooth_svm", "noised_bal"], "noise_p": [0.0, 0.4]},
+             **_CN_NOISE, "paper": [_CN_NOISE["berrada"], _CN_NOISE["garcin"]]},
+    data_presets=("berrada", "garcin", "paper"),
+    group_by=("loss", "noise_p"),
+    figures=(Figure("tab1", "Berrada 2018 Tab. 1 / Garcin 2022 Tab. 4: test accuracy vs label noise p", {}, "noise_p",
+                    metrics=("top1", "top5")),),
+    paper=tuple(
+        [PaperValue("Berrada 2018, Tab. 1", f"p = {p}, {_CN_LABEL[loss]}", {"loss": loss, "noise_p": p}, metric, v / 100)
+         for p, vals in _CN_B1.items()
+         for loss, metric, v in (("ce", "top1", vals[0]), ("smooth_svm", "top1", vals[1]),
+                                 ("ce", "top5", vals[2]), ("smooth_svm", "top5", vals[3]))]
+        + [PaperValue("Garcin 2022, Tab. 4", f"p = {p}, {_CN_LABEL[loss]}", {"loss": loss, "noise_p": p}, "top5", v / 100)
+           for p, vals in _CN_G4.items() for loss, v in zip(("ce", "smooth_svm", "noised_bal"), vals)]
+        + [PaperValue("Garcin 2022, App., Tab. 6", f"p = {p}, {_CN_LABEL[loss]}", {"loss": loss, "noise_p": p}, "top1",
+                      v / 100)
+           for p, vals in _CN_G6.items() for loss, v in zip(("ce", "smooth_svm", "noised_bal"), vals)]),
+    findings=(
+        Finding("Berrada 2018, §5.1, Tab. 1", "L_{5,1} outperforms CE on the top-5 testing accuracy when the labels "
+                "are noisy", {}, "noise_p", (0.2, 0.4, 0.6, 0.8, 1.0), "top5", "best", reference="smooth_svm",
+                exclude=("noised_bal",)),
+        Finding("Berrada 2018, §5.1, Tab. 1", "L_{5,1} outperforms CE on the top-1 error when there is noise",
+                {}, "noise_p", (0.2, 0.4, 0.6, 0.8, 1.0), "top1", "best", reference="smooth_svm",
+                exclude=("noised_bal",)),
+        Finding("Berrada 2018, §5.1, Tab. 1", "When there is no noise in the labels, CE provides better top-1 "
+                "performance", {}, "noise_p", (0.0,), "top1", "best", reference="ce", exclude=("noised_bal",)),
+        Finding("Garcin 2022, §4.4, Tab. 4", "the models trained with the noised balanced loss give the best top-5 "
+                "accuracies except when p = 0.1", {}, "noise_p", (0.0, 0.2, 0.3, 0.4), "top5", "best",
+                reference="noised_bal"),
+        Finding("Garcin 2022, §4.4, Tab. 4", "... when p = 0.1 it is slightly below the smoothed hinge L_{5,1}",
+                {}, "noise_p", (0.1,), "top5", "not_best", reference="noised_bal"),
+        Finding("Garcin 2022, §4.4, Tab. 4", "the performance gain over the cross entropy is significant in the "
+                "presence of label noise (p > 0): CE is not the best in top-5", {}, "noise_p",
+                (0.1, 0.2, 0.3, 0.4), "top5", "not_best", reference="ce"),
+        Finding("Garcin 2022, App., Tab. 6", "when there is no label noise, as expected cross entropy gives better "
+                "top-1 accuracy than our top-5 loss", {}, "noise_p", (0.0,), "top1", "best", reference="ce"),
+    ),
+)
+
+# %% ../nbs/13_batch.ipynb #5429e1a6
+_TE_TAUS = [0.0, 0.001, 0.01, 0.1, 1.0, 10.0, 100.0]   # Berrada 2018, App. D.1.2, Tab. 6 (0: the hard hinge l_5)
+# Berrada 2018, §3: "we train a DenseNet 40-12 on CIFAR-100 from Huang et al. (2017) with the same hyper-parameters and
+# learning rate schedule. The only difference with Huang et al. (2017) is that we replace the cross-entropy loss with
+# L_{5,τ} for different values of τ" -> model densenet40_12, train_preset "berrada_cifar100" (the notebook's default:
+# Huang et al.'s schedule), epochs / batch_size None: the preset's (300, 64); val_size 0: Huang et al. train on all
+# 50,000 images. Fig. 2b: "obtained with the initial random weights of the neural network, and are averaged over the
+# training set" -> sparsity_images None (the whole training set).
+_TE_TEMPERATURE_COMMON = dict(model="densenet40_12", batch_size=None, val_size=0, sparsity_images=None,
+                           k=5, alpha=1.0)   # "L_{5,τ}" (§3); "we will keep α = 1 in this work" (§3)
+_TE_TEMPERATURE = {
+    # Fig. 2a and Tab. 6: training with each τ ("for each curve, the value of τ is held constant during training");
+    # every run also measures Fig. 2b at its initial weights.
+    "paper": {**_TE_TEMPERATURE_COMMON, "epochs": None, "tau": _TE_TAUS},
+    # Fig. 2b only: the share of non-zero derivative entries at initialisation (no training).
+    "fig2b": {**_TE_TEMPERATURE_COMMON, "epochs": 0, "tau": _TE_TAUS},
+}
+_TE_T6 = {0.0: (10.01, 10.38), 0.001: (17.40, 18.19), 0.01: (98.95, 91.35), 0.1: (99.73, 91.70), 1.0: (99.78, 91.52),
+       10.0: (99.62, 90.92), 100.0: (99.42, 90.46)}   # Tab. 6: τ -> (training accuracy %, testing accuracy %)
+
+TEMPERATURE = Experiment(
+    name="temperature",
+    notebook="temperature.ipynb",
+    description="Berrada 2018 Fig. 2a/2b and Tab. 6: the temperature τ of L_{5,τ} (DenseNet 40-12, CIFAR-100): "
+                "top-5 training / testing accuracy and the share of non-zero loss derivatives at initialisation",
+    presets={"smoke": {"tau": [0.0, 0.001, 1.0, 100.0]}, **_TE_TEMPERATURE},
+    data_presets=("paper", "fig2b"),
+    group_by=("tau", "loss"),
+    figures=(Figure("tab6", "Berrada 2018 Tab. 6: top-5 training and testing accuracy vs τ", {}, "tau",
+                    metrics=("train_top5", "top5")),
+             Figure("fig2b", "Berrada 2018 Fig. 2b: share of non-zero derivative entries at initialisation vs τ",
+                    {}, "tau", metrics=("nonzero_share",))),
+    paper=tuple(PaperValue("Berrada 2018, Tab. 6", f"τ = {t:g}" + (" (hard hinge l_5)" if t == 0 else ""),
+                           {"tau": t}, metric, v / 100)
+                for t, vals in _TE_T6.items() for metric, v in zip(("train_top5", "top5"), vals)),
+    findings=(
+        Finding("Berrada 2018, §3, Fig. 2a", "For τ too small (10^-3), the model fails to converge to a good critical "
+                "point: another τ reaches a higher top-5 training accuracy", {}, "loss", ("smooth_svm",),
+                "train_top5", "not_best", reference=0.001, series="tau"),
+        Finding("Berrada 2018, §3, Fig. 2b", "high temperatures yield gradients that are not sparse: τ = 100 has the "
+                "largest share of non-zero derivative entries", {}, "loss", ("smooth_svm",), "nonzero_share", "best",
+                reference=100.0, series="tau"),
+        Finding("Berrada 2018, §3, Fig. 2b", "when τ is positive but small (10^-3), the gradients are numerically "
+                "sparse: a larger τ has more non-zero entries", {}, "loss", ("smooth_svm",), "nonzero_share",
+                "not_best", reference=0.001, series="tau"),
+    ),
+)
+
+# %% ../nbs/13_batch.ipynb #a9107c7f
+_NS_EPS = [0.0, 1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0, 100.0]   # Garcin 2022, Tab. 2
+_NS_BS = [1, 2, 3, 5, 10, 50, 100]                          # Garcin 2022, Tab. 3
+# Garcin 2022, Tab. 2-3: "The training procedure is the same as in Section 4.4", whose sentences are: "we extract 5000
+# images from the training set to build a validation set" (val_size 5000); "we train a DenseNet 40-40 (Huang et al.,
+# 2017) for 300 epochs with SGD and a Nesterov momentum of 0.9 ... The batch size and weight decay are set to 64 and
+# 1.10^-4" -> model densenet40_40, train_preset "garcin_cifar100" (the notebook's default), epochs / batch_size None
+# (the preset's 300, 64). Footnote 4: "For experiments with CIFAR100, we consider a DenseNet 40-40 model".
+_NS_SCALE_COMMON = dict(model="densenet40_40", batch_size=None, val_size=5000, noise_p=0.0,
+                     k=5, alpha=1.0)   # "K = 5" (Tab. 2), "l^{5,0.2,B}" (Tab. 3); margin 1 of eq. (10)
+_NS_SCALE = {
+    # Tab. 2: "training a DenseNet 40-40 with loss l^{K=5,ε,B=10}_Noised bal."
+    "tab2": {**_NS_SCALE_COMMON, "epochs": None, "epsilon": _NS_EPS, "n_samples": 10},
+    # Tab. 3: "loss l^{5,0.2,B}_Noised bal., CIFAR-100 dataset, DenseNet 40-40 model"
+    "tab3": {**_NS_SCALE_COMMON, "epochs": None, "epsilon": 0.2, "n_samples": _NS_BS},
+    # Fig. 2: "loss l^{K,ε,3}_Noised bal., CIFAR-100 dataset, DenseNet 40-40 model, 1st epoch": one epoch is enough.
+    # The values of ε are not in the text: those of Tab. 2.
+    "fig2": {**_NS_SCALE_COMMON, "epochs": 1, "epsilon": _NS_EPS, "n_samples": 3},
+}
+_NS_T2 = dict(zip(_NS_EPS, (19.38, 14.84, 11.4, 93.36, 94.46, 94.24, 93.78, 93.12)))   # Tab. 2, best validation top-5 (%)
+_NS_T3 = dict(zip(_NS_BS, (94.28, 94.2, 94.46, 94.52, 94.24, 94.64, 94.52)))           # Tab. 3, best validation top-5 (%)
+
+NOISE_SCALE = Experiment(
+    name="noise_scale",
+    notebook="noise_scale.ipynb",
+    description="Garcin 2022 Tab. 2 (ε sweep), Tab. 3 (B sweep) and Fig. 2 (non-zero gradient coordinates vs ε) of "
+                "the noised balanced loss, DenseNet 40-40 on CIFAR-100",
+    presets={"smoke": [{"epsilon": [0.0, 0.2], "n_samples": 3}, {"epsilon": 0.2, "n_samples": [1, 10]}],
+             **_NS_SCALE, "paper": [_NS_SCALE["tab2"], _NS_SCALE["tab3"], _NS_SCALE["fig2"]]},
+    data_presets=("tab2", "tab3", "fig2", "paper"),
+    group_by=("epsilon", "n_samples", "loss"),
+    figures=(Figure("tab2", "Garcin 2022 Tab. 2: best validation top-5 vs ε (B = 10)", {"n_samples": 10}, "epsilon",
+                    metrics=("val_top5", "top5")),
+             Figure("tab3", "Garcin 2022 Tab. 3: best validation top-5 vs B (ε = 0.2)", {"epsilon": 0.2}, "n_samples",
+                    metrics=("val_top5", "top5")),
+             Figure("fig2", "Garcin 2022 Fig. 2: non-zero gradient coordinates (% of 100) in the first epoch vs ε "
+                    "(B = 3)", {"n_samples": 3}, "epsilon", metrics=("nonzero_share",))),
+    paper=tuple([PaperValue("Garcin 2022, Tab. 2", f"ε = {e:g}", {"loss": "noised_bal", "epsilon": e, "n_samples": 10},
+                            "val_top5", v / 100) for e, v in _NS_T2.items()]
+                + [PaperValue("Garcin 2022, Tab. 3", f"B = {b}", {"loss": "noised_bal", "epsilon": 0.2, "n_samples": b},
+                              "val_top5", v / 100) for b, v in _NS_T3.items()]),
+    findings=(
+        Finding("Garcin 2022, §4.1, Tab. 2", "When ε = 0 [the calibrated hinge] ... a model trained with this loss "
+                "fails to learn properly: another ε is better", {"n_samples": 10}, "loss", ("noised_bal",),
+                "val_top5", "not_best", reference=0.0, series="epsilon"),
+        Finding("Garcin 2022, §4.1, Tab. 2", "when ε is too small (10^-4), the optimization remains difficult",
+                {"n_samples": 10}, "loss", ("noised_bal",), "val_top5", "not_best", reference=1e-4, series="epsilon"),
+        Finding("Garcin 2022, §4.1, Fig. 2", "Even when ε is large, the number of non-zero gradient coordinates is "
+                "small ... for CE and Smoothed Hinge, all gradient coordinates are non-zero", {"n_samples": 3},
+                "epsilon", tuple(_NS_EPS), "nonzero_share", "not_best", reference="noised_bal"),
+        Finding("Garcin 2022, §4.1, Fig. 2", "The number of non-zero gradients coordinates increases with ε: ε = 100 "
+                "has the most", {"n_samples": 3, "loss": "noised_bal"}, "loss", ("noised_bal",), "nonzero_share",
+                "best", reference=100.0, series="epsilon"),
+    ),
+)
+
+# %% ../nbs/13_batch.ipynb #641d7836
+# Berrada 2018, §5.2: "we train a ResNet-18 (He et al., 2016), adapting the protocol of the ImageNet experiment in
+# Huang et al. (2017)"; "Images are resized so that their smaller dimension is 256 ... random crops of 224×224";
+# "always hold out a balanced validation set of 50,000 images" (50 per class). The optimiser settings are
+# topk_nb.train.PRESETS["berrada_imagenet"] (CE) and ["berrada_imagenet_svm"] (L_{5,0.1}), chosen by the notebook.
+_IS_BERRADA_IMAGENET = dict(model="resnet18", image_size=224, resize=256, val_per_class=50, epochs=None, batch_size=None,
+                         lr=None, fake_classes=None)
+# §5.2: "64k images (5%), 128k images (10%), 320k images (25%), 640k images (50%) and finally the whole data set"
+_IS_FRACTIONS = [0.05, 0.1, 0.25, 0.5, 1.0]
+_IS_TAB2 = [  # Berrada 2018, Tab. 2: top-5 accuracy (%), ten crops with top-k marginals: (fraction, CE, L_{5,0.1})
+    (1.0, "100%", 90.67, 90.61), (0.5, "50%", 87.57, 87.87), (0.25, "25%", 82.62, 83.38),
+    (0.1, "10%", 71.06, 73.10), (0.05, "5%", 58.31, 60.44)]
+_IS_L5 = dict(loss="smooth_svm", k=5, tau=0.1, alpha=1.0)
+
+IMAGENET_SUBSETS = Experiment(
+    name="imagenet_subsets",
+    notebook="imagenet_subsets.ipynb",
+    description="Berrada 2018 Tab. 2 (CE vs L_{5,0.1} on ImageNet subsets, ResNet-18, ten crops with top-k marginals) "
+                "and the margin study Tab. 7, 8",
+    presets={
+        "smoke": {"loss": ["ce", "smooth_svm"], "fraction": [0.5, 1.0], "epochs": 2},
+        # Tab. 2: "The temperature is set to 0.1 for the SVM loss" (§5.2); L_{5,0.1} with the margin alpha = 1
+        # ("For simplicity purposes, we will keep alpha = 1 in this work", §3.2)
+        "tab2": {**_IS_BERRADA_IMAGENET, "study": "subsets", "loss": ["ce", "smooth_svm"], "k": 5, "tau": 0.1,
+                 "alpha": 1.0, "fraction": _IS_FRACTIONS},
+        # App. D.2.2: "(k, τ, α) = (1, 1, 0) corresponds exactly to Cross-Entropy. We compare this case against the
+        # same loss with a margin of 1" and "We now compare (k, τ, α) = (5, 0.1, 0) and (k, τ, α) = (5, 0.1, 1)";
+        # (1, 1, 0) and (5, 0.1, 1) are the 100 % runs of tab2. Data size and optimiser settings are not given:
+        # ours are the full data set, CE's settings for L_{1,1} and L_{5,0.1}'s for alpha = 0.
+        "margin": [{**_IS_BERRADA_IMAGENET, "study": "margin", "loss": "smooth_svm", "k": 1, "tau": 1.0, "alpha": 1.0,
+                    "fraction": 1.0, "train_preset": "berrada_imagenet"},
+                   {**_IS_BERRADA_IMAGENET, "study": "margin", "loss": "smooth_svm", "k": 5, "tau": 0.1, "alpha": 0.0,
+                    "fraction": 1.0}],
+    },
+    group_by=("study", "fraction", "loss", "k", "tau", "alpha"),
+    figures=(Figure("tab2", "Berrada Tab. 2: accuracy vs training fraction (ten crops, top-k marginals)",
+                    {"study": "subsets"}, "fraction", metrics=("top1", "top5")),
+             *(Figure(f"crops_{loss}", f"Berrada §5.2: top-5 of {name} tested on the centre crop and on ten crops "
+                      "(softmax average, top-k marginals)", {"study": "subsets", "loss": loss}, "fraction",
+                      series="crops", metrics=("crop_top5",)) for loss, name in (("ce", "CE"), ("smooth_svm", "L_{5,0.1}")))),
+    paper=tuple(
+        [PaperValue("Berrada 2018, Tab. 2", f"{label} CE", {"loss": "ce", "fraction": f}, "top5", ce / 100)
+         for f, label, ce, _ in _IS_TAB2]
+        + [PaperValue("Berrada 2018, Tab. 2", f"{label} L_{{5,0.1}}", {**_IS_L5, "fraction": f}, "top5", svm / 100)
+           for f, label, _, svm in _IS_TAB2]
+        + [PaperValue("Berrada 2018, Tab. 7", "margin 0: (k, tau, alpha) = (1, 1, 0), CE",
+                      {"loss": "ce", "fraction": 1.0}, "val_top1", 0.7103),
+           PaperValue("Berrada 2018, Tab. 7", "margin 1: (k, tau, alpha) = (1, 1, 1)",
+                      {"loss": "smooth_svm", "k": 1, "tau": 1.0, "alpha": 1.0, "fraction": 1.0}, "val_top1", 0.7115),
+           PaperValue("Berrada 2018, Tab. 8", "margin 0: (k, tau, alpha) = (5, 0.1, 0)",
+                      {"loss": "smooth_svm", "k": 5, "tau": 0.1, "alpha": 0.0, "fraction": 1.0}, "val_top5", 0.8912),
+           PaperValue("Berrada 2018, Tab. 8", "margin 1: (k, tau, alpha) = (5, 0.1, 1)",
+                      {**_IS_L5, "fraction": 1.0}, "val_top5", 0.8945)]),
+    findings=(
+        Finding("Berrada 2018, §5.2, Tab. 2", "L_{5,0.1} offers better top-5 accuracy than CE when the amount of "
+                "training data is restricted", {"study": "subsets"}, "fraction", (0.05, 0.1, 0.25, 0.5), "top5",
+                "best", reference="smooth_svm"),
+        Finding("Berrada 2018, §5.2, Tab. 2", "in the full data setting CE outperforms L_{5,0.1} in top-5 by an "
+                "insignificant amount (within 0.5 points)", {"study": "subsets"}, "fraction", (1.0,), "top5", "best",
+                tol=0.005),
+        *(Finding("Berrada 2018, §5.2", f"{name}: the top-k marginals of the ten crops give a better top-5 "
+                  "accuracy than their softmax average (a systematic boost of at least 0.2 points)",
+                  {"study": "subsets", "loss": loss}, "fraction", tuple(_IS_FRACTIONS), "crop_top5", "best",
+                  reference="marginals", series="crops", exclude=("centre",))
+          for loss, name in (("ce", "CE"), ("smooth_svm", "L_{5,0.1}"))),
+        Finding("Berrada 2018, App. D.2.2, Tab. 7", "a margin of 1 gives a better validation top-1 accuracy than "
+                "margin 0 (CE) for k = 1, tau = 1", {"k": 1, "tau": 1.0}, "fraction", (1.0,), "val_top1", "best",
+                reference=1.0, series="alpha"),
+        Finding("Berrada 2018, App. D.2.2, Tab. 8", "a margin of 1 gives a better validation top-5 accuracy than "
+                "margin 0 for k = 5, tau = 0.1", {"k": 5, "tau": 0.1}, "fraction", (1.0,), "val_top5", "best",
+                reference=1.0, series="alpha"),
+    ),
+    data_presets=("tab2", "margin"),
+)
+
+# %% ../nbs/13_batch.ipynb #8825c205
+_PN_KS = [1, 3, 5, 10]   # Garcin 2022, §4.5: "for K in {1, 3, 5, 10}"
+# Garcin 2022, §4.5: "We train a ResNet-50 (He et al., 2016) pre-trained on ImageNet ... for 30 epochs ... learning
+# rate of 2·10^-3 ... batch size and weight decay are set to 32 and 1.10^-4" (topk_nb.train.PRESETS["garcin_plantnet"];
+# epochs/batch_size/lr None = the preset's). The ImageNet weights are a local file: add --grid weights=PATH.
+_PN_PAPER = dict(model="resnet50", image_size=224, resize=256, epochs=None, batch_size=None, lr=None,
+              fake_train_counts=None,
+              tau=0.1,            # "The smoothing parameter tau for [the smoothed hinge] is set to 0.1."
+              max_m=0.2,          # "We find that for both losses, the optimal largest margin is 0.2."
+              imbal_epsilon=0.01, imbal_samples=5,   # "For [noised imbal.], we set epsilon = 10^-2 and B = 5."
+              ldam_scale=40.0, imbal_scale=60.0,     # "leading to 40 for LDAM and 60 for [noised imbal.]"
+              # not given for Pl@ntNet-300K (ours): Tab. 4's epsilon = 0.2, B = 10; margin 1; focal gamma = 2
+              bal_epsilon=0.2, bal_samples=10, svm_alpha=1.0, focal_gamma=2.0)
+_PN_LOSSES = ["ce", "smooth_svm", "noised_bal", "focal", "ldam", "noised_imbal"]   # the columns of Tab. 5
+_PN_TAB5 = {  # Garcin 2022, Tab. 5: macro-average top-K test accuracy (%); None: "NA"
+    1: [35.91, None, 35.44, 37.87, 40.54, 42.36], 3: [58.91, 50.41, 59.06, 59.96, 63.50, 64.77],
+    5: [69.05, 50.71, 66.97, 69.91, 72.23, 72.95], 10: [78.08, 46.23, 76.08, 78.88, 80.69, 80.85]}
+_PN_TAB7 = {  # Garcin 2022, App., Tab. 7: regular top-K test accuracy (%) of the models of Tab. 5
+    1: [79.93, None, 81.00, 79.71, 79.49, 80.90], 3: [93.19, 93.20, 93.56, 93.56, 92.40, 93.45],
+    5: [95.75, 94.91, 95.84, 96.10, 95.22, 95.80], 10: [97.42, 95.46, 97.52, 97.72, 97.21, 97.52]}
+
+PLANTNET_IMBALANCED = Experiment(
+    name="plantnet_imbalanced",
+    notebook="plantnet_imbalanced.ipynb",
+    description="Garcin 2022 Tab. 5 (and Tab. 7): macro-average (and regular) top-K accuracy on Pl@ntNet-300K "
+                "for K in {1, 3, 5, 10}, ResNet-50, one run per loss and K",
+    presets={
+        "smoke": {"loss": ["ce", "ldam", "noised_imbal"], "K": [1, 3], "epochs": 1},
+        # "We train the network with the top-K losses ... for K in {1, 3, 5, 10}"; the smoothed hinge is "NA" at K = 1
+        "paper": [{**_PN_PAPER, "loss": [l for l in _PN_LOSSES if l != "smooth_svm"], "K": _PN_KS},
+                  {**_PN_PAPER, "loss": "smooth_svm", "K": [3, 5, 10]}],
+    },
+    group_by=("loss", "K"),
+    figures=(Figure("tab5", "Garcin Tab. 5: macro-average top-K test accuracy vs K (each loss trained for K)", {}, "K",
+                    metrics=("macro_acc", "acc")),),
+    paper=tuple(
+        [PaperValue("Garcin 2022, Tab. 5", f"K={K} {loss}", {"loss": loss, "K": K}, f"macro_top{K}", v / 100)
+         for K, row in _PN_TAB5.items() for loss, v in zip(_PN_LOSSES, row) if v is not None]
+        + [PaperValue("Garcin 2022, Tab. 7", f"K={K} {loss}", {"loss": loss, "K": K}, f"top{K}", v / 100)
+           for K, row in _PN_TAB7.items() for loss, v in zip(_PN_LOSSES, row) if v is not None]),
+    findings=(
+        Finding("Garcin 2022, §4.5, Tab. 5", "the noised imbalanced loss provides the best macro-average top-K "
+                "accuracy, regardless of the value of K", {}, "K", tuple(_PN_KS), "macro_acc", "best",
+                reference="noised_imbal"),
+        Finding("Garcin 2022, §4.5, Tab. 5", "the loss of Berrada et al. (2018) fails to generalize to the tail "
+                "classes: the smoothed hinge's macro-average top-K accuracy is below the cross-entropy's", {}, "K",
+                (3, 5, 10), "macro_acc", "not_best", reference="smooth_svm",
+                exclude=("noised_bal", "focal", "ldam", "noised_imbal")),
+        Finding("Garcin 2022, §4.5, Tab. 5", "the noised balanced loss gives results similar to the cross-entropy "
+                "(at most 2.5 points below it in macro-average top-K)", {}, "K", tuple(_PN_KS), "macro_acc", "best",
+                reference="noised_bal", exclude=("smooth_svm", "focal", "ldam", "noised_imbal"), tol=0.025),
+        Finding("Garcin 2022, App., Tab. 7", "the balanced noised loss gives a better top-K accuracy than the "
+                "cross-entropy and the smoothed hinge for all K", {}, "K", tuple(_PN_KS), "acc", "best",
+                reference="noised_bal", exclude=("focal", "ldam", "noised_imbal")),
+    ),
+    data_presets=("paper",),
+)
+
+# %% ../nbs/13_batch.ipynb #f12c26f9
+# Garcin 2022 (draft), §4.5.2: "We train a ResNet34 with several losses for [K] for 100 epochs with a learning rate
+# of [lost] divided by 10 at epoch 60 and 80. We use a batch size of 128 and set the weight decay to [lost]."
+# The learning rate and weight decay are lost in this copy of the draft: 0.1 and 5e-4 are ours.
+_LT_PAPER = dict(model="resnet34", image_size=224, resize=256, epochs=100, batch_size=128, milestones=[60, 80],
+              lr=0.1, weight_decay=5e-4,
+              many_shot=100, few_shot=20,        # many-shot: > 100 training images, few-shot: < 20 (Liu et al. 2019)
+              ldam_scale=30.0, imbal_scale=50.0,  # App. E: "30 and 50 are good default values for respectively [LDAM] and [noised imbal.]"
+              # lost or not given for ImageNet-LT (ours, the Pl@ntNet-300K values of Garcin 2022 §4.5 and Tab. 4's):
+              max_m=0.2, imbal_epsilon=0.01, imbal_samples=5, bal_epsilon=0.2, bal_samples=10, focal_gamma=2.0,
+              fake_train_counts=None)
+_LT_KS = [1, 3, 5]   # the rows of the draft's Tab. 6 ("K ... 1 ... 3 ... 5")
+_LT_LOSSES = ["ce", "focal", "ldam", "noised_bal", "noised_imbal"]   # five columns, only "focal" legible: ours
+
+IMAGENET_LT = Experiment(
+    name="imagenet_lt",
+    notebook="imagenet_lt.ipynb",
+    description="Garcin 2022 draft Tab. 6: ImageNet-LT, ResNet-34, top-K accuracy overall and on many-, medium- and "
+                "few-shot classes (the table's numbers are lost in our copy of the draft)",
+    presets={
+        "smoke": {"loss": ["ce", "noised_imbal"], "K": [1, 3], "epochs": 1, "many_shot": 8, "few_shot": 4},
+        # "The results on the test set (four seeds, 95% confidence interval) are reported in Table 6": --seeds 4
+        "paper": {**_LT_PAPER, "loss": _LT_LOSSES, "K": _LT_KS},
+    },
+    group_by=("loss", "K"),
+    figures=(Figure("tab6", "Garcin draft Tab. 6: top-K test accuracy vs K, overall and by shot group", {}, "K",
+                    metrics=("acc", "many_acc", "medium_acc", "few_acc")),),
+    paper=(),   # every number of the draft's Tab. 6 is lost in our copy
+    findings=(
+        Finding("Garcin 2022 draft, §4.5.2, Tab. 6", "the noised imbalanced loss performs very well on few-shot "
+                "classes compared to the other losses", {}, "K", tuple(_LT_KS), "few_acc", "best",
+                reference="noised_imbal"),
+    ),
+    data_presets=("paper",),
+)
+
+# %% ../nbs/13_batch.ipynb #bf41ea2a
+# Sawada §V-A: "we used SGD with Nesterov momentum of 0.9, and weight decay of 5×10^-4, and trained for 200 epochs
+# with 128 images per mini batch. The learning rate was initially set to 0.1 and scheduled to decrease by a factor
+# of 5x after each 60th, 120th, and 160th epoch" (topk_nb.train.PRESETS["sawada_cifar100"]; None = the preset's);
+# "5,000 training samples were used as the validation set"; "either Cutout [11] (with size 8×8) or Mixup [12]".
+_TR_PAPER = dict(epochs=None, batch_size=None, lr=None, val_size=5000, cutout_size=8, k=5, max_k=40,
+              mixup_alpha=1.0,            # not given: Zhang et al. 2018's CIFAR value (ours)
+              svm_tau=1.0, svm_alpha=1.0,  # not given: Berrada 2018's CIFAR-100 values (ours)
+              fake_n_train=None, fake_n_test=None)
+_TR_MODELS = {"ResNet18": "cifar_resnet18", "DenseNet121": "cifar_densenet121"}   # "a ResNet18 model and DenseNet121 model"
+_TR_LOSSES = {"Cross entropy": "ce", "Smooth top-5 SVM": "smooth_svm", "Top-5 grouping": "topk_grouping",
+           "Top-5 transition": "topk_transition"}
+_TR_TAB1 = {  # Sawada, Tab. I: test accuracy (%), mean over 10 trials: (ResNet18 Cutout top-1, top-5, Mixup top-1, top-5,
+           # DenseNet121 Cutout top-1, top-5, Mixup top-1, top-5); None: "N/A"
+    "Cross entropy": (75.88, 93.11, 76.76, 92.89, 79.05, 94.82, 79.32, 94.71),
+    "Smooth top-5 SVM": (67.31, 93.76, None, None, 73.55, 94.50, None, None),
+    "Top-5 grouping": (59.99, 92.64, 57.66, 92.52, 58.69, 93.77, 56.68, 93.58),
+    "Top-5 transition": (69.06, 93.62, 74.26, 94.07, 71.92, 94.38, 76.28, 95.18)}
+_TR_COLUMNS = [(net, aug, m) for net in _TR_MODELS for aug in ("cutout", "mixup") for m in ("top1", "top5")]
+
+
+def _TR_pv(label, net, aug, metric, value):
+    # "early-stopping by top-1 validation accuracy and by top-5 validation accuracy ... corresponding to the two
+    # target metrics": the top-1 column comes from the runs selected on val_top1, the top-5 column from val_top5
+    where = {"loss": _TR_LOSSES[label], "model": _TR_MODELS[net], "augment": aug, "select_metric": f"val_{metric}"}
+    return PaperValue("Sawada, Tab. I", f"{label}, {net} with {aug.capitalize()}", where, metric, value / 100)
+
+
+def _TR_fig6(net, aug):
+    return {"model": _TR_MODELS[net], "augment": aug, "select_metric": "val_top5"}
+
+
+CIFAR100_TRANSITION = Experiment(
+    name="cifar100_transition",
+    notebook="cifar100_transition.ipynb",
+    description="Sawada Tab. I and Fig. 6: CIFAR-100, ResNet18 / DenseNet121 with Cutout or Mixup (soft labels), "
+                "CE vs smooth top-5 SVM vs top-5 grouping vs top-5 transition",
+    presets={
+        "smoke": {"loss": ["ce", "topk_transition"], "augment": ["cutout", "mixup"], "epochs": 1},
+        # "All reported accuracies are averaged over 10 different trials": --seeds 10
+        "paper": [{**_TR_PAPER, "loss": ["ce", "topk_grouping", "topk_transition"], "model": list(_TR_MODELS.values()),
+                   "augment": ["cutout", "mixup"], "select_metric": ["val_top1", "val_top5"]},
+                  # "Smooth top-5 SVM loss cannot be directly applied to training on soft label like Mixup"
+                  {**_TR_PAPER, "loss": "smooth_svm", "model": list(_TR_MODELS.values()), "augment": "cutout",
+                   "select_metric": ["val_top1", "val_top5"]}],
+    },
+    group_by=("model", "augment", "select_metric", "loss"),
+    figures=(Figure("fig6", "Sawada Fig. 6: top-k test accuracy vs k (ResNet18, Mixup, selected on top-5)",
+                    _TR_fig6("ResNet18", "mixup"), "k_eval", metrics=("acc_k",)),
+             Figure("fig6_densenet_cutout", "Sawada §V-B: top-k test accuracy vs k (DenseNet121, Cutout, selected "
+                    "on top-5)", _TR_fig6("DenseNet121", "cutout"), "k_eval", metrics=("acc_k",))),
+    paper=tuple(_TR_pv(label, net, aug, m, v) for label, row in _TR_TAB1.items()
+                for (net, aug, m), v in zip(_TR_COLUMNS, row) if v is not None),
+    findings=tuple(
+        [Finding("Sawada §V-B, Tab. I", f"{net} with {aug.capitalize()}: CE performed the best in top-1 accuracy",
+                 {"model": _TR_MODELS[net], "augment": aug, "select_metric": "val_top1"}, "select_metric", ("val_top1",),
+                 "top1", "best") for net in _TR_MODELS for aug in ("cutout", "mixup")]
+        + [Finding("Sawada §V-B, Tab. I", f"{net} with {aug.capitalize()}: the top-5 accuracy of CE is lower than the "
+                   "top-5 transition loss's", {"model": _TR_MODELS[net], "augment": aug, "select_metric": "val_top5"},
+                   "select_metric", ("val_top5",), "top5", "not_best", exclude=("smooth_svm", "topk_grouping"))
+           for net, aug in (("ResNet18", "cutout"), ("ResNet18", "mixup"), ("DenseNet121", "mixup"))]
+        + [Finding("Sawada §V-B, Tab. I", f"{net} with {aug.capitalize()}: the top-5 grouping loss performed worse "
+                   "than CE in top-5 accuracy", {"model": _TR_MODELS[net], "augment": aug, "select_metric": "val_top5"},
+                   "select_metric", ("val_top5",), "top5", "not_best", reference="topk_grouping",
+                   exclude=("smooth_svm", "topk_transition"))
+           for net in _TR_MODELS for aug in ("cutout", "mixup")]
+        + [Finding("Sawada §V-B, Fig. 6", "ResNet18, Mixup: CE gives the best top-k accuracy for k <= 2",
+                   _TR_fig6("ResNet18", "mixup"), "k_eval", (1, 2), "acc_k", "best"),
+           Finding("Sawada §V-B, Fig. 6", "ResNet18, Mixup: CE is defeated by the top-5 transition loss for k >= 3",
+                   _TR_fig6("ResNet18", "mixup"), "k_eval", tuple(range(3, 11)), "acc_k", "not_best",
+                   exclude=("topk_grouping", "smooth_svm")),
+           Finding("Sawada §V-B, Fig. 6", "ResNet18, Mixup: CE is defeated by the top-5 grouping loss for k >= 6",
+                   _TR_fig6("ResNet18", "mixup"), "k_eval", tuple(range(6, 11)), "acc_k", "not_best",
+                   exclude=("topk_transition", "smooth_svm")),
+           Finding("Sawada §V-B", "DenseNet121, Cutout: CE is defeated by the top-5 transition loss for k >= 9",
+                   _TR_fig6("DenseNet121", "cutout"), "k_eval", tuple(range(9, 21)), "acc_k", "not_best",
+                   exclude=("topk_grouping", "smooth_svm")),
+           Finding("Sawada §V-B", "DenseNet121, Cutout: CE is defeated by the top-5 grouping loss for k >= 11",
+                   _TR_fig6("DenseNet121", "cutout"), "k_eval", tuple(range(11, 21)), "acc_k", "not_best",
+                   exclude=("topk_transition", "smooth_svm"))]
+        + [Finding("Sawada §V-B", f"{net} with {aug.capitalize()}: the top-5 transition loss gave consistently better "
+                   "performance for k > 10 than other losses", _TR_fig6(net, aug), "k_eval", tuple(range(11, 41)), "acc_k",
+                   "best", reference="topk_transition") for net in _TR_MODELS for aug in ("cutout", "mixup")]),
+    data_presets=("paper",),
+)
+
+# %% ../nbs/13_batch.ipynb #385cf539
+# Berrada 2018, App. B.3.3, Tab. 5: "for various values of the temperature parameter τ" -- the table's columns.
+_ST_TAB5_TAUS = [10.0, 1.0, 0.1, 0.01, 0.001, 0.0001]
+# The design's accuracy grid: tau in {1e-4, ..., 1e2}.
+_ST_GRID_TAUS = [0.0001, 0.001, 0.01, 0.1, 1.0, 10.0, 100.0]
+# Tab. 5 setting: "we take a random mini-batch of 128 images from the ImageNet data set and forward it through a
+# pre-trained ResNet-18" (1000 ImageNet classes; the scores are ImageNet-like, see the notebook). k is not stated in
+# App. B.3.3; k = 5 is the value of App. B.3.2 ("We use the following parameters: k = 5") and of the ImageNet runs.
+_ST_TAB5 = {"scores": "imagenet_like", "n": 1000, "batch": 128, "k": 5, "taus": [_ST_TAB5_TAUS]}
+# Tab. 5 (✓ = stable = no overflow): rows SA (S), SA (D), DC log (S), DC log (D); columns tau = 1e1 .. 1e-4.
+_ST_TAB5_STABLE = {
+    "SA (S)": (1, 1, 0, 0, 0, 0),
+    "SA (D)": (1, 1, 1, 0, 0, 0),
+    "DC log (S)": (1, 1, 1, 1, 1, 1),
+    "DC log (D)": (1, 1, 1, 1, 1, 1),
+}
+_ST_TAB5_WHERE = {"part": "forward", "scores": "imagenet_like", "n": 1000, "k": 5}
+
+STABILITY = Experiment(
+    name="stability",
+    notebook="stability.ipynb",
+    description="Berrada 2018 Tab. 5 (overflow of the summation algorithm vs the log-space divide and conquer, single "
+                "and double precision, as tau decreases) and the accuracy of the backwards of log_sigma against float64",
+    presets={
+        "smoke": [{"scores": "imagenet_like", "n": 1000, "batch": 16, "k": 5},
+                  {"scores": "scaled_normal", "n": [10, 100], "batch": 6, "k": [1, 5], "taus": [_ST_GRID_TAUS]}],
+        # Tab. 5: "We compare the algorithms with single (S) and double (D) floating point precision."
+        "paper": _ST_TAB5,
+        # App. B.3.3: "In this experimental setting, DC log is stable in single floating point precision until τ = 10^-36."
+        "limit": {**_ST_TAB5, "taus": [[1e-30, 1e-35, 1e-36]], "algorithms": [["dc_log"]], "dtypes": [["float32"]],
+                  "methods": [[]]},
+        # The design's accuracy grid: n in {10, 100, 1000, 10000}, k in {1, 2, 5, 10, 20} (k <= n), tau in
+        # {1e-4, ..., 1e2}, scores of magnitude 1, 10 and up to 100.
+        "grid": [{"scores": "scaled_normal", "batch": 6, "taus": [_ST_GRID_TAUS], "n": 10, "k": [1, 2, 5, 10]},
+                 {"scores": "scaled_normal", "batch": 6, "taus": [_ST_GRID_TAUS], "n": [100, 1000, 10000],
+                  "k": [1, 2, 5, 10, 20]}],
+    },
+    group_by=("scores", "n", "k", "batch"),
+    figures=(
+        Figure("tab5", "Berrada 2018, Tab. 5: settings that overflow (%), ImageNet-like scores",
+               {"part": "forward", "scores": "imagenet_like"}, "tau", series="variant", metrics=("overflow",)),
+        Figure("forward_accuracy", "Forward: settings within the accuracy target (%)", {"part": "forward"}, "tau",
+               series="variant", metrics=("within_target",)),
+        Figure("backward_accuracy", "Backward (float32): settings within the accuracy target (%)",
+               {"part": "backward", "dtype": "float32"}, "tau", series="variant", metrics=("within_target",)),
+    ),
+    paper=tuple(
+        PaperValue("Berrada 2018, Tab. 5", f"{row}, τ = {tau:g}", {**_ST_TAB5_WHERE, "variant": row, "tau": tau},
+                   "overflow", float(1 - ok))
+        for row, oks in _ST_TAB5_STABLE.items() for tau, ok in zip(_ST_TAB5_TAUS, oks)
+    ) + (
+        PaperValue("Berrada 2018, App. B.3.3 (text)", "DC log (S), τ = 1e-36",
+                   {**_ST_TAB5_WHERE, "variant": "DC log (S)", "tau": 1e-36}, "stable", 1.0),
+    ),
+    findings=(
+        Finding("Berrada 2018, App. B.3.3, Tab. 5",
+                "by operating in the log-space, DC is significantly more stable than SA (single precision)",
+                {"part": "forward", "dtype": "float32"}, "tau", tuple(_ST_GRID_TAUS[::-1]), "stable", "best",
+                reference="DC log (S)", series="variant"),
+        Finding("Berrada 2018, App. B.3.3, Tab. 5",
+                "by operating in the log-space, DC is significantly more stable than SA (double precision)",
+                {"part": "forward", "dtype": "float64"}, "tau", tuple(_ST_GRID_TAUS[::-1]), "stable", "best",
+                reference="DC log (D)", series="variant"),
+        Finding("Berrada 2018, App. B.3.3, Tab. 5", "SA overflows in single precision for τ <= 0.1",
+                {"part": "forward", "dtype": "float32", "scores": "imagenet_like"}, "tau", (0.1, 0.01, 0.001, 0.0001),
+                "stable", "not_best", reference="SA (S)", series="variant"),
+        Finding("Berrada 2018, App. B.3.3, Tab. 5", "SA overflows in double precision for τ <= 0.01",
+                {"part": "forward", "dtype": "float64", "scores": "imagenet_like"}, "tau", (0.01, 0.001, 0.0001),
+                "stable", "not_best", reference="SA (D)", series="variant"),
+        Finding("Berrada 2018, App. B.2.2, Observation 1",
+                "the recursion of eq. (18) is unstable when one e_i dominates: unstabilised, it misses the accuracy "
+                "of the exact backwards at small τ", {"part": "backward", "dtype": "float32"}, "tau",
+                (0.01, 0.001, 0.0001), "within_target", "not_best", reference="alg2_unstabilised (S)", series="variant"),
+        Finding("Berrada 2018, App. B.2.2",
+                "with the p-th order approximation (p ≈ 0.2k) Alg. 2 'works well in practice': as accurate as the "
+                "exact backwards", {"part": "backward", "dtype": "float32"}, "tau", tuple(_ST_GRID_TAUS[::-1]),
+                "within_target", "best", reference="alg2 (S)", series="variant"),
+    ),
+)
+
+# %% ../nbs/13_batch.ipynb #ff89592c
+# Garcin 2022, Fig. 1 caption: "for L = 3 classes, K = 2 and a true label y = 2 (corresponding to the upper corner of
+# the triangles) ... the level sets are restricted to vector s ∈ 2·Δ3 ... For our proposed loss, we have averaged the
+# level sets over 100 replications to avoid meshing artifacts." Fig. 6: the same "for L = 3 classes, K = 1".
+# The grid resolution is not stated; 60 steps per edge is ours.
+_LS_FIGURE = {"radius": 2.0, "replications": 100, "resolution": 60}
+# The notebook's default panels (every registry loss, two variants, the top-K error).
+_LS_PANELS = ("topk_error", "ce", "focal", "ldam", "topk_hinge", "cvx_hinge", "cal_hinge", "smooth_svm", "smooth_svm(tau: 0.1)",
+           "noised_bal", "noised_bal(epsilon: 1.0, n_samples: 50)", "noised_imbal", "topk_grouping", "topk_transition")
+
+LEVEL_SETS = Experiment(
+    name="level_sets",
+    notebook="level_sets.ipynb",
+    description="Garcin 2022 Fig. 1 (K = 2) and Fig. 6 (K = 1): level sets of every registry loss and of the top-K "
+                "error on the scaled simplex 2·Δ3 (L = 3), with numeric summaries of each panel",
+    presets={
+        "smoke": {"k": [1, 2]},
+        "fig1": {**_LS_FIGURE, "k": 2},     # Fig. 1: "L = 3 classes, K = 2"
+        "fig6": {**_LS_FIGURE, "k": 1},     # Fig. 6: "L = 3 classes, K = 1"
+        "paper": {**_LS_FIGURE, "k": [1, 2]},
+    },
+    group_by=("k", "resolution", "replications"),
+    figures=(
+        Figure("zero_set", "Share of the simplex where the loss is zero (%)", {}, "k", series="panel",
+               metrics=("zero_share",)),
+        Figure("top_corner", "Loss at the top corner s = (0, 0, 2), true class ahead by 2 (x100)", {}, "k",
+               series="panel", metrics=("value_top",)),
+    ),
+    paper=(
+        # Garcin 2022, §3.4 on Fig. 1a (K = 2): "It has 0 error when s_2 is larger than the smallest coordinate of s
+        # (i.e., is in the top-2) and 1 otherwise."
+        PaperValue("Garcin 2022, §3.4 (Fig. 1a)", "top-K error, K = 2, s_y largest (top corner)",
+                   {"panel": "topk_error", "k": 2}, "value_top", 0.0),
+        PaperValue("Garcin 2022, §3.4 (Fig. 1a)", "top-K error, K = 2, s_y smallest (bottom edge middle)",
+                   {"panel": "topk_error", "k": 2}, "value_bottom_mid", 1.0),
+    ),
+    findings=(
+        # Garcin 2022, §3.4: "our smoothing consists in smoothing only the top-K operator, which mostly affects classes
+        # whose scores are close to the top-K score, while the method from Berrada et al. (2018) results in a gradient
+        # where all coordinates are non-zero" -- so Berrada's smoothed hinge has no flat zero region, the noised one has.
+        Finding("Garcin 2022, §3.4 (Fig. 1f-1i)",
+                "Berrada's smoothed hinge (gradient never zero) has a smaller zero region than the noised balanced hinge",
+                {}, "k", (1, 2), "zero_share", "not_best", reference="smooth_svm", series="panel",
+                exclude=tuple(p for p in _LS_PANELS if p not in ("smooth_svm", "noised_bal"))),
+    ),
+)
+
+# %% ../nbs/13_batch.ipynb #8582792a
+_SP_LOSSES = ["ce", "focal", "ldam", "topk_hinge", "cvx_hinge", "cal_hinge", "smooth_svm", "noised_bal", "noised_imbal",
+              "topk_grouping", "topk_transition"]
+SPEED = Experiment(
+    name="speed",
+    notebook="speed.ipynb",
+    description="Speed: Berrada Tab. 3-4 (summation vs divide and conquer, backward paths), every loss vs n and k, "
+                "Garcin Fig. 3 (epoch time of DenseNet-BC 40-40 vs K); ratios to cross-entropy in the same run",
+    presets={
+        "smoke": {"ns": [[100, 1000]], "ks": [[1, 5]], "esp_ns": [[100, 1000]], "epoch_ks": [[5]], "epoch_steps": 2,
+                  "epoch_model": "densenet_tiny"},
+        # Berrada 2018, App. B.3.2 / Tab. 3-4: "B = 256 ... k = 5 ... n from 100 to 100,000"; the design's targets at
+        # B = 256, n = 1000; Garcin 2022, Fig. 3: DenseNet 40-40, batch 64, K in {1, ..., 10}, B in {1, 3, 10}
+        "paper": {"ns": [[100, 1000, 10_000, 100_000]], "ks": [[1, 2, 5, 10, 20]], "esp_ns": [[100, 1000, 10_000, 100_000]],
+                  "epoch_ks": [[1, 2, 3, 5, 10]], "epoch_steps": 20, "epoch_model": "densenet40_40", "losses": [_SP_LOSSES]},
+    },
+    group_by=("part", "loss", "variant", "n", "k"),
+)
+
+# %% ../nbs/13_batch.ipynb #836117c3
+EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (
+    CIRCLES_TRADEOFFS, CIFAR100_NOISE, TEMPERATURE, NOISE_SCALE, IMAGENET_SUBSETS,
+    PLANTNET_IMBALANCED, IMAGENET_LT, CIFAR100_TRANSITION, STABILITY, LEVEL_SETS, SPEED)}
 
 
 def get_experiment(name: str | os.PathLike) -> Experiment:

@@ -6,7 +6,9 @@
 from __future__ import annotations
 
 import inspect
+import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Callable
 
@@ -16,12 +18,13 @@ import torch.nn as nn
 from .baselines import (CrossEntropy, CvxTopkHinge, FocalLoss, LDAMLoss, TopkGrouping, TopkTransition,
                                expected_loss, split_target, cross_entropy, cvx_topk_hinge, focal_loss, ldam,
                                topk_grouping, topk_transition)
-from .core import check_int, check_reduction, reduce_loss
+from .core import check_int, check_real, check_reduction, reduce_loss, target_rank
 from .noised import CalHinge, NoisedBalTopK, NoisedImbalTopK, cal_hinge, noised_bal_topk, noised_imbal_topk
 from .svm import SmoothTopkSVM, TopkHinge, smooth_topk_svm, topk_hinge
 
 # %% auto #0
-__all__ = ['LOSSES', 'LossEntry', 'WithSoftTargets', 'get_loss', 'TopkMixture', 'loss_table']
+__all__ = ['LOSSES', 'TOPK_ERROR', 'LossEntry', 'WithSoftTargets', 'get_loss', 'TopkMixture', 'loss_table', 'simplex_grid',
+           'parse_panel', 'level_set_params', 'level_set_values', 'LevelSets', 'level_set_atlas', 'plot_level_sets']
 
 # %% ../nbs/08_losses.ipynb #5552b80f
 _NOT_PARAMETERS = {"self", "reduction", "check_finite", "generator", "class_counts"}
@@ -157,3 +160,130 @@ def loss_table() -> str:
         rows.append(f"| `{e.name}` | `{e.module.__name__}` | {e.expression} | {params} | {e.reference} | "
                     f"{'yes' if e.stochastic else 'no'} | {'yes' if e.needs_class_counts else 'no'} | {targets} |")
     return "\n".join(rows)
+
+# %% ../nbs/08_losses.ipynb #8eeab22b
+TOPK_ERROR = "topk_error"   # the panel of the top-K error itself (Garcin 2022, eq. (3)); a metric, not a registered loss
+
+
+def simplex_grid(resolution: int = 60, radius: float = 2.0) -> tuple[torch.Tensor, torch.Tensor]:
+    "Scores on a regular grid of radius * simplex (float64, (P, 3)) and their 2-D positions (P, 2): class 2 at the top."
+    resolution = check_int(resolution, "resolution", 1)
+    radius = check_real(radius, "radius", 0.0, lo_open=True)
+    i, j = torch.meshgrid(torch.arange(resolution + 1), torch.arange(resolution + 1), indexing="ij")
+    keep = i + j <= resolution
+    # integer coordinates divided once: exchanging two classes maps grid points to grid points exactly
+    bary = torch.stack([i[keep], j[keep], resolution - i[keep] - j[keep]], 1).double() / resolution
+    corners = torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.5, math.sqrt(3) / 2]], dtype=torch.float64)
+    return radius * bary, bary @ corners
+
+
+def parse_panel(spec: str) -> tuple[str, dict]:
+    "`'smooth_svm(tau=0.1, alpha=1)'` (or `tau: 0.1`) -> `('smooth_svm', {'tau': 0.1, 'alpha': 1})`; a bare name has no overrides."
+    match = re.fullmatch(r"\s*(\w+)\s*(?:\((.*)\))?\s*", spec) if isinstance(spec, str) else None
+    if match is None:
+        raise ValueError(f"a panel is 'name' or 'name(key=value, ...)' (or key: value), got {spec!r}")
+    name, body = match.group(1), match.group(2)
+    if name != TOPK_ERROR and name not in LOSSES:
+        raise ValueError(f"unknown loss {name!r} in panel {spec!r}; use {TOPK_ERROR!r} or one of: {', '.join(LOSSES)}")
+    overrides = {}
+    for item in filter(None, (part.strip() for part in (body or "").split(","))):
+        key, sep, value = re.fullmatch(r"([^=:]*)([=:]?)(.*)", item).groups()
+        if not sep or not key.strip().isidentifier():
+            raise ValueError(f"panel parameters are key=value pairs, got {item!r} in {spec!r}")
+        value = value.strip()
+        try:
+            overrides[key.strip()] = json.loads(value.replace("True", "true").replace("False", "false"))
+        except json.JSONDecodeError:
+            raise ValueError(f"panel parameter {key.strip()} must be a number or true/false, got {value!r} in {spec!r}") from None
+    return name, overrides
+
+
+def level_set_params(name: str, k: int, n_classes: int = 3, **overrides) -> dict:
+    "The parameters of `name` harmonised to a margin of 1 for the atlas (Garcin 2022, Fig. 1), then `overrides`."
+    if name not in LOSSES:
+        raise ValueError(f"unknown loss {name!r}; registered losses: {', '.join(LOSSES)}")
+    entry = LOSSES[name]
+    params = {"k": k} if "k" in entry.defaults else {}
+    if name in ("topk_hinge", "smooth_svm"): params["alpha"] = 1.0 / k    # Berrada's hinge divides the margin by K
+    if name == "ldam": params["scale"] = 1.0
+    if entry.needs_class_counts: params.update(class_counts=torch.ones(n_classes), max_m=1.0)
+    unknown = sorted(set(overrides) - set(entry.accepted))
+    if unknown:
+        raise ValueError(f"loss {name!r} does not take {', '.join(unknown)}; it accepts: {', '.join(entry.accepted)}")
+    return {**params, **overrides}
+
+
+def level_set_values(panel: str, scores: torch.Tensor, y: torch.Tensor, k: int, replications: int = 100,
+                     seed: int = 0) -> torch.Tensor:
+    "The loss (or top-K error) of `panel` at each row of `scores` for labels `y`, shape (P,); stochastic losses averaged over `replications`."
+    name, overrides = parse_panel(panel)
+    k = check_int(k, "k", 1, scores.shape[-1] - 1)
+    if name == TOPK_ERROR:
+        if overrides: raise ValueError(f"{TOPK_ERROR} takes no parameters, got {panel!r}")
+        return (target_rank(scores, y) >= k).to(scores.dtype)
+    params = level_set_params(name, k, scores.shape[-1], **overrides)
+    if not LOSSES[name].stochastic:
+        with torch.no_grad():
+            return get_loss(name, reduction="none", **params)(scores, y)
+    replications = check_int(replications, "replications", 1)
+    crit = get_loss(name, reduction="none", generator=torch.Generator().manual_seed(seed), **params)
+    with torch.no_grad():
+        return torch.stack([crit(scores, y) for _ in range(replications)]).mean(0)
+
+
+@dataclass
+class LevelSets:
+    "An atlas: the grid `scores` (P, 3) and its plane positions `xy`, the true label `y`, and `values[(panel, k)]` (P,)."
+    scores: torch.Tensor
+    xy: torch.Tensor
+    y: int
+    values: dict
+
+    @property
+    def panels(self) -> list[str]:
+        return list(dict.fromkeys(p for p, _ in self.values))
+
+    @property
+    def ks(self) -> list[int]:
+        return list(dict.fromkeys(k for _, k in self.values))
+
+    def rescaled(self, panel: str, k: int) -> torch.Tensor:
+        "The values min/max rescaled to [0, 1] as in the paper (all zeros if constant)."
+        v = self.values[(panel, k)]
+        span = (v.max() - v.min()).item()
+        return (v - v.min()) / span if span > 0 else torch.zeros_like(v)
+
+    def at(self, panel: str, k: int, point) -> float:
+        "The value at the grid point nearest to the scores `point`."
+        i = int((self.scores - torch.as_tensor(point, dtype=self.scores.dtype)).abs().sum(1).argmin())
+        return self.values[(panel, k)][i].item()
+
+
+def level_set_atlas(panels=(TOPK_ERROR, *LOSSES), ks=(1, 2), resolution: int = 60, radius: float = 2.0, y: int = 2,
+                    replications: int = 100, seed: int = 0) -> LevelSets:
+    "Every panel for every K on the grid of radius * simplex (L = 3), true label `y` (Garcin 2022, Fig. 1 and 6)."
+    y = check_int(y, "y", 0, 2)
+    scores, xy = simplex_grid(resolution, radius)
+    target = torch.full((len(scores),), y)
+    values = {(p, k): level_set_values(p, scores, target, k, replications, seed) for k in ks for p in panels}
+    return LevelSets(scores, xy, y, values)
+
+
+def plot_level_sets(atlas: LevelSets, levels: int = 12, path=None, cmap: str = "viridis", size: float = 1.55):
+    "Draw the rescaled level sets, one row per K and one column per panel; saved to the image `path` if given."
+    import matplotlib.pyplot as plt
+    import matplotlib.tri as mtri
+    panels, ks = atlas.panels, atlas.ks
+    tri = mtri.Triangulation(atlas.xy[:, 0].numpy(), atlas.xy[:, 1].numpy())
+    fig, axes = plt.subplots(len(ks), len(panels), figsize=(size * len(panels), 1.7 * len(ks)), squeeze=False)
+    for row, k in enumerate(ks):
+        for col, panel in enumerate(panels):
+            ax = axes[row, col]
+            ax.tricontourf(tri, atlas.rescaled(panel, k).numpy(), levels=levels, cmap=cmap)
+            ax.set_aspect("equal"); ax.axis("off")
+            if row == 0: ax.set_title(panel, fontsize=7)
+        axes[row, 0].text(-0.25, 0.4, f"K={k}", fontsize=9, rotation=90)
+    fig.tight_layout(pad=0.2)
+    if path is not None:
+        fig.savefig(path, dpi=100, bbox_inches="tight")
+    return fig

@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .core import check_int, check_loss_input, check_real, check_reduction, reduce_loss
-from .esp_backward import log_sigma
+from .esp_backward import power_log_sigma
 
 # %% auto #0
 __all__ = ['scores_without_target', 'topk_hinge', 'subset_sums_bruteforce', 'smooth_topk_svm_bruteforce', 'hard_enough',
@@ -58,20 +58,22 @@ def smooth_topk_svm_bruteforce(scores: torch.Tensor, target: torch.Tensor, k: in
     return tau * (first - second)
 
 # %% ../nbs/03_smooth_svm.ipynb #a1582cfe
-def _smooth_part(scores: torch.Tensor, target: torch.Tensor, k: int, tau: float, alpha: float) -> torch.Tensor:
-    "Per-sample L_{k,tau} through log sigma_{k-1}, log sigma_k of exp(s without y / (k tau)) (eq. 10)."
-    x = scores_without_target(scores, target) / (k * tau)
-    log_sig = log_sigma(x, k, check_finite=False)
+def _smooth_part(scores: torch.Tensor, target: torch.Tensor, k: int, tau: float, alpha: float,
+                 top: torch.Tensor | None = None, head: torch.Tensor | None = None) -> torch.Tensor:
+    "Per-sample L_{k,tau} through log sigma_{k-1}, log sigma_k of exp(s without y / (k tau)) (eq. 10).\n\n`top`, `head`: the largest other scores and their indices, if already known."
+    x = scores / (k * tau)
+    log_sig = power_log_sigma(x, k, target, None if top is None else top / (k * tau), head)
     s_y = scores.gather(1, target[:, None])[:, 0]
     a = s_y / (k * tau) + log_sig[:, 0]
     b = alpha / tau + log_sig[:, 1]
     return tau * F.softplus(b - a)
 
 # %% ../nbs/03_smooth_svm.ipynb #6ebb4c73
-def _top_others(scores: torch.Tensor, target: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    "The k+1 largest scores other than the target's (k when n - 1 = k), sorted, and the target's score."
-    top = scores_without_target(scores, target).topk(min(k + 1, scores.shape[1] - 1), dim=1).values
-    return top, scores.gather(1, target[:, None])[:, 0]
+def _top_others(scores: torch.Tensor, target: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    "The k+2 largest scores other than the target's (all of them when fewer), sorted, their indices, and the target's score."
+    masked = scores.scatter(1, target[:, None], -torch.inf)
+    top, idx = masked.topk(min(k + 2, scores.shape[1] - 1), dim=1)
+    return top, idx, scores.gather(1, target[:, None])[:, 0]
 
 
 def _hard_mask(top: torch.Tensor, s_y: torch.Tensor, n: int, k: int, tau: float, alpha: float) -> torch.Tensor:
@@ -89,7 +91,7 @@ def _hard_mask(top: torch.Tensor, s_y: torch.Tensor, n: int, k: int, tau: float,
 
 def hard_enough(scores: torch.Tensor, target: torch.Tensor, k: int, tau: float, alpha: float) -> torch.Tensor:
     "Boolean (B,): samples whose smooth loss equals the hard top-k hinge to within u * tau (u the unit roundoff)."
-    top, s_y = _top_others(scores.detach(), target, k)
+    top, _, s_y = _top_others(scores.detach(), target, k)
     return _hard_mask(top, s_y, scores.shape[1], k, tau, alpha)
 
 # %% ../nbs/03_smooth_svm.ipynb #491dffe0
@@ -103,17 +105,16 @@ def smooth_topk_svm(scores: torch.Tensor, target: torch.Tensor, k: int = 5, tau:
     out_dtype = scores.dtype
     with torch.autocast(scores.device.type, enabled=False):
         s = scores if scores.dtype in (torch.float32, torch.float64) else scores.float()
-        if not hard_switch:
-            loss = _smooth_part(s, target, k, tau, alpha)
-        else:
-            top, s_y = _top_others(s, target, k)                          # one topk serves the test and the hinge
+        top, idx, s_y = _top_others(s, target, k)          # one topk serves the switch, the hinge and the head
+        if hard_switch:
             hard = _hard_mask(top.detach(), s_y.detach(), s.shape[1], k, tau, alpha)
             loss = F.relu(alpha + (top[:, k - 1] - s_y) / k)              # topk_hinge, eq. (19)
             soft = (~hard).nonzero()[:, 0]
-            if soft.numel():
-                loss = loss.index_put((soft,), _smooth_part(s[soft], target[soft], k, tau, alpha))
+        if not hard_switch or soft.numel() == s.shape[0]:
+            loss = _smooth_part(s, target, k, tau, alpha, top.detach(), idx)
+        elif soft.numel():
+            loss = loss.index_put((soft,), _smooth_part(s[soft], target[soft], k, tau, alpha, top[soft].detach(), idx[soft]))
     return reduce_loss(loss, reduction).to(out_dtype)
-
 
 class SmoothTopkSVM(nn.Module):
     "Smooth top-k SVM loss as a module, like nn.CrossEntropyLoss; the number of classes comes from the scores."
