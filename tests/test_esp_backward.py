@@ -80,8 +80,10 @@ def test_no_nan_with_padding_and_extreme_spread(method):
             assert torch.isfinite(out).all() and torch.isfinite(g).all(), (n, k)
 
 
-def test_default_method_is_exact_path_and_default_order():
-    assert LOG_SIGMA_METHODS[0] == "autograd"
+def test_default_method_is_certified_power_path_and_default_order():
+    assert LOG_SIGMA_METHODS[0] == "power"
+    x = random_x(300, (4, 300), 10.0, torch.float64)
+    torch.testing.assert_close(log_sigma(x, 5), log_sigma(x, 5, method="autograd"), rtol=1e-12, atol=1e-12)
     assert [default_order(k) for k in (1, 2, 5, 10, 20)] == [1, 1, 1, 2, 4]
 
 
