@@ -6,51 +6,35 @@
 from __future__ import annotations
 
 import math
-import time
+import statistics
 from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from .core import check_int
+from .core import fwd_bwd, time_fn
 from .esp import log_esp, log_esp_summation
 from .esp_backward import LOG_SIGMA_METHODS, log_sigma
 from .losses import LOSSES, get_loss
 from .models import get_model
 
 # %% auto #0
-__all__ = ['time_fn', 'fwd_bwd_step', 'bench_scores', 'bench_loss', 'loss_speed', 'esp_speed', 'epoch_time']
+__all__ = ['time_interleaved', 'bench_scores', 'bench_loss', 'loss_speed', 'esp_speed', 'epoch_times']
 
 # %% ../nbs/14_bench.ipynb #f6ddc67b
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda": torch.cuda.synchronize(device)
-
-
-def time_fn(fn: Callable[[], object], device: str | torch.device = "cpu", warmup: int = 3, repeats: int = 15) -> dict:
-    "Time `fn()` on `device`: warm-up calls, then `repeats` timed calls (CUDA events on GPU); median, quartiles, in seconds."
-    device = torch.device(device)
-    check_int(warmup, "warmup", 0); check_int(repeats, "repeats", 1)
-    for _ in range(warmup): fn()
-    _sync(device)
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record(); fn(); end.record(); end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter(); fn(); times.append(time.perf_counter() - t0)
-    q = torch.tensor(times, dtype=torch.float64).quantile(torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64)).tolist()
-    return {"median": q[1], "q25": q[0], "q75": q[2], "min": min(times), "repeats": repeats}
-
-
-def fwd_bwd_step(loss_fn: Callable, scores: torch.Tensor, target: torch.Tensor) -> Callable[[], None]:
-    "A closure running loss_fn(scores, target).backward() on a fresh leaf copy of `scores`."
-    leaf = scores.detach().clone().requires_grad_()
-    def step():
-        leaf.grad = None
-        loss_fn(leaf, target).backward()
-    return step
+def time_interleaved(fns: Sequence[Callable[[], object]], device="cpu", rounds: int = 5, block: int = 3,
+                     turn_warmup: int = 1) -> list[dict]:
+    "Time functions taking turns: per round, each gets `turn_warmup` untimed then `block` timed calls; median over rounds of the block medians."
+    for fn in fns: fn()                                   # first calls: allocation, lazy initialisation
+    medians = [[] for _ in fns]
+    for _ in range(rounds):
+        for fn, ms in zip(fns, medians):
+            ms.append(time_fn(fn, device, warmup=turn_warmup, repeats=block)["median"])
+    out = []
+    for ms in medians:
+        q = statistics.quantiles(ms, n=4, method="inclusive") if len(ms) > 1 else [ms[0]] * 3
+        out.append({"median": statistics.median(ms), "q25": q[0], "q75": q[2], "min": min(ms), "repeats": rounds * block})
+    return out
 
 
 def bench_scores(batch: int, n: int, device="cpu", seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,16 +54,17 @@ def bench_loss(name: str, n: int, k: int, **params) -> Callable:
 
 def loss_speed(names: Sequence[str] | None = None, ns: Sequence[int] = (1000,), ks: Sequence[int] = (5,), batch: int = 256,
                device="cpu", repeats: int = 15, params: dict | None = None) -> list[dict]:
-    "Forward+backward time of registry losses vs n and k, each with F.cross_entropy timed on the same tensors in the same run."
+    "Forward+backward time of registry losses (all by default) vs n and k, with F.cross_entropy timed on the same tensors in the same run."
     rows = []
     for n in ns:
         scores, target = bench_scores(batch, n, device)
-        ce = time_fn(fwd_bwd_step(F.cross_entropy, scores, target), device, repeats=max(repeats, 30))["median"]
+        ce_step = fwd_bwd(F.cross_entropy, scores, target)
         for name in names or LOSSES:
             for k in ks:
                 if k >= n: continue
                 fn = bench_loss(name, n, k, **(params or {}).get(name, {}))
-                t = time_fn(fwd_bwd_step(fn, scores, target), device, repeats=repeats)
+                t_ce, t = time_interleaved([ce_step, fwd_bwd(fn, scores, target)], device, rounds=max(1, repeats // 3))
+                ce = t_ce["median"]
                 rows.append({"part": "loss", "loss": name, "n": n, "k": k, "batch": batch, "ms": 1e3 * t["median"],
                              "q25_ms": 1e3 * t["q25"], "q75_ms": 1e3 * t["q75"], "ce_ms": 1e3 * ce, "ratio": t["median"] / ce})
     return rows
@@ -92,7 +77,7 @@ def esp_speed(ns: Sequence[int] = (100, 1000, 10_000), k: int = 5, batch: int = 
     for n in ns:
         scores, target = bench_scores(batch, n, device)
         x = scores / k
-        ce = time_fn(fwd_bwd_step(F.cross_entropy, scores, target), device, repeats=30)["median"]
+        ce = time_fn(fwd_bwd(F.cross_entropy, scores, target), device, repeats=30)["median"]
         def add(part, variant, t):
             rows.append({"part": part, "variant": variant, "n": n, "k": k, "batch": batch, "ms": 1e3 * t["median"],
                          "ce_ms": 1e3 * ce, "ratio": t["median"] / ce})
@@ -100,28 +85,35 @@ def esp_speed(ns: Sequence[int] = (100, 1000, 10_000), k: int = 5, batch: int = 
             add("forward", "summation (Alg. 3)", time_fn(lambda: log_esp_summation(x, k), device, repeats=repeats))
             add("forward", "divide and conquer (Alg. 1)", time_fn(lambda: log_esp(x, k), device, repeats=repeats))
         for method in LOG_SIGMA_METHODS:
-            step = fwd_bwd_step(lambda t, _, m=method: log_sigma(t, k, method=m).sum(), x, target)
-            add("backward", method, time_fn(step, device, repeats=repeats))
+            add("backward", method, time_fn(fwd_bwd(lambda t, m=method: log_sigma(t, k, method=m), x), device, repeats=repeats))
     return rows
 
 
-def epoch_time(loss: str, k: int = 5, model: str = "densenet40_40", n_classes: int = 100, batch: int = 64,
-               n_train: int = 45_000, steps: int = 5, device="cpu", amp: bool = False, **loss_params) -> dict:
-    "Garcin Fig. 3: the time of one training epoch (n_train images), from the median SGD step on CIFAR-shaped synthetic data."
+def epoch_times(configs: Sequence[dict], model: str = "densenet40_40", n_classes: int = 100, batch: int = 64,
+                n_train: int = 45_000, rounds: int = 5, device="cpu") -> list[dict]:
+    "Garcin Fig. 3: epoch time (n_train images) per loss config {'loss', 'k', **params}, from SGD steps (taking turns) on CIFAR-shaped synthetic data."
     device = torch.device(device)
-    torch.manual_seed(0)
-    net = get_model(model, n_classes).to(device)
-    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4)
-    fn = bench_loss(loss, n_classes, k, **loss_params)
     x = torch.randn(batch, 3, 32, 32, device=device)
     y = torch.randint(0, n_classes, (batch,), device=device)
-    def step():
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
-            out = net(x)
-        fn(out.float(), y).backward()
-        opt.step()
-    t = time_fn(step, device, warmup=2, repeats=steps)
+    steps = []
+    for cfg in configs:
+        cfg = dict(cfg)
+        name, k = cfg.pop("loss"), cfg.pop("k", 5)
+        torch.manual_seed(0)
+        net = get_model(model, n_classes).to(device)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4)
+        def step(net=net, opt=opt, fn=bench_loss(name, n_classes, k, **cfg)):
+            opt.zero_grad(set_to_none=True)
+            fn(net(x), y).backward()
+            opt.step()
+        steps.append(step)
     per_epoch = math.ceil(n_train / batch)
-    return {"part": "epoch", "loss": loss, "k": k, "model": model, "batch": batch, "step_ms": 1e3 * t["median"],
-            "epoch_s": t["median"] * per_epoch, "steps_per_epoch": per_epoch, **{f"loss_{p}": v for p, v in loss_params.items()}}
+    rows = []
+    for cfg, t in zip(configs, time_interleaved(steps, device, rounds, block=1, turn_warmup=0)):
+        median = t["median"]
+        rows.append({"part": "epoch", "model": model, "batch": batch, "k": cfg.get("k", 5), **cfg, "step_ms": 1e3 * median,
+                     "epoch_s": median * per_epoch, "steps_per_epoch": per_epoch})
+    base = next((r["epoch_s"] for r in rows if r["loss"] == "ce"), None)
+    for r in rows:
+        r["overhead"] = None if base is None else r["epoch_s"] / base - 1
+    return rows

@@ -10,14 +10,14 @@ import math
 import time
 from fractions import Fraction
 from numbers import Integral, Real
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 
 # %% auto #0
 __all__ = ['FLOAT_DTYPES', 'REDUCTIONS', 'check_int', 'check_real', 'check_finite', 'check_scores', 'check_target',
-           'check_loss_input', 'check_reduction', 'reduce_loss', 'target_rank', 'topk_correct', 'topk_accuracy',
-           'macro_topk_accuracy', 'brute_esp', 'brute_log_esp', 'median_time', 'fwd_bwd']
+           'check_loss_input', 'check_reduction', 'reduce_loss', 'scores_without_target', 'target_rank', 'topk_correct',
+           'topk_accuracy', 'macro_topk_accuracy', 'brute_esp', 'brute_log_esp', 'time_fn', 'median_time', 'fwd_bwd']
 
 # %% ../nbs/00_core.ipynb #7530e4af
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -117,6 +117,13 @@ def reduce_loss(loss: torch.Tensor, reduction: str) -> torch.Tensor:
     if reduction == "sum": return loss.sum()
     return loss
 
+# %% ../nbs/00_core.ipynb #0b7e20e8
+def scores_without_target(scores: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    "s with the entry of the target removed from each row: shape (B, n-1), order kept."
+    n = scores.shape[1]
+    cols = torch.arange(n - 1, device=scores.device).expand(scores.shape[0], n - 1)
+    return scores.gather(1, cols + (cols >= target[:, None]).long())
+
 # %% ../nbs/00_core.ipynb #847fcfe7
 def target_rank(scores: torch.Tensor, target: torch.Tensor, ties: str = "pessimistic") -> torch.Tensor:
     "Number of classes ranked above the target of each sample (0 = top-1); ties count against it if pessimistic."
@@ -187,18 +194,33 @@ def brute_log_esp(x: torch.Tensor, k: int) -> torch.Tensor:
     return torch.tensor(out, dtype=torch.float64).reshape(*x.shape[:-1], k + 1)
 
 # %% ../nbs/00_core.ipynb #845c7230
+def time_fn(fn: Callable[[], object], device: str | torch.device = "cpu", warmup: int = 3, repeats: int = 15) -> dict:
+    "Time `fn()` on `device`: warm-up calls, then `repeats` timed calls (CUDA events on GPU); median, quartiles, min, in seconds."
+    device = torch.device(device)
+    check_int(warmup, "warmup", 0); check_int(repeats, "repeats", 1)
+    for _ in range(warmup): fn()
+    if device.type == "cuda": torch.cuda.synchronize(device)
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":     # events bracket the asynchronous launches; read once the end event completed
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(); fn(); end.record(); end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter(); fn(); times.append(time.perf_counter() - t0)
+    q = torch.tensor(times, dtype=torch.float64).quantile(torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64)).tolist()
+    return {"median": q[1], "q25": q[0], "q75": q[2], "min": min(times), "repeats": repeats}
+
+
 def median_time(fn, repeats: int = 9) -> float:
     "Median wall-clock seconds of `fn()` over `repeats` calls, after one warm-up call."
-    fn()
-    times = []
-    for _ in range(check_int(repeats, "repeats", 1)):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+    return time_fn(fn, warmup=1, repeats=repeats)["median"]
 
 
 def fwd_bwd(fn, inputs: torch.Tensor, *args):
-    "A closure running `fn(inputs, *args).sum().backward()` on a leaf copy of `inputs`, for `median_time`."
-    leaf = inputs.detach().requires_grad_()
-    return lambda: fn(leaf, *args).sum().backward()
+    "A closure running `fn(leaf, *args).sum().backward()` on a leaf copy of `inputs`, its gradient reset each call."
+    leaf = inputs.detach().clone().requires_grad_()
+    def step():
+        leaf.grad = None
+        fn(leaf, *args).sum().backward()
+    return step

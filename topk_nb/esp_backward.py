@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .core import check_int, check_real, check_scores
+from .core import check_int, check_real, check_scores, scores_without_target
 from .esp import _check_esp_input, dc_tree, esp_summation, log_poly_mul, log_zero
 
 # %% auto #0
@@ -182,12 +182,6 @@ class PowerLogSigma(torch.autograd.Function):
         return gx.scatter_add(1, head, v * gh).to(grad.dtype), None, None, None, None
 
 # %% ../nbs/02_esp_backward.ipynb #57923421
-def _others(x: torch.Tensor, exclude: torch.Tensor) -> torch.Tensor:
-    "The rows of x (B, n) without their entry `exclude` (B,): shape (B, n-1)."
-    keep = torch.ones_like(x, dtype=torch.bool).scatter_(1, exclude[:, None], False)
-    return x[keep].view(x.shape[0], x.shape[1] - 1)
-
-
 def power_log_sigma(x: torch.Tensor, k: int, exclude: torch.Tensor | None = None, top: torch.Tensor | None = None,
                     head: torch.Tensor | None = None) -> torch.Tensor:
     "(log sigma_{k-1}, log sigma_k) of exp(x) (B, n) without the entries `exclude`: power sums where certified, else the DC tree."
@@ -200,7 +194,7 @@ def power_log_sigma(x: torch.Tensor, k: int, exclude: torch.Tensor | None = None
     out, ok = PowerLogSigma.apply(x, k, top[:, :h + 1].detach(), head[:, :h], exclude)
     if not bool(ok.all()):
         bad = (~ok).nonzero()[:, 0]
-        xb = x[bad] if exclude is None else _others(x[bad], exclude[bad])
+        xb = x[bad] if exclude is None else scores_without_target(x[bad], exclude[bad])
         out = out.index_put((bad,), dc_tree(xb, k, log_zero(x.dtype, k))[0][..., k - 1:k + 1].to(out.dtype))
     return out
 

@@ -12,21 +12,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .core import check_int, check_loss_input, check_real, check_reduction, reduce_loss
+from .core import check_int, check_loss_input, check_real, check_reduction, reduce_loss, scores_without_target
 from .esp_backward import power_log_sigma
 
 # %% auto #0
-__all__ = ['scores_without_target', 'topk_hinge', 'subset_sums_bruteforce', 'smooth_topk_svm_bruteforce', 'hard_enough',
-           'smooth_topk_svm', 'SmoothTopkSVM', 'TopkHinge']
+__all__ = ['topk_hinge', 'subset_sums_bruteforce', 'smooth_topk_svm_bruteforce', 'hard_enough', 'smooth_topk_svm',
+           'SmoothTopkSVM', 'TopkHinge']
 
 # %% ../nbs/03_smooth_svm.ipynb #6240521f
-def scores_without_target(scores: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    "s with the entry of the target removed from each row: shape (B, n-1), order kept."
-    n = scores.shape[1]
-    cols = torch.arange(n - 1, device=scores.device).expand(scores.shape[0], n - 1)
-    return scores.gather(1, cols + (cols >= target[:, None]).long())
-
-
 def topk_hinge(scores: torch.Tensor, target: torch.Tensor, k: int = 5, alpha: float = 1.0,
                reduction: str = "mean", check_finite: bool | None = None) -> torch.Tensor:
     "Top-k hinge loss max{alpha + ((s without y)_[k] - s_y) / k, 0} (Berrada 2018, eq. 8/19; Lapin et al.)."
