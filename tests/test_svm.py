@@ -142,3 +142,24 @@ def test_bad_tensors(scores, target, message):
         with pytest.raises((ValueError, TypeError)) as info:
             fn(scores, target, k=1)
         assert message in str(info.value)
+
+
+@pytest.mark.parametrize("k,tau,scale", [(1, 1.0, 1.0), (5, 1.0, 1.0), (5, 0.1, 1.0), (10, 0.1, 5.0), (20, 1.0, 10.0)])
+def test_float32_power_path_against_float64_tree(k, tau, scale):
+    # the fused float32 path (every row smooth and certified) against log sigma by the float64 tree, same inputs
+    from topk_nb.core import scores_without_target
+    from topk_nb.esp_backward import log_sigma
+    from topk_nb.svm import _SmoothTopkSVMFunction
+    s32, y = random_scores(11, 64, 1000, scale, torch.float32)
+    s32.requires_grad_()
+    loss, ok = _SmoothTopkSVMFunction.apply(s32, y, k, tau, 1.0, False)
+    assert ok.all()
+    s = s32.detach().double().requires_grad_()
+    log_sig = log_sigma(scores_without_target(s, y) / (k * tau), k, method="autograd")
+    s_y = s.gather(1, y[:, None])[:, 0]
+    ref = tau * F.softplus(1.0 / tau + log_sig[:, 1] - log_sig[:, 0] - s_y / (k * tau))
+    assert ((loss.double() - ref).abs() <= 1e-4 * ref.abs() + 1e-6).all()
+    w = torch.rand(64, dtype=torch.float64)
+    (g,) = torch.autograd.grad((loss * w.float()).sum(), s32)
+    (g_ref,) = torch.autograd.grad((ref * w).sum(), s)
+    assert ((g.double() - g_ref).abs().amax(1) <= 1e-4 * g_ref.abs().amax(1)).all()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
 import time
 from fractions import Fraction
 from numbers import Integral, Real
@@ -17,7 +18,8 @@ import torch
 # %% auto #0
 __all__ = ['FLOAT_DTYPES', 'REDUCTIONS', 'check_int', 'check_real', 'check_finite', 'check_scores', 'check_target',
            'check_loss_input', 'check_reduction', 'reduce_loss', 'scores_without_target', 'target_rank', 'topk_correct',
-           'topk_accuracy', 'macro_topk_accuracy', 'brute_esp', 'brute_log_esp', 'time_fn', 'median_time', 'fwd_bwd']
+           'topk_accuracy', 'macro_topk_accuracy', 'brute_esp', 'brute_log_esp', 'workspace', 'time_fn', 'median_time',
+           'fwd_bwd']
 
 # %% ../nbs/00_core.ipynb #7530e4af
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -58,7 +60,7 @@ def check_real(value, name: str, lo: float | None = None, hi: float | None = Non
 def check_finite(t: torch.Tensor, name: str, check: bool | None = None) -> torch.Tensor:
     "Raise if `t` has NaN or infinite entries; CUDA tensors are checked only when `check` is True."
     if check is None: check = t.device.type == "cpu"
-    if check and not bool(torch.isfinite(t).all()):
+    if check and t.numel() and not bool(torch.isfinite(torch.stack(torch.aminmax(t))).all()):   # NaN propagates: one pass
         bad = (~torch.isfinite(t)).sum().item()
         raise ValueError(f"{name} must be finite, but {bad} of its {t.numel()} entries are NaN or infinite")
     return t
@@ -192,6 +194,22 @@ def brute_log_esp(x: torch.Tensor, k: int) -> torch.Tensor:
     out = [[_log_sum_exp([math.fsum(c) for c in itertools.combinations(row, j)]) for j in range(k + 1)]
            for row in rows]
     return torch.tensor(out, dtype=torch.float64).reshape(*x.shape[:-1], k + 1)
+
+# %% ../nbs/00_core.ipynb #7f70b413
+_WORKSPACE = threading.local()
+
+
+def workspace(shape: Sequence[int], dtype: torch.dtype = torch.float64, device: str | torch.device = "cpu") -> torch.Tensor:
+    "Uninitialised scratch of `shape`: on the CPU a view of a per-thread buffer reused across calls, valid until the next call for `dtype`."
+    device = torch.device(device)
+    if device.type != "cpu":
+        return torch.empty(shape, dtype=dtype, device=device)
+    numel, pool = math.prod(shape), _WORKSPACE.__dict__.setdefault("buffers", {})
+    buf = pool.get(dtype)
+    if buf is None or buf.numel() < numel:
+        with torch.inference_mode(False):                   # usable in and out of inference mode
+            buf = pool[dtype] = torch.empty(numel, dtype=dtype)
+    return buf[:numel].view(shape)
 
 # %% ../nbs/00_core.ipynb #845c7230
 def time_fn(fn: Callable[[], object], device: str | torch.device = "cpu", warmup: int = 3, repeats: int = 15) -> dict:

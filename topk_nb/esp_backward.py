@@ -8,14 +8,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .core import check_int, check_real, check_scores, scores_without_target
+from .core import check_int, check_real, check_scores, scores_without_target, workspace
 from .esp import _check_esp_input, dc_tree, esp_summation, log_poly_mul, log_zero
 
 # %% auto #0
 __all__ = ['UNIT_ROUNDOFF_64', 'TINY_64', 'POWER_FWD_TOL', 'POWER_GRAD_TOL', 'POWER_FWD_TOL_64', 'POWER_GRAD_TOL_64',
            'LOG_SIGMA_METHODS', 'esp_grad_alg2', 'esp_grad_recursion', 'default_order', 'esp_grad_stabilised',
-           'leave_one_out_log_esp', 'esp_grad_leave_one_out', 'poly_mul_lin', 'newton_esp', 'head_scans',
-           'PowerLogSigma', 'power_log_sigma', 'LogSigmaFunction', 'log_sigma', 'grad_error', 'grad_target']
+           'leave_one_out_log_esp', 'esp_grad_leave_one_out', 'power_tolerances', 'poly_mul_lin', 'newton_esp',
+           'head_esps', 'power_forward', 'power_backward', 'PowerLogSigma', 'power_log_sigma', 'LogSigmaFunction',
+           'log_sigma', 'grad_error', 'grad_target']
 
 # %% ../nbs/02_esp_backward.ipynb #89094acf
 def esp_grad_alg2(e: torch.Tensor, k: int) -> torch.Tensor:
@@ -89,40 +90,102 @@ POWER_FWD_TOL, POWER_GRAD_TOL = 1e-8, 1e-6      # float32 (and half) results
 POWER_FWD_TOL_64, POWER_GRAD_TOL_64 = 64 * UNIT_ROUNDOFF_64, 1e-12   # float64 results: float64 accuracy
 
 
+def power_tolerances(dtype: torch.dtype) -> tuple[float, float]:
+    "The certificate's (forward, gradient) tolerances for results of this dtype."
+    return (POWER_FWD_TOL_64, POWER_GRAD_TOL_64) if dtype == torch.float64 else (POWER_FWD_TOL, POWER_GRAD_TOL)
+
+
 def poly_mul_lin(p: torch.Tensor, q: torch.Tensor, d: int) -> torch.Tensor:
     "Coefficients 0..d-1 of the products of polynomials p (..., a) and q (..., b) in standard space (broadcast)."
-    out = p.new_zeros(*torch.broadcast_shapes(p.shape[:-1], q.shape[:-1]), d)
-    for a in range(min(p.shape[-1], d)):
-        w = min(q.shape[-1], d - a)
-        out[..., a:a + w] += p[..., a:a + 1] * q[..., :w]
-    return out
+    a, b = p.shape[-1], q.shape[-1]
+    prod = (p[..., :, None] * q[..., None, :]).flatten(-2)            # p_i q_j, at degree i + j
+    degree = (torch.arange(a, device=p.device)[:, None] + torch.arange(b, device=p.device)).flatten()
+    out = prod.new_zeros(*prod.shape[:-1], max(a + b - 1, d)).index_add_(-1, degree, prod)
+    return out[..., :d]
+
+
+def _lower_toeplitz(c: torch.Tensor) -> torch.Tensor:
+    "The strictly lower triangular Toeplitz matrices M[j, i] = c_{j-i} (j > i) of the vectors c_1..c_m (..., m)."
+    j = torch.arange(c.shape[-1] + 1, device=c.device)
+    lag = j[:, None] - j
+    return F.pad(c, (1, 0))[..., lag.clamp(min=0)] * (lag > 0)
 
 
 def newton_esp(power_sums: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     "sigma_0..k from the power sums p_1..p_k (..., k) by Newton's identities, and a bound on each absolute error."
     k = power_sums.shape[-1]
-    p = power_sums.unbind(-1)
+    j = torch.arange(k + 1, device=power_sums.device)
+    diag = torch.diag(j.clamp(min=1).to(power_sums.dtype))
+    p = _lower_toeplitz(power_sums)                                   # p_{j-i} below the diagonal
+    sign = 1.0 - 2.0 * ((j[:, None] - j) % 2)                         # (-1)^(j-i)
+    first = torch.zeros(k + 1, 1, dtype=power_sums.dtype, device=power_sums.device)
+    first[0] = 1.0
+    # j sigma_j + sum_r (-1)^r p_r sigma_{j-r} = 0 (j >= 1), sigma_0 = 1: one triangular solve
+    sig = torch.linalg.solve_triangular(diag + sign * p, first.expand(*p.shape[:-1], 1), upper=False)
+    # j E_j = sum_r p_r E_{j-r} + c u sum_r p_r sigma_{j-r}, E_0 = 0
     rounding = 2 * (n + 4 * k + 8) * UNIT_ROUNDOFF_64          # errors of the power sums and of the recurrence
-    sig, err = [torch.ones_like(p[0])], [torch.zeros_like(p[0])]
-    for j in range(1, k + 1):
-        terms = [sig[j - i] * p[i - 1] for i in range(1, j + 1)]
-        signed = sum(t if i % 2 == 0 else -t for i, t in enumerate(terms))      # + p_1 sigma_{j-1} - p_2 sigma_{j-2} ...
-        sig.append(signed / j)
-        err.append((sum(err[j - i] * p[i - 1] for i in range(1, j + 1)) + rounding * sum(terms)) / j)
-    return torch.stack(sig, -1), torch.stack(err, -1)
+    err = torch.linalg.solve_triangular(diag - p, rounding * (p @ sig), upper=False)
+    return sig[..., 0], err[..., 0]
 
 
-def head_scans(v: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    "ESP polynomials (degree <= k) of the first l and of the last l head values, l = 0..h; each (B, h+1, k+1)."
-    def scan(order):
-        cur = F.pad(v.new_ones(v.shape[0], 1), (0, k))
-        polys = [cur]
-        for l in order:
-            cur = torch.cat([cur[:, :1], torch.addcmul(cur[:, 1:], v[:, l:l + 1], cur[:, :-1])], 1)
-            polys.append(cur)
-        return torch.stack(polys, 1)
-    h = v.shape[1]
-    return scan(range(h)), scan(range(h - 1, -1, -1))
+def head_esps(v: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    "sigma_0..k of the head values v (B, h), and sigma_0..k-1 of the head without each of its entries, (B, h, k)."
+    B, h = v.shape
+    vals = v[:, None, :].repeat(1, h + 1, 1)                         # row i < h: entry i left out; row h: all
+    vals[:, torch.arange(h), torch.arange(h)] = 0.0
+    cur = F.pad(v.new_ones(B, h + 1, 1), (0, k))
+    for l in range(h):                                                # summation recurrence: positive terms only
+        cur = torch.cat([cur[..., :1], torch.addcmul(cur[..., 1:], vals[..., l:l + 1], cur[..., :-1])], -1)
+    return cur[:, h], cur[:, :h, :k]
+
+
+def power_forward(e: torch.Tensor, v: torch.Tensor, t: torch.Tensor, k: int, fwd_tol: float, grad_tol: float):
+    "sigma_0..k (B, k+1) of the values [v, e] (head v, tail e, float64, e <= t <= v), which rows are certified, and the backward's state."
+    n = e.shape[1]
+    work = workspace(e.shape, device=e.device) if k >= 2 else None        # the one scratch buffer
+    powers = [e.sum(1)]
+    for r in range(2, k + 1):
+        if r == 2: torch.mul(e, e, out=work)
+        else: work.mul_(e)
+        powers.append(work.sum(1))
+    sig_t, err_t = newton_esp(torch.stack(powers, -1), n)
+    sig_h, loo_h = head_esps(v, k)
+    sig = poly_mul_lin(sig_h, sig_t, k + 1)                          # sigma(all) = sigma(head) * sigma(tail)
+    err = poly_mul_lin(sig_h, err_t, k + 1) + (k + 2) * UNIT_ROUNDOFF_64 * sig \
+        + (n + k + 2) * (k + 2) * TINY_64 * sig.sum(1, keepdim=True)     # products lost to underflow
+    ok = (sig[:, k] > 0) & torch.isfinite(sig[:, k])
+    # error F_m of the tail recursion r_m = sigma_m - e r_{m-1}: F_m = d_m + t F_{m-1}, F_0 = 0
+    d = err[:, 1:k] + 2 * UNIT_ROUNDOFF_64 * (sig[:, 1:k] + t[:, None] * sig[:, :k - 1])
+    t_pow = t[:, None] ** torch.arange(max(k - 1, 1), dtype=t.dtype, device=t.device)
+    bounds = F.pad((_lower_toeplitz(t_pow[:, 1:]) + torch.eye(k - 1, dtype=t.dtype, device=t.device)) @ d[..., None],
+                   (0, 0, 1, 0))[..., 0] if k >= 2 else torch.zeros_like(sig[:, :1])   # F_0..F_{k-1}
+    for j in {max(k - 1, 1), k}:
+        ok &= (err[:, j] <= fwd_tol * sig[:, j]) & (t * bounds[:, j - 1] * n <= grad_tol * j * sig[:, j])
+    return sig, ok, (sig_t, loo_h)
+
+
+def power_backward(e: torch.Tensor, v: torch.Tensor, head: torch.Tensor, sig: torch.Tensor, ok: torch.Tensor, state,
+                   weight: torch.Tensor, k: int, out: torch.Tensor) -> torch.Tensor:
+    "Writes d(w_0 log sigma_{k-1} + w_1 log sigma_k)/dx (x = log of [v, e]) into `out` (B, n), head entries at `head`; 0 on rows not `ok`."
+    sig_t, loo_h = state
+    good = ok[:, None]                 # rows not certified get their gradient elsewhere: keep their arithmetic finite
+    sig, sig_t, weight = torch.where(good, sig, 1.0), torch.where(good, sig_t, 0.0), torch.where(good, weight, 0.0)
+    w1 = weight[:, 1:] / sig[:, k:k + 1]
+    w0 = weight[:, :1] / sig[:, k - 1:k] if k >= 2 else torch.zeros_like(w1)     # log sigma_0 = 0 is constant
+    # tail: e_i (w0 r_{k-2} + w1 r_{k-1}); the combination obeys the recursion of r with constants c_m (Horner)
+    if k == 1:
+        torch.mul(e, w1, out=out)
+    else:
+        c = w1 * sig[:, 1:k] + w0 * sig[:, :k - 1]
+        work = workspace(e.shape, device=e.device)
+        torch.addcmul(c[:, :1], e, w1, value=-1.0, out=work)
+        for m in range(2, k):
+            torch.addcmul(c[:, m - 1:m], e, work, value=-1.0, out=work)
+        torch.mul(e, work, out=out)
+    # head: exact leave-one-out polynomials, times sigma(tail)
+    loo = poly_mul_lin(loo_h, sig_t[:, None], k)                      # sigma_0..k-1 of all but head entry i
+    gh = loo[:, :, k - 1] * w1 + (loo[:, :, k - 2] * w0 if k >= 2 else 0.0)
+    return out.scatter_add_(1, head, (v * gh).to(out.dtype))
 
 
 class PowerLogSigma(torch.autograd.Function):
@@ -131,32 +194,15 @@ class PowerLogSigma(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, k, top, head, exclude):
         B, n = x.shape
-        xd, top = x.double(), top.double()
         h = head.shape[1]
-        c = top[:, :1]                                               # the largest value: e <= 1
-        v = (top[:, :h] - c).exp()                                   # head values, v[:, 0] = 1
-        t = (top[:, h] - c[:, 0]).exp() if top.shape[1] > h else xd.new_zeros(B)   # the largest tail value
+        c = top[:, :1].double()                                      # the largest value: e <= 1
+        v = (top[:, :h].double() - c).exp()                          # head values, v[:, 0] = 1
+        t = (top[:, h].double() - c[:, 0]).exp() if top.shape[1] > h else c.new_zeros(B)   # the largest tail value
         drop = head if exclude is None else torch.cat([head, exclude[:, None]], 1)
-        e = (xd - c).exp().scatter(1, drop, 0.0)                     # tail values; head and excluded entries are 0
-        powers, ep = [], e
-        for r in range(1, k + 1):
-            powers.append(ep.sum(1))
-            if r < k: ep = ep * e
-        sig_t, err_t = newton_esp(torch.stack(powers, -1), n)
-        prefix, suffix = head_scans(v, k)
-        sig = poly_mul_lin(prefix[:, h], sig_t, k + 1)              # sigma(all) = sigma(head) * sigma(tail)
-        err = poly_mul_lin(prefix[:, h], err_t, k + 1) + (k + 2) * UNIT_ROUNDOFF_64 * sig \
-            + (n + k + 2) * (k + 2) * TINY_64 * sig.sum(1, keepdim=True)     # products lost to underflow
-        ok = (sig[:, k] > 0) & torch.isfinite(sig[:, k])
-        fwd_tol, grad_tol = (POWER_FWD_TOL_64, POWER_GRAD_TOL_64) if x.dtype == torch.float64 else (POWER_FWD_TOL, POWER_GRAD_TOL)
-        bound, bounds = torch.zeros_like(t), [torch.zeros_like(t)]   # error of the tail recursion r_m = sigma_m - e r_{m-1}
-        for m in range(1, k):
-            bound = err[:, m] + t * bound + 2 * UNIT_ROUNDOFF_64 * (sig[:, m] + t * sig[:, m - 1])
-            bounds.append(bound)
-        for j in {max(k - 1, 1), k}:
-            ok &= (err[:, j] <= fwd_tol * sig[:, j]) & (t * bounds[j - 1] * n <= grad_tol * j * sig[:, j])
+        e = x.to(torch.float64, copy=True).sub_(c).exp_().scatter_(1, drop, 0.0)   # tail; head and excluded are 0
+        sig, ok, state = power_forward(e, v, t, k, *power_tolerances(x.dtype))
         out = sig[:, k - 1:k + 1].log() + c * torch.tensor([k - 1, k], dtype=c.dtype, device=c.device)
-        ctx.save_for_backward(e, sig, v, head, sig_t, prefix, suffix, ok)
+        ctx.save_for_backward(e, v, head, sig, ok, *state)
         ctx.k = k
         ctx.mark_non_differentiable(ok)
         return out.to(x.dtype), ok
@@ -164,22 +210,9 @@ class PowerLogSigma(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad, _):
-        e, sig, v, head, sig_t, prefix, suffix, ok = ctx.saved_tensors
-        k, h = ctx.k, v.shape[1]
-        g = grad.double()
-        weight = torch.stack([g[:, 0] / sig[:, k - 1] if k >= 2 else torch.zeros_like(g[:, 0]), g[:, 1] / sig[:, k]], 1)
-        weight = torch.where(ok[:, None], weight, 0.0)       # uncertified rows: their gradient comes from the fallback
-        # tail entries: sigma_m(e without i) by the recursion, accurate for entries below the head (bounded above)
-        r, acc = torch.ones_like(e), None
-        for m in range(1, k):
-            if m == k - 1: acc = r * weight[:, :1]                  # r_{k-2}
-            r = torch.addcmul(sig[:, m:m + 1], e, r, value=-1.0)
-        acc = r * weight[:, 1:] if acc is None else torch.addcmul(acc, r, weight[:, 1:])
-        gx = e * acc
-        # head entries: leave-one-out products of the prefix and suffix polynomials, times sigma(tail)
-        loo = poly_mul_lin(poly_mul_lin(prefix[:, :h], suffix[:, :h].flip(1), k), sig_t[:, None], k)   # (B, h, k)
-        gh = loo[:, :, k - 1] * weight[:, 1:] + (loo[:, :, k - 2] * weight[:, :1] if k >= 2 else 0)
-        return gx.scatter_add(1, head, v * gh).to(grad.dtype), None, None, None, None
+        e, v, head, sig, ok, *state = ctx.saved_tensors
+        out = torch.empty(e.shape, dtype=grad.dtype, device=e.device)
+        return power_backward(e, v, head, sig, ok, state, grad.double(), ctx.k, out), None, None, None, None
 
 # %% ../nbs/02_esp_backward.ipynb #57923421
 def power_log_sigma(x: torch.Tensor, k: int, exclude: torch.Tensor | None = None, top: torch.Tensor | None = None,

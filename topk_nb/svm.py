@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .core import check_int, check_loss_input, check_real, check_reduction, reduce_loss, scores_without_target
-from .esp_backward import power_log_sigma
+from .esp_backward import power_backward, power_forward, power_log_sigma, power_tolerances
 
 # %% auto #0
 __all__ = ['topk_hinge', 'subset_sums_bruteforce', 'smooth_topk_svm_bruteforce', 'hard_enough', 'smooth_topk_svm',
@@ -64,9 +64,10 @@ def _smooth_part(scores: torch.Tensor, target: torch.Tensor, k: int, tau: float,
 # %% ../nbs/03_smooth_svm.ipynb #6ebb4c73
 def _top_others(scores: torch.Tensor, target: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     "The k+2 largest scores other than the target's (all of them when fewer), sorted, their indices, and the target's score."
-    masked = scores.scatter(1, target[:, None], -torch.inf)
-    top, idx = masked.topk(min(k + 2, scores.shape[1] - 1), dim=1)
-    return top, idx, scores.gather(1, target[:, None])[:, 0]
+    n = scores.shape[1]
+    top, idx = scores.topk(min(k + 3, n), dim=1)                     # no masked copy of the scores: drop the target here
+    keep = (idx == target[:, None]).to(torch.uint8).argsort(dim=1, stable=True)[:, :min(k + 2, n - 1)]
+    return top.gather(1, keep), idx.gather(1, keep), scores.gather(1, target[:, None])[:, 0]
 
 
 def _hard_mask(top: torch.Tensor, s_y: torch.Tensor, n: int, k: int, tau: float, alpha: float) -> torch.Tensor:
@@ -88,6 +89,57 @@ def hard_enough(scores: torch.Tensor, target: torch.Tensor, k: int, tau: float, 
     return _hard_mask(top, s_y, scores.shape[1], k, tau, alpha)
 
 # %% ../nbs/03_smooth_svm.ipynb #491dffe0
+class _SmoothTopkSVMFunction(torch.autograd.Function):
+    "Per-sample L_{k,tau}: hard rows by the hinge, the others by certified power sums; which rows are certified; one gradient buffer."
+
+    @staticmethod
+    def forward(ctx, s, target, k, tau, alpha, hard_switch):
+        B, n = s.shape
+        top, idx, s_y = _top_others(s, target, k)          # one topk serves the switch, the hinge and the head
+        hinge = alpha + (top[:, k - 1] - s_y) / k
+        hard = _hard_mask(top, s_y, n, k, tau, alpha) if hard_switch else torch.zeros_like(hinge, dtype=torch.bool)
+        loss, ok = hinge.clamp_min(0.0), torch.ones_like(hard)
+        ctx.mark_non_differentiable(ok)
+        soft = (~hard).nonzero()[:, 0]
+        ctx.k, ctx.n, ctx.every = k, n, soft.numel() == B
+        kth, gain = idx[:, k - 1], (hard & (hinge > 0)).to(s.dtype) / k     # d hinge / d s_kth = -d hinge / d s_y
+        if not soft.numel():
+            ctx.save_for_backward(target, kth, gain)
+            return loss, ok
+        s_s, y_s, top_s, idx_s = (s, target, top, idx) if ctx.every else (s[soft], target[soft], top[soft], idx[soft])
+        h, scale = min(k + 1, top_s.shape[1]), 1.0 / (k * tau)
+        c = top_s[:, :1].double()                                    # x = s / (k tau), shifted by its largest other
+        head = idx_s[:, :h]
+        e = s_s.to(torch.float64, copy=True).sub_(c).mul_(scale).exp_().scatter_(1, torch.cat([head, y_s[:, None]], 1), 0.0)
+        v = ((top_s[:, :h].double() - c) * scale).exp()
+        t = ((top_s[:, h].double() - c[:, 0]) * scale).exp() if top_s.shape[1] > h else c.new_zeros(len(c))
+        sig, ok_s, state = power_forward(e, v, t, k, *power_tolerances(s.dtype))
+        z = alpha / tau + sig[:, k].log() - sig[:, k - 1].log() + (c[:, 0] - s_y[soft].double()) * scale   # b - a, eq. (10)
+        loss[soft], ok[soft] = (tau * F.softplus(z)).to(s.dtype), ok_s
+        ctx.save_for_backward(target, kth, gain, soft, e, v, head, sig, ok_s, torch.sigmoid(z), *state)
+        return loss, ok
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad, _):
+        target, kth, gain, *soft_state = ctx.saved_tensors
+        B, n, k = grad.shape[0], ctx.n, ctx.k
+        if ctx.every:                                                # every entry is written below
+            out = torch.empty((B, n), dtype=grad.dtype, device=grad.device)
+        else:
+            rows, g_hard = torch.arange(B, device=grad.device), grad * gain   # 0 on soft rows and where the hinge is flat
+            out = torch.zeros((B, n), dtype=grad.dtype, device=grad.device)
+            out.index_put_((rows, kth), g_hard, accumulate=True).index_put_((rows, target), -g_hard, accumulate=True)
+        if soft_state:
+            soft, e, v, head, sig, ok_s, rho, *state = soft_state
+            g = torch.where(ok_s, grad[soft].double() * rho / k, 0.0)   # dL/d log sigma_k = -dL/d log sigma_{k-1}, times dx/ds
+            part = out if ctx.every else torch.empty(e.shape, dtype=grad.dtype, device=grad.device)
+            power_backward(e, v, head, sig, ok_s, state, torch.stack([-g, g], 1), k, part)
+            part.scatter_add_(1, target[soft, None], -g[:, None].to(part.dtype))
+            if not ctx.every: out.index_copy_(0, soft, part)
+        return out, None, None, None, None, None
+
+
 def smooth_topk_svm(scores: torch.Tensor, target: torch.Tensor, k: int = 5, tau: float = 1.0, alpha: float = 1.0,
                     reduction: str = "mean", hard_switch: bool = True, check_finite: bool | None = None) -> torch.Tensor:
     "Smooth top-k SVM loss L_{k,tau} (Berrada 2018, eq. 9-10) with margin alpha."
@@ -98,17 +150,11 @@ def smooth_topk_svm(scores: torch.Tensor, target: torch.Tensor, k: int = 5, tau:
     out_dtype = scores.dtype
     with torch.autocast(scores.device.type, enabled=False):
         s = scores if scores.dtype in (torch.float32, torch.float64) else scores.float()
-        top, idx, s_y = _top_others(s, target, k)          # one topk serves the switch, the hinge and the head
-        if hard_switch:
-            hard = _hard_mask(top.detach(), s_y.detach(), s.shape[1], k, tau, alpha)
-            loss = F.relu(alpha + (top[:, k - 1] - s_y) / k)              # topk_hinge, eq. (19)
-            soft = (~hard).nonzero()[:, 0]
-        if not hard_switch or soft.numel() == s.shape[0]:
-            loss = _smooth_part(s, target, k, tau, alpha, top.detach(), idx)
-        elif soft.numel():
-            loss = loss.index_put((soft,), _smooth_part(s[soft], target[soft], k, tau, alpha, top[soft].detach(), idx[soft]))
+        loss, ok = _SmoothTopkSVMFunction.apply(s, target, k, tau, alpha, hard_switch)
+        if not bool(ok.all()):                                       # rows the certificate refuses: the exact tree
+            bad = (~ok).nonzero()[:, 0]
+            loss = loss.index_put((bad,), _smooth_part(s[bad], target[bad], k, tau, alpha))
     return reduce_loss(loss, reduction).to(out_dtype)
-
 class SmoothTopkSVM(nn.Module):
     "Smooth top-k SVM loss as a module, like nn.CrossEntropyLoss; the number of classes comes from the scores."
 
