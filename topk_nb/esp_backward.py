@@ -5,6 +5,8 @@
 # %% ../nbs/02_esp_backward.ipynb #c75d1121
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -104,22 +106,36 @@ def poly_mul_lin(p: torch.Tensor, q: torch.Tensor, d: int) -> torch.Tensor:
     return out[..., :d]
 
 
+@functools.lru_cache(maxsize=None)
+def _lags(m: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    "For (m+1) x (m+1) matrices: the lags j - i clamped at 0, and where j > i (cached: made outside inference mode)."
+    with torch.inference_mode(False):
+        j = torch.arange(m + 1, device=device)
+        lag = j[:, None] - j
+        return lag.clamp(min=0), lag > 0
+
+
 def _lower_toeplitz(c: torch.Tensor) -> torch.Tensor:
     "The strictly lower triangular Toeplitz matrices M[j, i] = c_{j-i} (j > i) of the vectors c_1..c_m (..., m)."
-    j = torch.arange(c.shape[-1] + 1, device=c.device)
-    lag = j[:, None] - j
-    return F.pad(c, (1, 0))[..., lag.clamp(min=0)] * (lag > 0)
+    lag, below = _lags(c.shape[-1], c.device)
+    return F.pad(c, (1, 0))[..., lag] * below
+
+
+@functools.lru_cache(maxsize=None)
+def _newton_constants(k: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    "diag(max(j, 1)), the signs (-1)^(j-i), and the unit vector e_0, for j, i = 0..k (cached: made outside inference mode)."
+    with torch.inference_mode(False):
+        j = torch.arange(k + 1, device=device)
+        first = torch.zeros(k + 1, 1, dtype=dtype, device=device)
+        first[0] = 1.0
+        return torch.diag(j.clamp(min=1).to(dtype)), (1.0 - 2.0 * ((j[:, None] - j) % 2)).to(dtype), first
 
 
 def newton_esp(power_sums: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     "sigma_0..k from the power sums p_1..p_k (..., k) by Newton's identities, and a bound on each absolute error."
     k = power_sums.shape[-1]
-    j = torch.arange(k + 1, device=power_sums.device)
-    diag = torch.diag(j.clamp(min=1).to(power_sums.dtype))
+    diag, sign, first = _newton_constants(k, power_sums.dtype, power_sums.device)
     p = _lower_toeplitz(power_sums)                                   # p_{j-i} below the diagonal
-    sign = 1.0 - 2.0 * ((j[:, None] - j) % 2)                         # (-1)^(j-i)
-    first = torch.zeros(k + 1, 1, dtype=power_sums.dtype, device=power_sums.device)
-    first[0] = 1.0
     # j sigma_j + sum_r (-1)^r p_r sigma_{j-r} = 0 (j >= 1), sigma_0 = 1: one triangular solve
     sig = torch.linalg.solve_triangular(diag + sign * p, first.expand(*p.shape[:-1], 1), upper=False)
     # j E_j = sum_r p_r E_{j-r} + c u sum_r p_r sigma_{j-r}, E_0 = 0
@@ -133,9 +149,12 @@ def head_esps(v: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     B, h = v.shape
     vals = v[:, None, :].repeat(1, h + 1, 1)                         # row i < h: entry i left out; row h: all
     vals[:, torch.arange(h), torch.arange(h)] = 0.0
-    cur = F.pad(v.new_ones(B, h + 1, 1), (0, k))
-    for l in range(h):                                                # summation recurrence: positive terms only
-        cur = torch.cat([cur[..., :1], torch.addcmul(cur[..., 1:], vals[..., l:l + 1], cur[..., :-1])], -1)
+    bufs = v.new_zeros(2, B, h + 1, k + 1)
+    bufs[..., 0] = 1.0
+    hi, lo = bufs[..., 1:].unbind(0), bufs[..., :-1].unbind(0)
+    for l, col in enumerate(vals.unsqueeze(-1).unbind(-2)):        # summation recurrence: positive terms only
+        torch.addcmul(hi[l % 2], col, lo[l % 2], out=hi[(l + 1) % 2])
+    cur = bufs[h % 2]
     return cur[:, h], cur[:, :h, :k]
 
 
@@ -156,9 +175,11 @@ def power_forward(e: torch.Tensor, v: torch.Tensor, t: torch.Tensor, k: int, fwd
     ok = (sig[:, k] > 0) & torch.isfinite(sig[:, k])
     # error F_m of the tail recursion r_m = sigma_m - e r_{m-1}: F_m = d_m + t F_{m-1}, F_0 = 0
     d = err[:, 1:k] + 2 * UNIT_ROUNDOFF_64 * (sig[:, 1:k] + t[:, None] * sig[:, :k - 1])
-    t_pow = t[:, None] ** torch.arange(max(k - 1, 1), dtype=t.dtype, device=t.device)
-    bounds = F.pad((_lower_toeplitz(t_pow[:, 1:]) + torch.eye(k - 1, dtype=t.dtype, device=t.device)) @ d[..., None],
-                   (0, 0, 1, 0))[..., 0] if k >= 2 else torch.zeros_like(sig[:, :1])   # F_0..F_{k-1}
+    if k >= 2:
+        t_pow = t[:, None] ** torch.arange(1, k - 1, dtype=t.dtype, device=t.device)    # t^1..t^{k-2}
+        bounds = F.pad((_lower_toeplitz(t_pow) @ d[..., None])[..., 0] + d, (1, 0))    # F_0..F_{k-1}
+    else:
+        bounds = torch.zeros_like(sig[:, :1])
     for j in {max(k - 1, 1), k}:
         ok &= (err[:, j] <= fwd_tol * sig[:, j]) & (t * bounds[:, j - 1] * n <= grad_tol * j * sig[:, j])
     return sig, ok, (sig_t, loo_h)
