@@ -6,7 +6,8 @@ from hypothesis import given, strategies as st
 
 from topk_nb.noised import (CalHinge, NoisedBalTopK, NoisedImbalTopK, cal_hinge, margins_from_counts,
                             noised_bal_topk, noised_imbal_topk)
-from topk_nb.perturbed import arg_top_sum, draw_noise, perturbed_argmax, smooth_topk, top_sum, topk_value
+from topk_nb.perturbed import (arg_top_sum, draw_noise, perturbed_argmax, perturbed_topk_law, sample_perturbed_topk,
+                               smooth_topk, top_sum, topk_value)
 
 
 def test_paper_illustration():
@@ -83,7 +84,7 @@ def test_smooth_topk_converges_within_prop_3_5():
 
 
 def test_top_sum_and_its_argmax():
-    s = torch.randn(6, 9)
+    s = torch.randn(6, 9, dtype=torch.float64)          # float32 sums in two orders can differ by more than allclose's atol near 0
     for k in range(0, 10):
         assert torch.allclose(top_sum(s, k), s.sort(1, descending=True).values[:, :k].sum(1))
         if k:
@@ -140,3 +141,48 @@ def test_bad_input(call, message):
     with pytest.raises((ValueError, TypeError)) as info:
         call(s, y)
     assert message in str(info.value)
+
+
+@pytest.mark.parametrize("k, eps", [(1, 0.3), (4, 0.5), (12, 0.2)])
+@pytest.mark.parametrize("imbalanced", [False, True])
+def test_default_path_is_eq_10_and_12_on_the_sampled_draws(k, eps, imbalanced):
+    g = torch.Generator().manual_seed(k)
+    s = 3 * torch.randn(48, 50, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 50, (48,), generator=g)
+    y[:24] = s[:24].argmax(1)                                                  # some hinges inactive
+    counts = torch.randint(1, 100, (50,), generator=g)
+    scale, margin = (2.0, margins_from_counts(counts)[y]) if imbalanced else (1.0, torch.ones(48, dtype=torch.float64))
+    s_ = s.clone().requires_grad_()
+    if imbalanced:
+        loss = noised_imbal_topk(s_, y, counts, k, eps, 6, scale=scale, reduction="sum", generator=torch.Generator().manual_seed(1))
+    else:
+        loss = noised_bal_topk(s_, y, k, eps, 6, reduction="sum", generator=torch.Generator().manual_seed(1))
+    (grad,) = torch.autograd.grad(loss, s_)
+    draws = sample_perturbed_topk(scale * s, k + 1, eps, 6, generator=torch.Generator().manual_seed(1))
+    hinge = scale * margin + draws.values.mean(0) - scale * s.gather(1, y[:, None])[:, 0]
+    assert 0 < (hinge > 0).sum() < 48
+    torch.testing.assert_close(loss, F.relu(hinge).sum())
+    expected = scale * (hinge > 0)[:, None] * (F.one_hot(draws.indices, 50).double().mean(0) - F.one_hot(y, 50).double())
+    torch.testing.assert_close(grad, expected)
+    assert ((grad != 0).sum(1) <= 6 + 1).all()
+
+
+def test_default_path_has_the_exact_expected_loss_and_gradient():
+    s = torch.tensor([0.5, 0.45, 0.4, 0.3, 0.25, 0.1, -3.0], dtype=torch.float64)   # y = 6 far below: always active
+    k, eps, copies = 2, 0.2, 60_000
+    mean, probs = perturbed_topk_law(s, k + 1, eps)
+    s_ = s.expand(copies, 7).clone().requires_grad_()
+    losses = noised_bal_topk(s_, torch.full((copies,), 6), k, eps, 2, generator=torch.Generator().manual_seed(6),
+                             reduction="none")
+    (grad,) = torch.autograd.grad(losses.sum(), s_)
+    assert (losses > 0).all()
+    assert abs(losses.mean().item() - (1 + mean + 3)) < 4.5 * losses.std().item() / copies ** 0.5
+    se = (probs * (1 - probs) / (2 * copies)).sqrt() + 1e-12
+    assert ((grad.mean(0) - (probs - F.one_hot(torch.tensor(6), 7).double())).abs() < 4.5 * se).all()
+
+
+def test_default_path_keeps_the_global_generator_untouched_and_float64():
+    s, y = torch.randn(16, 30, dtype=torch.float64), torch.randint(0, 30, (16,))
+    state = torch.get_rng_state()
+    loss = noised_bal_topk(s, y, 3, 0.5, 4, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(torch.get_rng_state(), state) and loss.dtype == torch.float64

@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .core import check_int, check_loss_input, check_real, check_reduction, reduce_loss
-from .perturbed import draw_noise, topk_value
+from .perturbed import draw_noise, sampled_topk_value, topk_value
 
 # %% auto #0
 __all__ = ['cal_hinge', 'noised_bal_topk', 'margins_from_counts', 'noised_imbal_topk', 'CalHinge', 'NoisedBalTopK',
@@ -33,6 +33,8 @@ def _noised_hinge(scores, target, k, epsilon, n_samples, margin, reduction, gene
         s = scores if scores.dtype in (torch.float32, torch.float64) else scores.float()
         if epsilon == 0:
             top = topk_value(s, k + 1)
+        elif noise is None:
+            top = sampled_topk_value(s, k + 1, epsilon, n_samples, generator)  # eq. (11), exact sparse draws
         else:
             perturbed = s.unsqueeze(0) + epsilon * draw_noise(s, n_samples, generator, noise)
             top = topk_value(perturbed, k + 1).mean(0)                      # eq. (11) with K + 1

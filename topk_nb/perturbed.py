@@ -5,14 +5,17 @@
 # %% ../nbs/04_perturbed.ipynb #485b1267
 from __future__ import annotations
 
-from typing import Callable
+import math
+from typing import Callable, NamedTuple
 
 import torch
+from torch.special import log_ndtr, ndtri
 
 from .core import check_int, check_real, check_scores
 
 # %% auto #0
-__all__ = ['draw_noise', 'perturbed_argmax', 'perturbed_max', 'top_sum', 'arg_top_sum', 'topk_value', 'smooth_topk']
+__all__ = ['DENSE_RATIO', 'draw_noise', 'perturbed_argmax', 'perturbed_max', 'top_sum', 'arg_top_sum', 'topk_value',
+           'smooth_topk', 'TopkSample', 'sample_perturbed_topk', 'sampled_topk_value', 'perturbed_topk_law']
 
 # %% ../nbs/04_perturbed.ipynb #d3566f1d
 def draw_noise(like: torch.Tensor, n_samples: int | None, generator: torch.Generator | None = None,
@@ -92,5 +95,145 @@ def smooth_topk(scores: torch.Tensor, k: int, epsilon: float, n_samples: int = 1
     epsilon = check_real(epsilon, "epsilon", 0.0)
     if epsilon == 0:
         return topk_value(scores, k)
+    if noise is None:                                # exact sparse sampler of section 5; half precision in float32
+        work = scores if scores.dtype in (torch.float32, torch.float64) else scores.float()
+        return sampled_topk_value(work, k, epsilon, n_samples, generator).to(scores.dtype)
     perturbed = scores.unsqueeze(0) + epsilon * draw_noise(scores, n_samples, generator, noise)
     return topk_value(perturbed, k).mean(0)
+
+# %% ../nbs/04_perturbed.ipynb #f78f06d6
+DENSE_RATIO = 0.1
+
+
+class TopkSample(NamedTuple):
+    "Draws of the k-th largest perturbed entry: `values` and class `indices`, both (n_samples, *batch), and route counts."
+    values: torch.Tensor
+    indices: torch.Tensor
+    stats: dict
+
+
+def _normal_cdf(x: torch.Tensor) -> torch.Tensor:
+    "Phi(x) without the lower-tail cancellation of torch.special.ndtr."
+    return log_ndtr(x).exp()
+
+
+def _tail_exceeders(s, epsilon, v, lam_bar, rate, cand_i, draw):
+    "Steps 2-3 for the sparse (draw, row) pairs: exceeding tail classes (owner, class) and their conditional values."
+    B, n = s.shape
+    owner = torch.repeat_interleave(draw(torch.poisson, rate).long())           # the (draw, row) of each point
+    flat = (owner % B) * n + draw(torch.randint, 0, n, owner.shape)            # (row, class), class uniform
+    s_flat = s.reshape(-1)
+    is_cand = torch.zeros(B * n, dtype=torch.bool, device=s.device)
+    is_cand[(cand_i + n * torch.arange(B, device=s.device)[:, None]).view(-1)] = True
+    lam = -log_ndtr((v[owner] - s_flat[flat].double()) / epsilon)
+    keep = ~is_cand[flat] & (draw(torch.rand, owner.shape, dtype=torch.float64) * lam_bar[owner] < lam)
+    key = torch.unique(owner[keep] * n + flat[keep] % n)                       # a class exceeds once
+    own, cls = key // n, key % n
+    s_e = s_flat[(own % B) * n + cls].double()
+    z = -ndtri(draw(torch.rand, own.shape, dtype=torch.float64) * _normal_cdf((s_e - v[own]) / epsilon))
+    return own, cls, (s_e + epsilon * z).to(s.dtype), owner.numel()
+
+
+@torch.compiler.disable                              # data-dependent sizes: run eagerly inside compiled code
+def sample_perturbed_topk(scores: torch.Tensor, k: int, epsilon: float, n_samples: int,
+                          generator: torch.Generator | None = None, n_extra: int | None = None,
+                          dense_ratio: float = DENSE_RATIO) -> TopkSample:
+    "Exact draws of (top_K(s + eps Z), its index) over the last dim: dense noise for the 3K + 8 top scores, Poisson thinning for the rest."
+    n = scores.shape[-1]
+    k, S = check_int(k, "k", 1, n), check_int(n_samples, "n_samples", 1)
+    epsilon = check_real(epsilon, "epsilon", 0.0, lo_open=True)
+    extra = 2 * k + 8 if n_extra is None else check_int(n_extra, "n_extra", 0)
+    batch, dev, dt = scores.shape[:-1], scores.device, scores.dtype
+    s = scores.detach().reshape(-1, n)
+    B, M = s.shape[0], min(n, k + extra)
+    gdev = generator.device if generator is not None else dev
+    def draw(fn, *args, **kw):                                                 # every random call takes the generator
+        if fn is torch.poisson: return fn(args[0].to(gdev), generator=generator).to(dev)
+        return fn(*args, generator=generator, device=gdev, **kw).to(dev)
+    def done(val, idx): return TopkSample(val.reshape(S, *batch), idx.reshape(S, *batch), stats)
+    stats = dict(candidates=M, points=0, exceeders=0, dense_rows=0)
+    top = s.topk(min(n, M + 1), dim=1)                                         # candidates, then the largest tail score
+    cand_s, cand_i = top.values[:, :M], top.indices[:, :M]
+    pert = draw(torch.randn, (S, B, M), dtype=dt).mul_(epsilon).add_(cand_s)    # step 1
+    kth = pert.topk(k, dim=-1, sorted=False)
+    low = kth.values.min(-1, keepdim=True)
+    val = low.values.reshape(-1).clone()                                       # v for each (draw, row): S * B
+    idx = cand_i.expand(S, B, M).gather(-1, kth.indices.gather(-1, low.indices)).reshape(-1)
+    if M == n:
+        return done(val, idx)
+    v = val.double()
+    lam_bar = -log_ndtr((v.view(S, B) - top.values[:, M].double()).reshape(-1) / epsilon)
+    dense = n * lam_bar > dense_ratio * (n - M)                                # expected points vs tail size
+    n_dense = int(dense.sum())
+    if 2 * n_dense > S * B:                                                    # mostly dense: every row at once
+        full = draw(torch.randn, (S, B, n), dtype=dt).mul_(epsilon).add_(s)
+        full.scatter_(2, cand_i.expand(S, B, M), pert)                         # the candidates keep their noise
+        t = full.topk(k, dim=-1)
+        stats["dense_rows"] = S * B
+        return done(t.values[..., -1], t.indices[..., -1])
+    own, cls, x, stats["points"] = _tail_exceeders(s, epsilon, v, lam_bar, torch.where(dense, 0.0, n * lam_bar),
+                                                   cand_i, draw)
+    if own.numel():                                                            # step 4 for rows with exceeders
+        rows, inv, per_row = torch.unique(own, return_inverse=True, return_counts=True)
+        pos = k + torch.arange(own.numel(), device=dev) - (per_row.cumsum(0) - per_row)[inv]
+        vals = torch.full((rows.numel(), k + int(per_row.max())), -math.inf, dtype=dt, device=dev)
+        ids = torch.zeros(vals.shape, dtype=torch.long, device=dev)
+        vals[:, :k] = kth.values.view(S * B, k)[rows]
+        ids[:, :k] = cand_i[rows % B].gather(1, kth.indices.view(S * B, k)[rows])
+        vals[inv, pos], ids[inv, pos] = x, cls
+        t = vals.topk(k, dim=1)
+        val[rows], idx[rows] = t.values[:, -1], ids.gather(1, t.indices[:, -1:])[:, 0]
+        stats["exceeders"] = own.numel()
+    if n_dense:                                                                # the few dense (draw, row) pairs
+        rows = dense.nonzero()[:, 0]
+        full = draw(torch.randn, (rows.numel(), n), dtype=dt).mul_(epsilon).add_(s[rows % B])
+        full.scatter_(1, cand_i[rows % B], pert.view(S * B, M)[rows])
+        t = full.topk(k, dim=1)
+        val[rows], idx[rows] = t.values[:, -1], t.indices[:, -1]
+        stats["dense_rows"] = n_dense
+    return done(val, idx)
+
+
+class _SampledTopk(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, scores, values, indices):
+        ctx.save_for_backward(indices)
+        ctx.shape = scores.shape
+        return values.mean(0)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        (indices,) = ctx.saved_tensors                                         # eq. (12): mean one-hot at the draws
+        S, n = indices.shape[0], ctx.shape[-1]
+        out = torch.zeros(ctx.shape, dtype=grad.dtype, device=grad.device)
+        src = (grad / S).unsqueeze(0).expand(indices.shape)
+        out.view(-1, n).scatter_add_(1, indices.reshape(S, -1).T, src.reshape(S, -1).T)
+        return out, None, None
+
+
+def sampled_topk_value(scores: torch.Tensor, k: int, epsilon: float, n_samples: int,
+                       generator: torch.Generator | None = None) -> torch.Tensor:
+    "mean_b top_K(s + eps Z_b) over the last dim by `sample_perturbed_topk`; backward = mean one-hot at the sampled indices."
+    sample = sample_perturbed_topk(scores, k, epsilon, n_samples, generator)
+    return _SampledTopk.apply(scores, sample.values, sample.indices)
+
+# %% ../nbs/04_perturbed.ipynb #da53a724
+def perturbed_topk_law(scores, k: int, epsilon: float, n_grid: int = 20001) -> tuple[float, torch.Tensor]:
+    "E[top_K(s + eps Z)] and P(argtop_K(s + eps Z) = j) for a small 1-D `scores`, by quadrature in float64."
+    s = torch.as_tensor(scores, dtype=torch.float64)
+    n, k, epsilon = s.numel(), check_int(k, "k", 1, s.numel()), check_real(epsilon, "epsilon", 0.0, lo_open=True)
+    t = torch.linspace(s.min().item() - 9 * epsilon, s.max().item() + 9 * epsilon, n_grid, dtype=torch.float64)
+    z = (t[:, None] - s) / epsilon                                             # (grid, n)
+    density = torch.exp(-z * z / 2) / (epsilon * math.sqrt(2 * math.pi))
+    above = _normal_cdf(-z)                                                    # P(X_i > t)
+    joint = torch.empty_like(density)
+    for j in range(n):
+        count = torch.zeros(len(t), k, dtype=torch.float64); count[:, 0] = 1    # P(exactly c others above t)
+        for i in range(n):
+            if i != j:
+                p = above[:, i:i + 1]
+                count = torch.cat([count[:, :1] * (1 - p), count[:, 1:] * (1 - p) + count[:, :-1] * p], 1)
+        joint[:, j] = density[:, j] * count[:, k - 1]
+    w = torch.full((n_grid, 1), (t[1] - t[0]).item(), dtype=torch.float64); w[0] = w[-1] = w[0] / 2
+    return (w * t[:, None] * joint).sum().item(), (w * joint).sum(0)
