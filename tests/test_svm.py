@@ -6,8 +6,10 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, strategies as st
 
-from topk_nb.svm import (SmoothTopkSVM, TopkHinge, hard_enough, smooth_topk_svm, smooth_topk_svm_bruteforce,
-                         subset_sums_bruteforce, topk_hinge)
+from topk_nb.core import scores_without_target
+from topk_nb.esp_backward import log_sigma
+from topk_nb.svm import (SmoothTopkSVM, TopkHinge, _SmoothTopkSVMFunction, hard_enough, smooth_topk_svm,
+                         smooth_topk_svm_bruteforce, subset_sums_bruteforce, topk_hinge)
 
 
 def random_scores(seed, batch, n, scale, dtype=torch.float64):
@@ -147,9 +149,6 @@ def test_bad_tensors(scores, target, message):
 @pytest.mark.parametrize("k,tau,scale", [(1, 1.0, 1.0), (5, 1.0, 1.0), (5, 0.1, 1.0), (10, 0.1, 5.0), (20, 1.0, 10.0)])
 def test_float32_power_path_against_float64_tree(k, tau, scale):
     # the fused float32 path (every row smooth and certified) against log sigma by the float64 tree, same inputs
-    from topk_nb.core import scores_without_target
-    from topk_nb.esp_backward import log_sigma
-    from topk_nb.svm import _SmoothTopkSVMFunction
     s32, y = random_scores(11, 64, 1000, scale, torch.float32)
     s32.requires_grad_()
     loss, ok = _SmoothTopkSVMFunction.apply(s32, y, k, tau, 1.0, False)

@@ -17,8 +17,8 @@ from .esp import _check_esp_input, dc_tree, esp_summation, log_poly_mul, log_zer
 __all__ = ['UNIT_ROUNDOFF_64', 'TINY_64', 'POWER_FWD_TOL', 'POWER_GRAD_TOL', 'POWER_FWD_TOL_64', 'POWER_GRAD_TOL_64',
            'LOG_SIGMA_METHODS', 'esp_grad_alg2', 'esp_grad_recursion', 'default_order', 'esp_grad_stabilised',
            'leave_one_out_log_esp', 'esp_grad_leave_one_out', 'power_tolerances', 'poly_mul_lin', 'newton_esp',
-           'head_esps', 'power_forward', 'power_backward', 'PowerLogSigma', 'power_log_sigma', 'LogSigmaFunction',
-           'log_sigma', 'grad_error', 'grad_target']
+           'head_esps', 'power_inputs', 'power_forward', 'power_backward', 'PowerLogSigma', 'power_log_sigma',
+           'LogSigmaFunction', 'log_sigma', 'grad_error', 'grad_target']
 
 # %% ../nbs/02_esp_backward.ipynb #89094acf
 def esp_grad_alg2(e: torch.Tensor, k: int) -> torch.Tensor:
@@ -158,6 +158,19 @@ def head_esps(v: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return cur[:, h], cur[:, :h, :k]
 
 
+def power_inputs(x: torch.Tensor, top: torch.Tensor, head: torch.Tensor, exclude: torch.Tensor | None = None,
+                 scale: float = 1.0) -> tuple[torch.Tensor, ...]:
+    "For the rows of exp(scale * x), in float64 and shifted by the largest value top[:, 0]: the shift, head values, largest tail value, tail values (head and `exclude` entries 0)."
+    h = head.shape[1]
+    c = top[:, :1].double()                                          # the largest value: e <= 1
+    v = ((top[:, :h].double() - c) * scale).exp()                    # head values, v[:, 0] = 1
+    t = ((top[:, h].double() - c[:, 0]) * scale).exp() if top.shape[1] > h else c.new_zeros(len(c))
+    drop = head if exclude is None else torch.cat([head, exclude[:, None]], 1)
+    e = x.to(torch.float64, copy=True).sub_(c)
+    if scale != 1.0: e.mul_(scale)
+    return c, v, t, e.exp_().scatter_(1, drop, 0.0)
+
+
 def power_forward(e: torch.Tensor, v: torch.Tensor, t: torch.Tensor, k: int, fwd_tol: float, grad_tol: float):
     "sigma_0..k (B, k+1) of the values [v, e] (head v, tail e, float64, e <= t <= v), which rows are certified, and the backward's state."
     n = e.shape[1]
@@ -174,8 +187,8 @@ def power_forward(e: torch.Tensor, v: torch.Tensor, t: torch.Tensor, k: int, fwd
         + (n + k + 2) * (k + 2) * TINY_64 * sig.sum(1, keepdim=True)     # products lost to underflow
     ok = (sig[:, k] > 0) & torch.isfinite(sig[:, k])
     # error F_m of the tail recursion r_m = sigma_m - e r_{m-1}: F_m = d_m + t F_{m-1}, F_0 = 0
-    d = err[:, 1:k] + 2 * UNIT_ROUNDOFF_64 * (sig[:, 1:k] + t[:, None] * sig[:, :k - 1])
     if k >= 2:
+        d = err[:, 1:k] + 2 * UNIT_ROUNDOFF_64 * (sig[:, 1:k] + t[:, None] * sig[:, :k - 1])
         t_pow = t[:, None] ** torch.arange(1, k - 1, dtype=t.dtype, device=t.device)    # t^1..t^{k-2}
         bounds = F.pad((_lower_toeplitz(t_pow) @ d[..., None])[..., 0] + d, (1, 0))    # F_0..F_{k-1}
     else:
@@ -214,13 +227,7 @@ class PowerLogSigma(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, k, top, head, exclude):
-        B, n = x.shape
-        h = head.shape[1]
-        c = top[:, :1].double()                                      # the largest value: e <= 1
-        v = (top[:, :h].double() - c).exp()                          # head values, v[:, 0] = 1
-        t = (top[:, h].double() - c[:, 0]).exp() if top.shape[1] > h else c.new_zeros(B)   # the largest tail value
-        drop = head if exclude is None else torch.cat([head, exclude[:, None]], 1)
-        e = x.to(torch.float64, copy=True).sub_(c).exp_().scatter_(1, drop, 0.0)   # tail; head and excluded are 0
+        c, v, t, e = power_inputs(x, top, head, exclude)
         sig, ok, state = power_forward(e, v, t, k, *power_tolerances(x.dtype))
         out = sig[:, k - 1:k + 1].log() + c * torch.tensor([k - 1, k], dtype=c.dtype, device=c.device)
         ctx.save_for_backward(e, v, head, sig, ok, *state)

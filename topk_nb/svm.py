@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .core import check_int, check_loss_input, check_real, check_reduction, reduce_loss, scores_without_target
-from .esp_backward import power_backward, power_forward, power_log_sigma, power_tolerances
+from .esp_backward import power_backward, power_forward, power_inputs, power_log_sigma, power_tolerances
 
 # %% auto #0
 __all__ = ['topk_hinge', 'subset_sums_bruteforce', 'smooth_topk_svm_bruteforce', 'hard_enough', 'smooth_topk_svm',
@@ -108,11 +108,8 @@ class _SmoothTopkSVMFunction(torch.autograd.Function):
             return loss, ok
         s_s, y_s, top_s, idx_s = (s, target, top, idx) if ctx.every else (s[soft], target[soft], top[soft], idx[soft])
         h, scale = min(k + 1, top_s.shape[1]), 1.0 / (k * tau)
-        c = top_s[:, :1].double()                                    # x = s / (k tau), shifted by its largest other
         head = idx_s[:, :h]
-        e = s_s.to(torch.float64, copy=True).sub_(c).mul_(scale).exp_().scatter_(1, torch.cat([head, y_s[:, None]], 1), 0.0)
-        v = ((top_s[:, :h].double() - c) * scale).exp()
-        t = ((top_s[:, h].double() - c[:, 0]) * scale).exp() if top_s.shape[1] > h else c.new_zeros(len(c))
+        c, v, t, e = power_inputs(s_s, top_s, head, y_s, scale)      # x = s / (k tau), shifted by its largest other
         sig, ok_s, state = power_forward(e, v, t, k, *power_tolerances(s.dtype))
         z = alpha / tau + sig[:, k].log() - sig[:, k - 1].log() + (c[:, 0] - s_y[soft].double()) * scale   # b - a, eq. (10)
         loss[soft], ok[soft] = (tau * F.softplus(z)).to(s.dtype), ok_s
