@@ -5,6 +5,7 @@
 # %% ../nbs/00_core.ipynb #19322eb8
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import threading
@@ -16,10 +17,30 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 # %% auto #0
-__all__ = ['FLOAT_DTYPES', 'REDUCTIONS', 'check_int', 'check_real', 'check_finite', 'check_scores', 'check_target',
-           'check_loss_input', 'check_reduction', 'reduce_loss', 'scores_without_target', 'target_rank', 'topk_correct',
-           'topk_accuracy', 'macro_topk_accuracy', 'brute_esp', 'brute_log_esp', 'workspace', 'time_fn', 'median_time',
-           'fwd_bwd']
+__all__ = ['FLOAT_DTYPES', 'REDUCTIONS', 'sync_free', 'force_sync_free', 'check_int', 'check_real', 'check_finite',
+           'check_scores', 'check_target', 'check_loss_input', 'check_reduction', 'reduce_loss',
+           'scores_without_target', 'target_rank', 'topk_correct', 'topk_accuracy', 'macro_topk_accuracy', 'brute_esp',
+           'brute_log_esp', 'workspace', 'time_fn', 'median_time', 'fwd_bwd']
+
+# %% ../nbs/00_core.ipynb #576df6fa
+_SYNC_FREE = threading.local()
+
+
+def sync_free(t: torch.Tensor) -> bool:
+    "True when work on `t` must not read values back to the host: an accelerator tensor, `torch.compile` tracing, or `force_sync_free()`."
+    return t.device.type != "cpu" or torch.compiler.is_compiling() or getattr(_SYNC_FREE, "on", False)
+
+
+@contextlib.contextmanager
+def force_sync_free(enabled: bool = True # run CPU tensors through the sync-free path too
+                    ):
+    "Context manager: CPU tensors take the sync-free path (fixed shapes, no read-back), as on a GPU."
+    before = getattr(_SYNC_FREE, "on", False)
+    _SYNC_FREE.on = bool(enabled)
+    try:
+        yield
+    finally:
+        _SYNC_FREE.on = before
 
 # %% ../nbs/00_core.ipynb #7530e4af
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -58,8 +79,8 @@ def check_real(value, name: str, lo: float | None = None, hi: float | None = Non
 
 
 def check_finite(t: torch.Tensor, name: str, check: bool | None = None) -> torch.Tensor:
-    "Raise if `t` has NaN or infinite entries; CUDA tensors are checked only when `check` is True."
-    if check is None: check = t.device.type == "cpu"
+    "Raise if `t` has NaN or infinite entries; by default only on the host path (see `sync_free`), always when `check` is True."
+    if check is None: check = not sync_free(t)
     if check and t.numel() and not bool(torch.isfinite(torch.stack(torch.aminmax(t))).all()):   # NaN propagates: one pass
         bad = (~torch.isfinite(t)).sum().item()
         raise ValueError(f"{name} must be finite, but {bad} of its {t.numel()} entries are NaN or infinite")
@@ -92,7 +113,9 @@ def check_target(target, n: int, batch: int, name: str = "target") -> torch.Tens
         raise TypeError(f"{name} must hold integer class indices (int64), got {target.dtype}")
     if target.shape != (batch,):
         raise ValueError(f"{name} must have shape ({batch},) to match the scores, got {tuple(target.shape)}")
-    if target.device.type == "cpu" and batch > 0:
+    if batch > 0 and sync_free(target):        # checked on the device, as F.cross_entropy does: no host sync
+        torch._assert_async(((target >= 0) & (target < n)).all(), f"{name} must hold class indices in [0, {n - 1}]")
+    elif batch > 0:
         lo, hi = target.min().item(), target.max().item()
         if lo < 0 or hi >= n:
             raise ValueError(f"{name} must hold class indices in [0, {n - 1}], got values in [{lo}, {hi}]")
