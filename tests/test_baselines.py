@@ -162,8 +162,8 @@ def test_split_target_and_expected_loss_errors():
         expected_loss(lambda a, b, reduction: a.sum(1), s, t, max_support=2)
 
 
-@pytest.mark.parametrize("crit", [CrossEntropy(), FocalLoss(), LDAMLoss([3, 2, 1, 1, 1]), CvxTopkHinge(2),
-                                  TopkGrouping(2), TopkTransition(2)], ids=lambda c: type(c).__name__)
+@pytest.mark.parametrize("crit", [CrossEntropy(), FocalLoss(), LDAMLoss(class_counts=[3, 2, 1, 1, 1]), CvxTopkHinge(k=2),
+                                  TopkGrouping(k=2), TopkTransition(k=2)], ids=lambda c: type(c).__name__)
 def test_module_conventions_and_bad_input(crit):
     s, y, t = problem(7, 6, 5)
     s32 = s.float()
@@ -172,8 +172,8 @@ def test_module_conventions_and_bad_input(crit):
     assert crit(s32[:1], y[:1]).shape == ()
     assert crit(s32, t.float()).shape == ()
     assert crit(s32.bfloat16(), y).dtype == torch.bfloat16
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert crit(s32.bfloat16(), t.bfloat16()).dtype == torch.bfloat16
+    with torch.autocast("cpu", dtype=torch.bfloat16):                 # float32 under autocast, as nn.CrossEntropyLoss
+        assert crit(s32.bfloat16(), t.bfloat16()).dtype == torch.float32
     with pytest.raises(ValueError, match="finite"):
         crit(torch.full((2, 5), float("inf")), y[:2])
     with pytest.raises(ValueError, match=r"\[0, 4\]"):

@@ -108,9 +108,9 @@ def test_imbalanced_margins_and_reduction_to_balanced():
     assert abs(m.max().item() - 0.3) < 1e-12 and torch.all(m[:-1] < m[1:])
     s, y = torch.randn(12, 3, dtype=torch.float64), torch.randint(0, 3, (12,))
     z = torch.randn(4, 12, 3, dtype=torch.float64)
-    torch.testing.assert_close(noised_imbal_topk(s, y, [9, 9, 9], k=1, epsilon=0.2, max_m=1.0, noise=z),
+    torch.testing.assert_close(noised_imbal_topk(s, y, [9, 9, 9], k=1, epsilon=0.2, max_m=1.0, scale=1.0, noise=z),
                                noised_bal_topk(s, y, k=1, epsilon=0.2, noise=z))
-    crit = NoisedImbalTopK(counts, k=1)
+    crit = NoisedImbalTopK(class_counts=counts, k=1)
     assert crit.class_counts.dtype == torch.float64 and torch.isfinite(crit(s.float(), y))
 
 
@@ -158,10 +158,10 @@ def test_default_path_is_eq_10_and_12_on_the_sampled_draws(k, eps, imbalanced):
     else:
         loss = noised_bal_topk(s_, y, k, eps, 6, reduction="sum", generator=torch.Generator().manual_seed(1))
     (grad,) = torch.autograd.grad(loss, s_)
-    draws = sample_perturbed_topk(scale * s, k + 1, eps, 6, generator=torch.Generator().manual_seed(1))
-    hinge = scale * margin + draws.values.mean(0) - scale * s.gather(1, y[:, None])[:, 0]
+    draws = sample_perturbed_topk(s, k + 1, eps, 6, generator=torch.Generator().manual_seed(1))   # noise on s, unscaled
+    hinge = margin + draws.values.mean(0) - s.gather(1, y[:, None])[:, 0]
     assert 0 < (hinge > 0).sum() < 48
-    torch.testing.assert_close(loss, F.relu(hinge).sum())
+    torch.testing.assert_close(loss, scale * F.relu(hinge).sum())
     expected = scale * (hinge > 0)[:, None] * (F.one_hot(draws.indices, 50).double().mean(0) - F.one_hot(y, 50).double())
     torch.testing.assert_close(grad, expected)
     assert ((grad != 0).sum(1) <= 6 + 1).all()

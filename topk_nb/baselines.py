@@ -11,7 +11,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .core import check_finite, check_int, check_real, check_reduction, check_scores, check_target, reduce_loss
+from .core import (LossModule, check_finite, check_int, check_real, check_reduction, check_scores, check_target,
+                          flatten_classes, reduce_loss)
 from .noised import margins_from_counts
 
 # %% auto #0
@@ -191,95 +192,132 @@ def topk_transition(scores: torch.Tensor, target: torch.Tensor, k: int = 5, deta
     return reduce_loss(loss, reduction).to(scores.dtype)
 
 # %% ../nbs/06_baselines.ipynb #f920ab89
-class CrossEntropy(nn.Module):
-    "Cross-entropy with class indices or probabilities and optional label smoothing."
+class _NativeSoft(LossModule):
+    "A loss whose function takes probability targets itself: `per_sample_soft` calls it (the expectation when weighted)."
 
-    def __init__(self, label_smoothing: float = 0.0, reduction: str = "mean", check_finite: bool | None = None):
-        super().__init__()
+    def per_sample_soft(self, scores, probs):
+        if self.weight is not None:                  # these losses are linear in t: the weighted expectation
+            return LossModule.per_sample_soft(self, scores, probs)
+        return self.per_sample(scores, probs)
+
+
+class CrossEntropy(LossModule):
+    "Cross-entropy as a module: F.cross_entropy with every convention of nn.CrossEntropyLoss, and label smoothing."
+    example = "label_smoothing=0.1"
+
+    def __init__(self, *,
+                 label_smoothing: float = 0.0,   # mix the target with the uniform distribution
+                 **conventions):                 # weight, ignore_index, reduction, max_support, check_finite
+        super().__init__(**conventions)
         self.label_smoothing = check_real(label_smoothing, "label_smoothing", 0.0, 1.0)
-        self.reduction, self.check_finite = check_reduction(reduction), check_finite
+
+    def per_sample(self, scores, target):
+        return cross_entropy(scores, target, self.label_smoothing, "none", self.check_finite)
 
     def forward(self, scores, target):
-        return cross_entropy(scores, target, self.label_smoothing, self.reduction, self.check_finite)
+        check_scores(scores, "scores", ndim=None, min_classes=2, check=self.check_finite)
+        out_dtype = torch.float32 if torch.is_autocast_enabled(scores.device.type) else scores.dtype
+        s, t, _ = flatten_classes(scores, target)                         # validates the shapes
+        if not t.is_floating_point():
+            check_target(torch.where(t == self.ignore_index, 0, t), s.shape[1], s.shape[0])
+        with torch.autocast(scores.device.type, enabled=False):
+            s = working_scores(scores)
+            t = target.to(s.dtype) if target.is_floating_point() else target
+            w = None if self.weight is None else self.weight.to(s)
+            loss = F.cross_entropy(s, t, weight=w, ignore_index=self.ignore_index, reduction=self.reduction,
+                                   label_smoothing=self.label_smoothing)
+        return loss.to(out_dtype)
 
     def extra_repr(self):
         return f"label_smoothing={self.label_smoothing}, reduction={self.reduction!r}"
 
 
-class FocalLoss(nn.Module):
+class FocalLoss(_NativeSoft):
     "Focal loss (Lin et al. 2017) as a module."
+    example = "gamma=2.0"
 
-    def __init__(self, gamma: float = 2.0, reduction: str = "mean", check_finite: bool | None = None):
-        super().__init__()
+    def __init__(self, *,
+                 gamma: float = 2.0,   # focusing parameter; 0 gives cross-entropy
+                 **conventions):       # weight, ignore_index, reduction, max_support, check_finite
+        super().__init__(**conventions)
         self.gamma = check_real(gamma, "gamma", 0.0)
-        self.reduction, self.check_finite = check_reduction(reduction), check_finite
 
-    def forward(self, scores, target):
-        return focal_loss(scores, target, self.gamma, self.reduction, self.check_finite)
+    def per_sample(self, scores, target):
+        return focal_loss(scores, target, self.gamma, "none", self.check_finite)
 
     def extra_repr(self):
         return f"gamma={self.gamma}, reduction={self.reduction!r}"
 
-
-class LDAMLoss(nn.Module):
+# %% ../nbs/06_baselines.ipynb #f920ab89
+class LDAMLoss(_NativeSoft):
     "LDAM loss (Cao et al. 2019) as a module; margins from the training `class_counts`."
+    example = "class_counts=counts"
 
-    def __init__(self, class_counts, max_m: float = 0.5, scale: float = 30.0, reduction: str = "mean",
-                 check_finite: bool | None = None):
-        super().__init__()
+    def __init__(self, *,
+                 class_counts,          # training samples of each class (n,)
+                 max_m: float = 0.5,    # the largest margin (the rarest class)
+                 scale: float = 30.0,   # multiplies the shifted scores
+                 **conventions):        # weight, ignore_index, reduction, max_support, check_finite
+        super().__init__(**conventions)
         self.register_buffer("class_counts", torch.as_tensor(class_counts, dtype=torch.float64))
         margins_from_counts(self.class_counts, max_m)                       # validate now, not at the first batch
         self.max_m, self.scale = check_real(max_m, "max_m", 0.0), check_real(scale, "scale", 0.0, lo_open=True)
-        self.reduction, self.check_finite = check_reduction(reduction), check_finite
 
-    def forward(self, scores, target):
-        return ldam(scores, target, self.class_counts, self.max_m, self.scale, self.reduction,
-                    check_finite=self.check_finite)
+    def per_sample(self, scores, target):
+        return ldam(scores, target, self.class_counts, self.max_m, self.scale, "none", scores.shape[1], self.check_finite)
 
     def extra_repr(self):
         return f"n_classes={self.class_counts.numel()}, max_m={self.max_m}, scale={self.scale}"
 
 
-class CvxTopkHinge(nn.Module):
+class CvxTopkHinge(_NativeSoft):
     "Lapin's convexified top-k hinge as a module."
+    example = "k=5"
 
-    def __init__(self, k: int = 5, alpha: float = 1.0, reduction: str = "mean", check_finite: bool | None = None):
-        super().__init__()
+    def __init__(self, *,
+                 k: int = 5,           # the k of top-k
+                 alpha: float = 1.0,   # margin
+                 **conventions):       # weight, ignore_index, reduction, max_support, check_finite
+        super().__init__(**conventions)
         self.k, self.alpha = check_int(k, "k", 1), check_real(alpha, "alpha", 0.0)
-        self.reduction, self.check_finite = check_reduction(reduction), check_finite
 
-    def forward(self, scores, target):
-        return cvx_topk_hinge(scores, target, self.k, self.alpha, self.reduction, check_finite=self.check_finite)
+    def per_sample(self, scores, target):
+        return cvx_topk_hinge(scores, target, self.k, self.alpha, "none", scores.shape[1], self.check_finite)
 
     def extra_repr(self):
         return f"k={self.k}, alpha={self.alpha}, reduction={self.reduction!r}"
 
 
-class TopkGrouping(nn.Module):
+class TopkGrouping(_NativeSoft):
     "Sawada's top-k grouping loss as a module."
+    example = "k=5"
 
-    def __init__(self, k: int = 5, reduction: str = "mean", check_finite: bool | None = None):
-        super().__init__()
-        self.k, self.reduction, self.check_finite = check_int(k, "k", 1), check_reduction(reduction), check_finite
+    def __init__(self, *,
+                 k: int = 5,       # the size of the predicted group
+                 **conventions):   # weight, ignore_index, reduction, max_support, check_finite
+        super().__init__(**conventions)
+        self.k = check_int(k, "k", 1)
 
-    def forward(self, scores, target):
-        return topk_grouping(scores, target, self.k, self.reduction, self.check_finite)
+    def per_sample(self, scores, target):
+        return topk_grouping(scores, target, self.k, "none", self.check_finite)
 
     def extra_repr(self):
         return f"k={self.k}, reduction={self.reduction!r}"
 
 
-class TopkTransition(nn.Module):
+class TopkTransition(_NativeSoft):
     "Sawada's top-k transition loss as a module."
+    example = "k=5"
 
-    def __init__(self, k: int = 5, detach_weight: bool = False, reduction: str = "mean",
-                 check_finite: bool | None = None):
-        super().__init__()
+    def __init__(self, *,
+                 k: int = 5,                    # the size of the predicted group
+                 detach_weight: bool = False,   # no gradient through the weight Q_G
+                 **conventions):                # weight, ignore_index, reduction, max_support, check_finite
+        super().__init__(**conventions)
         self.k, self.detach_weight = check_int(k, "k", 1), bool(detach_weight)
-        self.reduction, self.check_finite = check_reduction(reduction), check_finite
 
-    def forward(self, scores, target):
-        return topk_transition(scores, target, self.k, self.detach_weight, self.reduction, self.check_finite)
+    def per_sample(self, scores, target):
+        return topk_transition(scores, target, self.k, self.detach_weight, "none", self.check_finite)
 
     def extra_repr(self):
         return f"k={self.k}, detach_weight={self.detach_weight}, reduction={self.reduction!r}"

@@ -15,12 +15,13 @@ from numbers import Integral, Real
 from typing import Callable, Iterable, Sequence
 
 import torch
+import torch.nn as nn
 
 # %% auto #0
 __all__ = ['FLOAT_DTYPES', 'REDUCTIONS', 'sync_free', 'force_sync_free', 'check_int', 'check_real', 'check_finite',
            'check_scores', 'check_target', 'check_loss_input', 'check_reduction', 'reduce_loss',
            'scores_without_target', 'target_rank', 'topk_correct', 'topk_accuracy', 'macro_topk_accuracy', 'brute_esp',
-           'brute_log_esp', 'workspace', 'time_fn', 'median_time', 'fwd_bwd']
+           'brute_log_esp', 'workspace', 'time_fn', 'median_time', 'fwd_bwd', 'flatten_classes', 'LossModule']
 
 # %% ../nbs/00_core.ipynb #576df6fa
 _SYNC_FREE = threading.local()
@@ -265,3 +266,120 @@ def fwd_bwd(fn, inputs: torch.Tensor, *args):
         leaf.grad = None
         fn(leaf, *args).sum().backward()
     return step
+
+# %% ../nbs/00_core.ipynb #627e6e0a
+def flatten_classes(scores: torch.Tensor, # (B, n, d_1, ...): the classes along dimension 1
+                    target: torch.Tensor, # (B, d_1, ...) class indices or (B, n, d_1, ...) probabilities
+                    ) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    "Scores as (N, n), targets as (N,) or (N, n), N = B d_1 ...; and the per-sample shape (B, d_1, ...)."
+    if not isinstance(scores, torch.Tensor) or scores.ndim < 2:
+        raise ValueError(f"scores must be a tensor of shape (B, n) or (B, n, d_1, ...), "
+                         f"got {tuple(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__}")
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(f"target must be a torch.Tensor of class indices or probabilities, got {type(target).__name__}")
+    n, sample_shape = scores.shape[1], (scores.shape[0], *scores.shape[2:])
+    if scores.ndim == 2:
+        return scores, target, sample_shape
+    flat = scores.movedim(1, -1).reshape(-1, n)
+    if target.is_floating_point():
+        if target.shape != scores.shape:
+            raise ValueError(f"target given as probabilities must have the scores' shape {tuple(scores.shape)}, "
+                             f"got {tuple(target.shape)}")
+        return flat, target.movedim(1, -1).reshape(-1, n), sample_shape
+    if target.shape != sample_shape:
+        raise ValueError(f"target must have shape {sample_shape} for scores of shape {tuple(scores.shape)}, "
+                         f"got {tuple(target.shape)}")
+    return flat, target.reshape(-1), sample_shape
+
+# %% ../nbs/00_core.ipynb #6e7eee35
+class LossModule(nn.Module):
+    "Base of the loss modules: keyword-only hyper-parameters read at each call, and nn.CrossEntropyLoss's conventions."
+    example = "k=5"                                       # shown in the message for positional arguments
+
+    def __new__(cls, *args, **kwargs):
+        if args:
+            raise TypeError(f"{cls.__name__} takes keyword arguments only, e.g. {cls.__name__}({cls.example}); "
+                            f"the number of classes is read from the scores, so it is not an argument")
+        if "n_classes" in kwargs:
+            raise TypeError(f"{cls.__name__} takes no n_classes: the number of classes is read from the scores")
+        return super().__new__(cls)
+
+    def __init__(self, *,
+                 weight: torch.Tensor | None = None, # a weight per class, as in nn.CrossEntropyLoss
+                 ignore_index: int = -100,           # samples with this target count for nothing
+                 reduction: str = "mean",            # 'mean', 'sum' or 'none'
+                 max_support: int | None = None,     # bound on the classes a probability target puts mass on
+                 check_finite: bool | None = None):  # check the scores (None: on the host path only)
+        super().__init__()
+        if weight is not None:
+            weight = torch.as_tensor(weight, dtype=torch.float32)
+            if weight.ndim != 1 or not bool(torch.isfinite(weight).all()) or bool((weight < 0).any()):
+                raise ValueError(f"weight must be a 1-D tensor of finite non-negative numbers, one per class, got {weight!r}")
+        self.register_buffer("weight", weight)
+        self.ignore_index, self.reduction = check_int(ignore_index, "ignore_index"), check_reduction(reduction)
+        self.max_support = None if max_support is None else check_int(max_support, "max_support", 1)
+        self.check_finite = check_finite
+
+    def per_sample(self, scores: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        "The loss of each row of `scores` (N, n) for class indices `labels` (N,): (N,). Subclasses define it."
+        raise NotImplementedError
+
+# %% ../nbs/00_core.ipynb #3042e908
+def _support(probs: torch.Tensor, max_support: int | None) -> int:
+    "How many classes of each row to sum over: the largest support (host path) or a bound known without read-back."
+    n = probs.shape[1]
+    if not sync_free(probs):
+        found = int((probs > 0).sum(1).max()) if probs.numel() else 1
+        if max_support is not None and found > max_support:
+            raise ValueError(f"target puts mass on {found} classes in a row, more than max_support={max_support}")
+        return max(found, 1)
+    if max_support is None:
+        return n
+    torch._assert_async(((probs > 0).sum(1) <= max_support).all(), f"target puts mass on more than max_support={max_support} classes in a row")
+    return min(max_support, n)
+
+
+def _per_sample_soft(self, scores: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    "sum_j w_j t_j loss(s, j) over the classes each row puts mass on: (N,)."
+    t, labels = probs.topk(_support(probs, self.max_support), dim=1)        # (N, m)
+    if self.weight is not None:
+        t = t * self.weight.to(t)[labels]
+    return sum(t[:, j] * self.per_sample(scores, labels[:, j]) for j in range(t.shape[1]))
+
+
+LossModule.per_sample_soft = _per_sample_soft
+
+# %% ../nbs/00_core.ipynb #588be7f1
+def _check_probabilities(probs: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    "Probabilities (N, n): non-negative rows summing to 1 (checked on the host path)."
+    if not sync_free(probs) and probs.numel():
+        worst = (probs.double().sum(1) - 1).abs().max().item()
+        tolerance = 1e-3 if probs.dtype in (torch.float32, torch.float64) else 2e-2       # half targets round
+        if bool((probs < 0).any()) or not math.isfinite(worst) or worst > tolerance:
+            raise ValueError(f"target probabilities must be non-negative and sum to 1 over the classes (dim 1), "
+                             f"a row is off by {worst:.3g}")
+    return probs
+
+
+def _forward(self, scores: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    "The loss with nn.CrossEntropyLoss's conventions (see the section above)."
+    s, t, shape = flatten_classes(scores, target)
+    out_dtype = torch.float32 if torch.is_autocast_enabled(s.device.type) else scores.dtype
+    with torch.autocast(s.device.type, enabled=False):
+        s = s if s.dtype in (torch.float32, torch.float64) else s.float()   # (N, n), half computed in float32
+        if t.is_floating_point():
+            loss = self.per_sample_soft(s, _check_probabilities(t, s))
+            total = loss.new_tensor(float(len(loss)))                      # mean over the samples
+        else:
+            keep = t != self.ignore_index                                  # (N,)
+            labels = torch.where(keep, t, 0)
+            w = keep.to(s.dtype) if self.weight is None else keep * self.weight.to(s)[labels]
+            loss = torch.where(keep, self.per_sample(s, labels), 0.0) * w
+            total = w.sum()
+    if self.reduction == "mean": loss = loss.sum() / total
+    elif self.reduction == "sum": loss = loss.sum()
+    else: loss = loss.reshape(shape)
+    return loss.to(out_dtype)
+
+
+LossModule.forward = _forward

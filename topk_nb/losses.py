@@ -23,11 +23,12 @@ from .noised import CalHinge, NoisedBalTopK, NoisedImbalTopK, cal_hinge, noised_
 from .svm import SmoothTopkSVM, TopkHinge, smooth_topk_svm, topk_hinge
 
 # %% auto #0
-__all__ = ['LOSSES', 'TOPK_ERROR', 'LossEntry', 'WithSoftTargets', 'get_loss', 'TopkMixture', 'loss_table', 'simplex_grid',
-           'parse_panel', 'level_set_params', 'level_set_values', 'LevelSets', 'level_set_atlas', 'plot_level_sets']
+__all__ = ['LOSSES', 'TOPK_ERROR', 'LossEntry', 'get_loss', 'TopkMixture', 'loss_table', 'simplex_grid', 'parse_panel',
+           'level_set_params', 'level_set_values', 'LevelSets', 'level_set_atlas', 'plot_level_sets']
 
 # %% ../nbs/08_losses.ipynb #5552b80f
 _NOT_PARAMETERS = {"self", "reduction", "check_finite", "generator", "class_counts"}
+_CONVENTIONS = ("weight", "ignore_index", "reduction", "max_support", "check_finite")   # every module takes them
 
 
 @dataclass(frozen=True)
@@ -46,12 +47,13 @@ class LossEntry:
     def defaults(self) -> dict:
         "Constructor parameters (other than reduction, check_finite, generator, class_counts) and their defaults."
         sig = inspect.signature(self.module.__init__)
-        return {p.name: p.default for p in sig.parameters.values() if p.name not in _NOT_PARAMETERS}
+        return {p.name: p.default for p in sig.parameters.values()
+                if p.name not in _NOT_PARAMETERS and p.kind is p.KEYWORD_ONLY}
 
     @property
     def accepted(self) -> tuple[str, ...]:
         "Every keyword `get_loss` accepts for this loss."
-        names = set(self.defaults) | {"reduction", "check_finite"}
+        names = set(self.defaults) | set(_CONVENTIONS)
         if self.stochastic: names.add("generator")
         if self.needs_class_counts: names.add("class_counts")
         return tuple(sorted(names))
@@ -89,26 +91,6 @@ LOSSES: dict[str, LossEntry] = {e.name: e for e in [
 ]}
 
 # %% ../nbs/08_losses.ipynb #4d6390be
-class WithSoftTargets(nn.Module):
-    "Wrap a single-label loss so that probability targets give the expectation sum_j t_j loss(s, j)."
-
-    def __init__(self, loss: nn.Module, max_support: int = 8):
-        super().__init__()
-        self.reduction = check_reduction(getattr(loss, "reduction", "mean"))
-        loss.reduction = "none"
-        self.loss, self.max_support = loss, check_int(max_support, "max_support", 1)
-
-    def forward(self, scores, target):
-        if not (isinstance(target, torch.Tensor) and target.is_floating_point()):
-            return reduce_loss(self.loss(scores, target), self.reduction)
-        _, probs = split_target(target, scores)
-        per_sample = expected_loss(lambda s, lab, reduction: self.loss(s, lab), scores, probs, self.max_support)
-        return reduce_loss(per_sample, self.reduction)
-
-    def extra_repr(self):
-        return f"reduction={self.reduction!r}, max_support={self.max_support}"
-
-
 def get_loss(name: str, **params) -> nn.Module:
     "Build the registered loss `name` with keyword parameters (see `LOSSES[name].accepted`); k={k: p_k} builds a mixture."
     if name not in LOSSES:
@@ -121,8 +103,7 @@ def get_loss(name: str, **params) -> nn.Module:
         raise ValueError(f"loss {name!r} needs class_counts, the number of training samples of each class")
     if isinstance(params.get("k"), dict):
         return TopkMixture(name, params.pop("k"), **params)
-    loss = entry.module(**params)
-    return loss if entry.native_soft_targets else WithSoftTargets(loss)
+    return entry.module(**params)          # the module itself: its attributes read and write through
 
 # %% ../nbs/08_losses.ipynb #9b7dbe5f
 class TopkMixture(nn.Module):

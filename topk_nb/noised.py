@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .core import check_int, check_loss_input, check_real, check_reduction, reduce_loss
+from .core import LossModule, check_int, check_loss_input, check_real, check_reduction, reduce_loss
 from .perturbed import draw_noise, sampled_topk_value, topk_value
 
 # %% auto #0
@@ -67,7 +67,7 @@ def margins_from_counts(class_counts, max_m: float = 0.2) -> torch.Tensor:
 
 
 def noised_imbal_topk(scores: torch.Tensor, target: torch.Tensor, class_counts, k: int = 5, epsilon: float = 0.01,
-                      n_samples: int = 5, max_m: float = 0.2, scale: float = 1.0, reduction: str = "mean",
+                      n_samples: int = 5, max_m: float = 0.2, scale: float = 50.0, reduction: str = "mean",
                       generator: torch.Generator | None = None, noise: torch.Tensor | None = None,
                       check_finite: bool | None = None) -> torch.Tensor:
     "Noised imbalanced top-k hinge scale * (m_y + top_{k+1,eps,B}(s) - s_y)_+, m_y from class_counts (Garcin 2022, eq. 13)."
@@ -80,60 +80,85 @@ def noised_imbal_topk(scores: torch.Tensor, target: torch.Tensor, class_counts, 
     if noise is None and epsilon > 0: check_int(n_samples, "n_samples", 1)
     work_dtype = torch.float64 if scores.dtype == torch.float64 else torch.float32
     margin_y = margins.to(device=scores.device, dtype=work_dtype)[target]
-    return _noised_hinge(scale * scores, target, k, epsilon, n_samples, scale * margin_y, check_reduction(reduction),
-                         generator, noise)
+    reduction = check_reduction(reduction)
+    hinge = _noised_hinge(scores, target, k, epsilon, n_samples, margin_y, "none", generator, noise)  # noise on s itself
+    return reduce_loss(scale * hinge, reduction)
 
 # %% ../nbs/05_noised.ipynb #9decbe66
-class CalHinge(nn.Module):
-    "Calibrated top-k hinge loss as a module."
+class CalHinge(LossModule):
+    "Calibrated top-k hinge loss (Garcin 2022, eq. 5) as a module."
+    example = "k=5"
 
-    def __init__(self, k: int = 5, alpha: float = 1.0, reduction: str = "mean", check_finite: bool | None = None):
-        super().__init__()
+    def __init__(self, *,
+                 k: int = 5,           # the K of top-K
+                 alpha: float = 1.0,   # margin
+                 **conventions):       # weight, ignore_index, reduction, max_support, check_finite (see LossModule)
+        super().__init__(**conventions)
         self.k, self.alpha = check_int(k, "k", 1), check_real(alpha, "alpha", 0.0)
-        self.reduction, self.check_finite = check_reduction(reduction), check_finite
 
-    def forward(self, scores, target):
-        return cal_hinge(scores, target, self.k, self.alpha, self.reduction, self.check_finite)
+    def per_sample(self, scores, labels):
+        return cal_hinge(scores, labels, self.k, self.alpha, "none", self.check_finite)
 
     def extra_repr(self):
-        return f"k={self.k}, alpha={self.alpha}"
+        return f"k={self.k}, alpha={self.alpha}, reduction={self.reduction!r}"
 
 
-class NoisedBalTopK(nn.Module):
-    "Noised balanced top-k hinge loss as a module (Garcin 2022, eq. 10)."
+class _NoisedModule(LossModule):
+    "Shared by the noised losses: `forward(scores, target, noise=None)`, explicit noise (n_samples, B, n) for class indices."
 
-    def __init__(self, k: int = 5, epsilon: float = 0.2, n_samples: int = 10, alpha: float = 1.0,
-                 reduction: str = "mean", generator: torch.Generator | None = None, check_finite: bool | None = None):
-        super().__init__()
+    def forward(self, scores, target, noise: torch.Tensor | None = None):
+        if noise is None:
+            return LossModule.forward(self, scores, target)
+        return reduce_loss(self.per_sample(scores, target, noise), self.reduction)
+
+
+class NoisedBalTopK(_NoisedModule):
+    "Noised balanced top-k hinge loss (Garcin 2022, eq. 10) as a module."
+    example = "k=5, epsilon=0.2"
+
+    def __init__(self, *,
+                 k: int = 5,                                 # the K of top-K
+                 epsilon: float = 0.2,                       # noise scale
+                 n_samples: int = 10,                        # noise draws per evaluation (B in the paper)
+                 alpha: float = 1.0,                         # margin
+                 generator: torch.Generator | None = None,   # random source of the noise
+                 **conventions):                             # weight, ignore_index, reduction, max_support, check_finite
+        super().__init__(**conventions)
         self.k, self.epsilon = check_int(k, "k", 1), check_real(epsilon, "epsilon", 0.0)
         self.n_samples, self.alpha = check_int(n_samples, "n_samples", 1), check_real(alpha, "alpha", 0.0)
-        self.reduction, self.generator, self.check_finite = check_reduction(reduction), generator, check_finite
+        self.generator = generator
 
-    def forward(self, scores, target, noise=None):
-        return noised_bal_topk(scores, target, self.k, self.epsilon, self.n_samples, self.alpha, self.reduction,
+    def per_sample(self, scores, labels, noise=None):
+        return noised_bal_topk(scores, labels, self.k, self.epsilon, self.n_samples, self.alpha, "none",
                                self.generator, noise, self.check_finite)
 
     def extra_repr(self):
         return f"k={self.k}, epsilon={self.epsilon}, n_samples={self.n_samples}, alpha={self.alpha}"
 
 
-class NoisedImbalTopK(nn.Module):
-    "Noised imbalanced top-k hinge loss as a module (Garcin 2022, eq. 13); margins from `class_counts`."
+class NoisedImbalTopK(_NoisedModule):
+    "Noised imbalanced top-k hinge loss (Garcin 2022, eq. 13) as a module; margins from `class_counts`."
+    example = "class_counts=counts, k=5"
 
-    def __init__(self, class_counts, k: int = 5, epsilon: float = 0.01, n_samples: int = 5, max_m: float = 0.2,
-                 scale: float = 1.0, reduction: str = "mean", generator: torch.Generator | None = None,
-                 check_finite: bool | None = None):
-        super().__init__()
+    def __init__(self, *,
+                 class_counts,                               # training samples of each class (n,)
+                 k: int = 5,                                 # the K of top-K
+                 epsilon: float = 0.01,                      # noise scale, on the unscaled scores
+                 n_samples: int = 5,                         # noise draws per evaluation (B in the paper)
+                 max_m: float = 0.2,                         # the largest margin (the rarest class)
+                 scale: float = 50.0,                        # multiplies the hinge; 50-60 for normalised scores
+                 generator: torch.Generator | None = None,   # random source of the noise
+                 **conventions):                             # weight, ignore_index, reduction, max_support, check_finite
+        super().__init__(**conventions)
         self.register_buffer("class_counts", torch.as_tensor(class_counts, dtype=torch.float64))
         margins_from_counts(self.class_counts, max_m)                       # validate now, not at the first batch
         self.k, self.epsilon = check_int(k, "k", 1), check_real(epsilon, "epsilon", 0.0)
         self.n_samples, self.max_m = check_int(n_samples, "n_samples", 1), check_real(max_m, "max_m", 0.0)
-        self.scale = check_real(scale, "scale", 0.0, lo_open=True)
-        self.reduction, self.generator, self.check_finite = check_reduction(reduction), generator, check_finite
+        self.scale, self.generator = check_real(scale, "scale", 0.0, lo_open=True), generator
 
-    def forward(self, scores, target, noise=None):
-        return noised_imbal_topk(scores, target, self.class_counts, self.k, self.epsilon, self.n_samples, self.max_m,
-                                 self.scale, self.reduction, self.generator, noise, self.check_finite)
+    def per_sample(self, scores, labels, noise=None):
+        return noised_imbal_topk(scores, labels, self.class_counts, self.k, self.epsilon, self.n_samples, self.max_m,
+                                 self.scale, "none", self.generator, noise, self.check_finite)
 
     def extra_repr(self):
         return (f"n_classes={self.class_counts.numel()}, k={self.k}, epsilon={self.epsilon}, "

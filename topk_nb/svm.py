@@ -12,7 +12,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .core import check_int, check_loss_input, check_real, check_reduction, reduce_loss, scores_without_target
+from .core import (LossModule, check_int, check_loss_input, check_real, check_reduction, reduce_loss,
+                          scores_without_target)
 from .esp_backward import power_backward, power_forward, power_inputs, power_log_sigma, power_tolerances
 
 # %% auto #0
@@ -152,38 +153,40 @@ def smooth_topk_svm(scores: torch.Tensor, target: torch.Tensor, k: int = 5, tau:
             bad = (~ok).nonzero()[:, 0]
             loss = loss.index_put((bad,), _smooth_part(s[bad], target[bad], k, tau, alpha))
     return reduce_loss(loss, reduction).to(out_dtype)
-class SmoothTopkSVM(nn.Module):
-    "Smooth top-k SVM loss as a module, like nn.CrossEntropyLoss; the number of classes comes from the scores."
+class SmoothTopkSVM(LossModule):
+    "Smooth top-k SVM loss L_{k,tau} (Berrada 2018, eq. 10) as a module, a drop-in for nn.CrossEntropyLoss."
+    example = "k=5, tau=1.0"
 
-    def __init__(self, k: int = 5, tau: float = 1.0, alpha: float = 1.0, reduction: str = "mean",
-                 hard_switch: bool = True, check_finite: bool | None = None):
-        super().__init__()
-        self.k = check_int(k, "k", 1)
-        self.tau = check_real(tau, "tau", 0.0, lo_open=True)
-        self.alpha = check_real(alpha, "alpha", 0.0)
-        self.reduction = check_reduction(reduction)
-        self.hard_switch, self.check_finite = hard_switch, check_finite
+    def __init__(self, *,
+                 k: int = 5,                # the k of top-k
+                 tau: float = 1.0,          # temperature: tau -> 0 gives the top-k hinge
+                 alpha: float = 1.0,        # margin
+                 hard_switch: bool = True,  # rows where the smooth loss equals the hinge to rounding take the hinge
+                 **conventions):            # weight, ignore_index, reduction, max_support, check_finite (see LossModule)
+        super().__init__(**conventions)
+        self.k, self.tau = check_int(k, "k", 1), check_real(tau, "tau", 0.0, lo_open=True)
+        self.alpha, self.hard_switch = check_real(alpha, "alpha", 0.0), hard_switch
 
-    def forward(self, scores: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return smooth_topk_svm(scores, target, self.k, self.tau, self.alpha, self.reduction,
-                               self.hard_switch, self.check_finite)
+    def per_sample(self, scores, labels):
+        return smooth_topk_svm(scores, labels, self.k, self.tau, self.alpha, "none", self.hard_switch, self.check_finite)
 
     def extra_repr(self) -> str:
         return f"k={self.k}, tau={self.tau}, alpha={self.alpha}, reduction={self.reduction!r}"
 
 
-class TopkHinge(nn.Module):
-    "Top-k hinge loss (non-smooth) as a module."
+class TopkHinge(LossModule):
+    "Top-k hinge loss (non-smooth, Berrada 2018 eq. 8) as a module."
+    example = "k=5"
 
-    def __init__(self, k: int = 5, alpha: float = 1.0, reduction: str = "mean", check_finite: bool | None = None):
-        super().__init__()
-        self.k = check_int(k, "k", 1)
-        self.alpha = check_real(alpha, "alpha", 0.0)
-        self.reduction = check_reduction(reduction)
-        self.check_finite = check_finite
+    def __init__(self, *,
+                 k: int = 5,           # the k of top-k
+                 alpha: float = 1.0,   # margin
+                 **conventions):       # weight, ignore_index, reduction, max_support, check_finite (see LossModule)
+        super().__init__(**conventions)
+        self.k, self.alpha = check_int(k, "k", 1), check_real(alpha, "alpha", 0.0)
 
-    def forward(self, scores: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return topk_hinge(scores, target, self.k, self.alpha, self.reduction, self.check_finite)
+    def per_sample(self, scores, labels):
+        return topk_hinge(scores, labels, self.k, self.alpha, "none", self.check_finite)
 
     def extra_repr(self) -> str:
         return f"k={self.k}, alpha={self.alpha}, reduction={self.reduction!r}"

@@ -1,0 +1,169 @@
+"""Every loss module as a drop-in for nn.CrossEntropyLoss: attributes that take effect, keyword-only
+hyper-parameters, weight / ignore_index / extra dimensions / probability targets of any support, float32
+under autocast, the top-level API, and the noised losses against the authors' package on the same noise."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import topk_nb
+from topk_nb.losses import LOSSES, get_loss
+
+N_CLASSES = 8
+COUNTS = torch.arange(1, N_CLASSES + 1) * 10
+
+
+def extra(name):
+    entry, kw = LOSSES[name], {}
+    if entry.needs_class_counts: kw["class_counts"] = COUNTS
+    if entry.stochastic: kw["generator"] = torch.Generator().manual_seed(3)
+    return kw
+
+
+def problem(seed=0, batch=6, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    return 2 * torch.randn(batch, N_CLASSES, generator=g, dtype=dtype), torch.randint(0, N_CLASSES, (batch,), generator=g)
+
+
+# hyper-parameters changed on a built module, and the value they change to
+CHANGES = {"focal": {"gamma": 0.5}, "ldam": {"scale": 3.0, "max_m": 0.3}, "topk_hinge": {"k": 2, "alpha": 0.5},
+           "cvx_hinge": {"k": 3, "alpha": 0.2}, "cal_hinge": {"k": 3}, "smooth_svm": {"tau": 0.01, "k": 3, "alpha": 0.5},
+           "noised_bal": {"epsilon": 1.0, "k": 2}, "noised_imbal": {"epsilon": 0.5, "scale": 2.0},
+           "topk_grouping": {"k": 3}, "topk_transition": {"k": 2}, "ce": {"label_smoothing": 0.2}}
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_attributes_read_and_write_through(name):
+    assert set(CHANGES) == set(LOSSES)
+    s, y = problem(1)
+    crit = get_loss(name, reduction="none", **extra(name))
+    before = crit(s, y)
+    for key, value in CHANGES[name].items():
+        assert hasattr(crit, key)
+        setattr(crit, key, value)
+    fresh = get_loss(name, reduction="none", **{**extra(name), **CHANGES[name]})
+    if LOSSES[name].stochastic:              # same seed, same order of draws: the same noise for both
+        crit.generator, fresh.generator = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    after = crit(s, y)
+    torch.testing.assert_close(after, fresh(s, y))
+    assert not torch.allclose(before, after), name
+
+
+def test_annealing_tau_follows_the_schedule():
+    s, y = problem(2)
+    crit = get_loss("smooth_svm", k=5, tau=1.0)
+    for tau in (1.0, 0.3, 0.1, 0.01):
+        crit.tau = tau
+        torch.testing.assert_close(crit(s, y), topk_nb.smooth_topk_svm(s, y, 5, tau))
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_hyper_parameters_are_keyword_only(name):
+    module = LOSSES[name].module
+    with pytest.raises(TypeError, match="keyword arguments only"):
+        module(100)                                   # the authors' modules take n_classes first
+    with pytest.raises(TypeError, match="no n_classes"):
+        module(n_classes=100, **extra(name))
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_weight_and_ignore_index_as_in_cross_entropy(name):
+    s, y = problem(3)
+    y[2] = -100
+    w = torch.linspace(0.5, 2.0, N_CLASSES)
+    crit = get_loss(name, weight=w, reduction="mean", **extra(name))
+    each = get_loss(name, reduction="none", **extra(name))
+    keep = y != -100
+    if LOSSES[name].stochastic:              # the rows differ in number, so the draws would: compare the noiseless loss
+        crit.epsilon = each.epsilon = 0.0
+    per = each(s[keep], y[keep])
+    wy = w.double()[y[keep]]
+    torch.testing.assert_close(crit(s, y), (wy * per).sum() / wy.sum())
+
+
+def test_cross_entropy_module_is_nn_cross_entropy():
+    g = torch.Generator().manual_seed(4)
+    s, y = torch.randn(3, 5, 2, 4, generator=g), torch.randint(0, 5, (3, 2, 4), generator=g)
+    y[0, 1, 2] = 7 - 8                                   # ignore_index=-1 below
+    w = torch.rand(5, generator=g) + 0.5
+    for reduction in ("mean", "sum", "none"):
+        ours = topk_nb.CrossEntropy(weight=w, ignore_index=-1, label_smoothing=0.1, reduction=reduction)(s, y)
+        ref = nn.CrossEntropyLoss(weight=w, ignore_index=-1, label_smoothing=0.1, reduction=reduction)(s, y)
+        torch.testing.assert_close(ours, ref)
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_extra_dimensions(name):
+    g = torch.Generator().manual_seed(5)
+    s, y = torch.randn(2, N_CLASSES, 3, 2, generator=g, dtype=torch.float64), torch.randint(0, N_CLASSES, (2, 3, 2), generator=g)
+    crit = get_loss(name, reduction="none", **extra(name))
+    flat = get_loss(name, reduction="none", **extra(name))
+    out = crit(s, y)
+    assert out.shape == (2, 3, 2)
+    torch.testing.assert_close(out, flat(s.movedim(1, -1).reshape(-1, N_CLASSES), y.reshape(-1)).reshape(2, 3, 2))
+
+
+@pytest.mark.parametrize("name", [n for n, e in LOSSES.items() if not e.native_soft_targets])
+def test_probability_targets_of_any_support(name):
+    s, y = problem(6)
+    smooth = 0.8 * F.one_hot(y, N_CLASSES).double() + 0.2 / N_CLASSES     # label smoothing: every class has mass
+    crit = get_loss(name, reduction="none", **extra(name))
+    twin = get_loss(name, reduction="none", **extra(name))
+    expected = sum(smooth[:, j] * twin(s, torch.full_like(y, j)) for j in range(N_CLASSES)
+                   ) if not LOSSES[name].stochastic else None
+    out = crit(s, smooth)
+    assert out.shape == (6,) and torch.isfinite(out).all()
+    if expected is not None:
+        torch.testing.assert_close(out, expected)
+    with topk_nb.force_sync_free():                  # no support read back: every class is summed over
+        again = get_loss(name, reduction="none", **extra(name))(s, smooth)
+    if expected is not None:
+        torch.testing.assert_close(again, expected)
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_float32_result_under_autocast(name):
+    s, y = problem(7, dtype=torch.float32)
+    crit = get_loss(name, **extra(name))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = crit(s.bfloat16(), y)
+    assert out.dtype == torch.float32 and torch.isfinite(out)
+    assert crit(s.bfloat16(), y).dtype == torch.bfloat16              # without autocast: the scores' dtype
+
+
+def test_top_level_api():
+    from topk_nb import LOSSES as top_losses, SmoothTopkSVM, get_loss as top_get_loss, macro_topk_accuracy, topk_accuracy
+    assert top_losses is LOSSES and top_get_loss is get_loss and SmoothTopkSVM is LOSSES["smooth_svm"].module
+    assert callable(topk_accuracy) and callable(macro_topk_accuracy)
+
+
+pytopk = pytest.importorskip("pytopk")
+
+
+@pytest.mark.parametrize("k, epsilon, scale", [(1, 1.0, 50.0), (3, 0.1, 60.0), (2, 0.01, 1.0)])
+def test_noised_imbalanced_matches_pytopk_on_the_same_noise(k, epsilon, scale):
+    g = torch.Generator().manual_seed(k)
+    n, batch, draws = 20, 64, 5
+    s = torch.nn.functional.normalize(torch.randn(batch, n, generator=g), dim=1)   # cosine scores, as in the papers' runs
+    y = torch.randint(0, n, (batch,), generator=g)
+    counts = torch.randint(1, 500, (n,), generator=g)
+    Z = torch.randn(batch, n, draws, generator=g)                                  # pytopk's layout (B, n, n_sample)
+    theirs = pytopk.ImbalNoisedTopK(k=k, epsilon=epsilon, max_m=0.2, cls_num_list=counts.numpy(), scale=scale,
+                                    n_sample=draws)
+    ref = pytopk.functional.imbal_noised_topk_loss(s, y, k, theirs.m_list, epsilon, theirs._noised_topk, Z, scale)
+    ours = topk_nb.NoisedImbalTopK(class_counts=counts, k=k, epsilon=epsilon, max_m=0.2, scale=scale, n_samples=draws)
+    torch.testing.assert_close(ours(s, y, noise=Z.permute(2, 0, 1)), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("k, epsilon", [(1, 1.0), (4, 0.2)])
+def test_noised_balanced_matches_pytopk_on_the_same_noise(k, epsilon):
+    g = torch.Generator().manual_seed(10 + k)
+    s, y = 3 * torch.randn(32, 15, generator=g), torch.randint(0, 15, (32,), generator=g)
+    Z = torch.randn(32, 15, 6, generator=g)
+    ref = pytopk.functional.bal_noised_topk_loss(s, y, k, epsilon, pytopk.noised_topk._noised_topk, Z)
+    ours = topk_nb.NoisedBalTopK(k=k, epsilon=epsilon, n_samples=6)
+    torch.testing.assert_close(ours(s, y, noise=Z.permute(2, 0, 1)), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_default_scale_is_the_authors():
+    assert topk_nb.NoisedImbalTopK(class_counts=COUNTS).scale == 50.0
