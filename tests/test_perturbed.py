@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from topk_nb.core import force_sync_free
 from topk_nb.perturbed import (DENSE_RATIO, perturbed_topk_law, sample_perturbed_topk, sampled_topk_value, smooth_topk,
                                topk_value)
 
@@ -138,7 +139,7 @@ def test_bad_input(call, message):
 
 
 def test_runs_inside_torch_compile():
-    # the sampler has data-dependent sizes: it runs eagerly inside compiled code, twice with new shapes
+    # compiled code takes the sync-free route (dense draws, fixed shapes): eager code on that route draws the same
     f = torch.compile(lambda s: smooth_topk(s, 3, 0.5, 4, generator=torch.Generator().manual_seed(0)).sum(),
                       backend="aot_eager")
     for n in (50, 60, 70):
@@ -146,4 +147,5 @@ def test_runs_inside_torch_compile():
         value = f(s)
         value.backward()
         assert torch.equal(s.grad.sum(1), torch.ones(8))
-        torch.testing.assert_close(value, smooth_topk(s, 3, 0.5, 4, generator=torch.Generator().manual_seed(0)).sum())
+        with force_sync_free():
+            torch.testing.assert_close(value, smooth_topk(s, 3, 0.5, 4, generator=torch.Generator().manual_seed(0)).sum())

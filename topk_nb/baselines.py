@@ -12,15 +12,20 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .core import (LossModule, check_finite, check_int, check_real, check_reduction, check_scores, check_target,
-                          flatten_classes, reduce_loss)
+                          flatten_classes, reduce_loss, sync_free)
 from .noised import margins_from_counts
 
 # %% auto #0
-__all__ = ['working_scores', 'split_target', 'expected_loss', 'cross_entropy', 'focal_loss', 'ldam', 'cvx_topk_hinge',
+__all__ = ['one_hot', 'working_scores', 'split_target', 'expected_loss', 'cross_entropy', 'focal_loss', 'ldam', 'cvx_topk_hinge',
            'topk_group_mask', 'topk_grouping', 'topk_transition', 'CrossEntropy', 'FocalLoss', 'LDAMLoss',
            'CvxTopkHinge', 'TopkGrouping', 'TopkTransition']
 
 # %% ../nbs/06_baselines.ipynb #2ddac4da
+def one_hot(labels: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
+    "One-hot rows (B, n) of `labels` (B,) in `dtype`; unlike F.one_hot, it reads no value back from the device."
+    return torch.zeros((labels.shape[0], n), dtype=dtype, device=labels.device).scatter_(1, labels[:, None], 1.0)
+
+
 def working_scores(scores: torch.Tensor) -> torch.Tensor:
     "The scores in a dtype to compute losses in: float32 for half inputs (as under autocast), unchanged otherwise."
     return scores if scores.dtype in (torch.float32, torch.float64) else scores.float()
@@ -35,7 +40,7 @@ def split_target(target, scores: torch.Tensor, name: str = "target",
         if target.shape != (batch, n):
             raise ValueError(f"{name} given as probabilities must have shape ({batch}, {n}) like the scores, "
                              f"got {tuple(target.shape)}")
-        if check is None: check = target.device.type == "cpu"
+        if check is None: check = not sync_free(target)
         check_finite(target, name, check)
         if check and batch > 0:
             if bool((target < 0).any()):
@@ -46,13 +51,17 @@ def split_target(target, scores: torch.Tensor, name: str = "target",
                 raise ValueError(f"{name} probabilities must sum to 1 over the classes, a row is off by {worst:.3g}")
         return None, target.to(dtype)
     labels = check_target(target, n, batch, name)
-    return labels, F.one_hot(labels, n).to(dtype)
+    return labels, one_hot(labels, n, dtype)
 
 # %% ../nbs/06_baselines.ipynb #1b47306d
 def expected_loss(loss_fn: Callable, scores: torch.Tensor, probs: torch.Tensor, max_support: int = 8,
                   **kwargs) -> torch.Tensor:
     "Per-sample sum_j t_j loss_fn(scores, j): a single-label loss extended to probabilities (Mixup targets)."
-    support = int((probs > 0).sum(1).max().item()) if probs.numel() else 0
+    if sync_free(probs):                                   # no read-back: every class the bound allows
+        support = min(check_int(max_support, "max_support", 1), probs.shape[1])
+        torch._assert_async(((probs > 0).sum(1) <= support).all(), f"target puts mass on more than max_support={max_support} classes")
+    else:
+        support = int((probs > 0).sum(1).max().item()) if probs.numel() else 0
     if support > check_int(max_support, "max_support", 1):
         raise ValueError(f"this loss takes probabilities as an expectation over the target's support, which is limited "
                          f"to max_support={max_support} classes per sample, got {support}: use hard labels or Mixup-style "
@@ -97,7 +106,7 @@ def focal_loss(scores: torch.Tensor, target: torch.Tensor, gamma: float = 2.0, r
 
 # %% ../nbs/06_baselines.ipynb #b691383b
 def _ldam_hard(scores, labels, margins, scale, reduction="none"):
-    shifted = scores - F.one_hot(labels, scores.shape[1]).to(scores.dtype) * margins[labels][:, None]
+    shifted = scores - one_hot(labels, scores.shape[1], scores.dtype) * margins[labels][:, None]
     return F.cross_entropy(scale * shifted, labels, reduction=reduction)
 
 
@@ -131,7 +140,7 @@ def cvx_topk_hinge(scores: torch.Tensor, target: torch.Tensor, k: int = 5, alpha
     reduction = check_reduction(reduction)
 
     def hard(s, lab, reduction="none"):
-        violations = s + alpha * (1 - F.one_hot(lab, s.shape[1]).to(s.dtype)) - s.gather(1, lab[:, None])
+        violations = s + alpha * (1 - one_hot(lab, s.shape[1], s.dtype)) - s.gather(1, lab[:, None])
         return F.relu(violations.topk(k, dim=1).values.mean(1))
 
     with torch.autocast(scores.device.type, enabled=False):

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .core import LossModule, check_int, check_loss_input, check_real, check_reduction, reduce_loss
+from .core import LossModule, check_int, check_loss_input, check_real, check_reduction, reduce_loss, sync_free
 from .perturbed import draw_noise, sampled_topk_value, topk_value
 
 # %% auto #0
@@ -60,7 +60,7 @@ def margins_from_counts(class_counts, max_m: float = 0.2) -> torch.Tensor:
     counts = torch.as_tensor(class_counts, dtype=torch.float64)
     if counts.ndim != 1 or counts.numel() < 2:
         raise ValueError(f"class_counts must be a 1-D sequence with one count per class, got shape {tuple(counts.shape)}")
-    if not torch.isfinite(counts).all() or (counts <= 0).any():
+    if not sync_free(counts) and (not torch.isfinite(counts).all() or (counts <= 0).any()):   # checked when built
         raise ValueError("class_counts must be positive finite numbers (every class needs at least one training sample)")
     max_m = check_real(max_m, "max_m", 0.0)
     return max_m * (counts.min() / counts) ** 0.25

@@ -11,11 +11,12 @@ from typing import Callable, NamedTuple
 import torch
 from torch.special import log_ndtr, ndtri
 
-from .core import check_int, check_real, check_scores
+from .core import check_int, check_real, check_scores, sync_free
 
 # %% auto #0
 __all__ = ['DENSE_RATIO', 'draw_noise', 'perturbed_argmax', 'perturbed_max', 'top_sum', 'arg_top_sum', 'topk_value',
-           'smooth_topk', 'TopkSample', 'sample_perturbed_topk', 'sampled_topk_value', 'perturbed_topk_law']
+           'smooth_topk', 'TopkSample', 'sample_perturbed_topk', 'dense_topk_draws', 'sampled_topk_value',
+           'perturbed_topk_law']
 
 # %% ../nbs/04_perturbed.ipynb #d3566f1d
 def draw_noise(like: torch.Tensor, n_samples: int | None, generator: torch.Generator | None = None,
@@ -212,10 +213,27 @@ class _SampledTopk(torch.autograd.Function):
         return out, None, None
 
 
+def dense_topk_draws(scores: torch.Tensor, # (..., n)
+                     k: int, epsilon: float, n_samples: int,
+                     generator: torch.Generator | None = None) -> TopkSample:
+    "Draws of (top_K(s + eps Z), its index) with dense noise, one (..., n) draw at a time: fixed shapes, no read-back."
+    n = scores.shape[-1]
+    s = scores.detach().reshape(-1, n)                                         # (B, n)
+    device = generator.device if generator is not None else s.device
+    values, indices = [], []
+    for _ in range(n_samples):                                                 # memory (B, n), never (S, B, n)
+        z = torch.randn(s.shape, generator=generator, dtype=s.dtype, device=device).to(s.device)
+        t = torch.addcmul(s, z, torch.full_like(s, epsilon)).topk(k, dim=-1)  # s + eps z
+        values.append(t.values[:, -1]); indices.append(t.indices[:, -1])
+    shape = (n_samples, *scores.shape[:-1])
+    return TopkSample(torch.stack(values).reshape(shape), torch.stack(indices).reshape(shape), {"dense_rows": n_samples * len(s)})
+
+
 def sampled_topk_value(scores: torch.Tensor, k: int, epsilon: float, n_samples: int,
                        generator: torch.Generator | None = None) -> torch.Tensor:
-    "mean_b top_K(s + eps Z_b) over the last dim by `sample_perturbed_topk`; backward = mean one-hot at the sampled indices."
-    sample = sample_perturbed_topk(scores, k, epsilon, n_samples, generator)
+    "mean_b top_K(s + eps Z_b) over the last dim: sparse exact draws on the host path, dense draws on the sync-free path; backward = mean one-hot at the sampled indices."
+    draw = dense_topk_draws if sync_free(scores) else sample_perturbed_topk
+    sample = draw(scores, k, epsilon, n_samples, generator)
     return _SampledTopk.apply(scores, sample.values, sample.indices)
 
 # %% ../nbs/04_perturbed.ipynb #da53a724
