@@ -1,7 +1,7 @@
 # Developer tasks. `make test` is the test command of the README and of CI.
 PYTHON ?= python
 
-.PHONY: test sync nbtest pytest export clean readme run
+.PHONY: test sync nbtest pytest export clean readme run gpu-check
 
 test: sync nbtest pytest
 
@@ -26,3 +26,6 @@ readme:
 run:      ## the main job: Sawada's synthetic experiments 1-3, full paper grid on a CPU; records, notebooks and report in runs/
 	topk-nb run circles_tradeoffs --preset paper --jobs 2 --out runs
 	topk-nb report circles_tradeoffs --out runs
+
+gpu-check: ## on a CUDA machine: every loss's float32 correctness, host syncs, speed vs cross-entropy, epoch overhead, torch.compile, CUDA graphs; writes results/gpu/<device>-<date>.json and .md (GPU_CHECK_FLAGS=--quick for a short run)
+	$(PYTHON) -m topk_nb.gpucheck --out results/gpu $(GPU_CHECK_FLAGS)

@@ -1,0 +1,51 @@
+"""Counting the aten operators of a call: names, dtypes, host syncs and who made them."""
+from collections import Counter
+
+import torch
+import torch.nn.functional as F
+
+from topk_nb.bench import aten_ops, bench_loss, bench_scores, op_table, syncing_ops
+
+
+def test_aten_ops_counts_a_known_function():
+    x = torch.randn(5)
+    assert aten_ops(lambda: x.exp().sum()) == Counter({"exp": 1, "sum": 1})
+    assert aten_ops(lambda: x.exp().exp().sum()) == Counter({"exp": 2, "sum": 1})
+    assert aten_ops(lambda: x.double().exp() + x, dtype=torch.float64) == Counter({"_to_copy": 1, "exp": 1, "add": 1})
+    assert aten_ops(lambda: x.exp() + x.double(), dtype=torch.float64) == Counter({"_to_copy": 1, "add": 1})
+    assert aten_ops(lambda: x.exp(), dtype=torch.float64) == Counter()
+
+
+def test_aten_ops_counts_the_backward():
+    leaf = torch.randn(5, requires_grad=True)
+    ops = aten_ops(lambda: leaf.exp().sum().backward())
+    assert ops["exp"] == 1 and ops["mul"] >= 1                  # d exp = exp * grad
+
+
+def test_syncing_ops():
+    x = torch.tensor([1.0, -2.0, 3.0])
+    assert syncing_ops(aten_ops(lambda: x[x > 0])) == Counter({"nonzero": 1})
+    assert syncing_ops(aten_ops(lambda: x.nonzero())) == Counter({"nonzero": 1})
+    assert syncing_ops(aten_ops(lambda: (x.sum().item(), bool(x.max() > 0)))) == Counter({"_local_scalar_dense": 2})
+    assert syncing_ops(aten_ops(lambda: torch.unique(x))) == Counter({"_unique2": 1})
+    assert syncing_ops(aten_ops(lambda: x.masked_select(x > 0))) == Counter({"masked_select": 1})
+    assert syncing_ops(aten_ops(lambda: x.repeat_interleave(torch.tensor([1, 2, 0])))) == \
+        Counter({"repeat_interleave (tensor repeats)": 1})
+    assert syncing_ops(aten_ops(lambda: x.repeat_interleave(2))) == Counter()
+    assert syncing_ops(aten_ops(lambda: (x.exp() * 2).topk(2))) == Counter()
+
+
+def test_syncing_ops_where():
+    scores, target = bench_scores(4, 10)
+    hinge = bench_loss("topk_hinge", 10, 3, check_finite=False)
+    assert syncing_ops(aten_ops(lambda: hinge(scores, target), where=True)) == \
+        Counter({"_local_scalar_dense @ core.check_target": 2})
+
+
+def test_op_table():
+    rows = op_table(["topk_hinge", "smooth_svm"], batch=4, n=10, k=3)
+    assert [r["loss"] for r in rows] == ["F.cross_entropy", "topk_hinge", "smooth_svm"]
+    ce = rows[0]
+    assert ce["syncing"] == {} and ce["float64_ops"] == 0 and ce["ops"] > 0
+    assert rows[1]["syncing"] == {"_local_scalar_dense @ core.check_target": 2}
+    assert rows[2]["float64_ops"] > 0                           # the power path works in float64

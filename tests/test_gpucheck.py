@@ -1,0 +1,119 @@
+"""The GPU check: its command without CUDA and with bad flags, a dry run of every section on the CPU, and that it can fail."""
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from topk_nb.gpucheck import SECTIONS, TOLERANCE, check_correctness, gpu_check, main, render_markdown
+from topk_nb.losses import LOSSES
+from topk_nb.svm import TopkHinge
+
+ROOT = Path(__file__).resolve().parent.parent
+NOT_ON_A_BARE_GPU_MACHINE = ("nbdev", "fastcore", "papermill", "nbformat", "nbclient", "execnb", "IPython", "ipykernel",
+                             "tqdm", "hypothesis", "pytest")
+# Runs the command as `python -m` would, with the notebook tools and test libraries absent (None in sys.modules).
+RUN_WITHOUT_DEV_TOOLS = f"""
+import runpy, sys
+sys.modules.update(dict.fromkeys({NOT_ON_A_BARE_GPU_MACHINE!r}))
+sys.argv[0] = "gpucheck"
+runpy.run_module("topk_nb.gpucheck", run_name="__main__", alter_sys=True)
+"""
+
+
+def run_command(*args, cuda_visible=""):
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": cuda_visible,
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-c", RUN_WITHOUT_DEV_TOOLS, *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_without_cuda_one_line_and_exit_1():
+    res = run_command("--quick")
+    assert res.returncode == 1, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("no CUDA device is available"), res.stderr
+    assert "make gpu-check" in lines[0] and "--device cpu" in lines[0]
+    assert res.stdout == ""
+
+
+def test_bad_flags_exit_2(capsys):
+    res = run_command("--quik")
+    assert res.returncode == 2 and res.stderr.startswith("usage: python -m topk_nb.gpucheck"), res.stderr
+    for args in (["--device", "tpu"], ["--device", "cuda:x"], ["--out"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(args)
+        assert exit_.value.code == 2, args
+        assert "usage: python -m topk_nb.gpucheck" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    "gpu_check on the CPU: every section at tiny size."
+    out = tmp_path_factory.mktemp("gpu")
+    report, json_path, md_path = gpu_check("cpu", quick=True, out=out, log=lambda line: None)
+    return report, json.loads(json_path.read_text()), md_path.read_text(), json_path
+
+
+def test_dry_run_writes_every_section(dry_run):
+    report, record, md, json_path = dry_run
+    assert json_path.name.startswith("cpu-") and json_path.with_suffix(".md").exists()
+    assert list(record["sections"]) == list(SECTIONS)
+    assert record["failed"] == [] and record["preset"] == "dry"
+    assert {s["status"] for s in record["sections"].values()} == {"ok", "skipped"}
+    assert record["sections"]["cuda_graphs"] == {"status": "skipped", "reason": "CUDA graphs need a CUDA device",
+                                                 "seconds": record["sections"]["cuda_graphs"]["seconds"]}
+    assert md == render_markdown(report)
+    for name in LOSSES:
+        assert f"| {name} |" in md
+
+
+def test_dry_run_correctness_below_tolerance(dry_run):
+    losses = dry_run[1]["sections"]["correctness"]["losses"]
+    assert list(losses) == list(LOSSES)
+    for name, v in losses.items():
+        assert v["ok"] and v["loss_err"] < TOLERANCE and v["grad_err"] < TOLERANCE, (name, v)
+        expected = ["epsilon=0", "noise="] if LOSSES[name].stochastic else ["registry"]
+        assert [c["variant"] for c in v["checks"]] == expected and all(c["finite"] for c in v["checks"])
+
+
+def test_dry_run_syncs_speed_epoch_compile(dry_run):
+    secs = dry_run[1]["sections"]
+    syncs = secs["syncs"]["losses"]
+    assert list(syncs) == list(LOSSES)
+    for name, v in syncs.items():
+        assert set(v) == {"check_finite=False", "default"} and all("aten" in e for e in v.values()), name
+    # on the CPU the default checks finiteness on the host; check_finite=False does not
+    assert "_local_scalar_dense @ core.check_finite" in syncs["smooth_svm"]["default"]["aten"]
+    assert "_local_scalar_dense @ core.check_finite" not in syncs["smooth_svm"]["check_finite=False"]["aten"]
+    speed = secs["speed"]["rows"]
+    assert sorted({r["loss"] for r in speed}) == sorted(LOSSES)
+    assert all(r["ratio"] > 0 and (r["k"] is None) == ("k" not in LOSSES[r["loss"]].defaults) for r in speed)
+    assert [r["loss"] for r in secs["epoch"]["rows"]] == ["ce", "smooth_svm", "noised_bal"]
+    assert secs["epoch"]["rows"][0]["overhead"] == 0.0
+    compiled = secs["compile"]["losses"]
+    assert list(compiled) == list(LOSSES) and secs["compile"]["backend"] == "eager"
+    for name, v in compiled.items():
+        assert "ok" in (v.get("fullgraph"), v.get("graph_breaks")), (name, v)
+        assert LOSSES[name].stochastic or v["err"] <= TOLERANCE, (name, v)
+
+
+class SkewedHinge(TopkHinge):
+    "The top-k hinge with a float32-only bug: same value, gradient 0.1 % too large."
+
+    def forward(self, scores, target):
+        if scores.dtype == torch.float32:
+            scores = 1.001 * scores - 0.001 * scores.detach()
+        return super().forward(scores, target)
+
+
+def test_correctness_catches_a_wrong_gradient(monkeypatch):
+    monkeypatch.setitem(LOSSES, "topk_hinge", dataclasses.replace(LOSSES["topk_hinge"], module=SkewedHinge))
+    res = check_correctness("cpu", cases=((8, 20, 3),), names=["ce", "topk_hinge"])
+    assert res["status"] == "failed"
+    assert res["losses"]["ce"]["ok"] and not res["losses"]["topk_hinge"]["ok"]
+    assert res["losses"]["topk_hinge"]["loss_err"] < TOLERANCE < res["losses"]["topk_hinge"]["grad_err"] < 1e-2
