@@ -167,3 +167,20 @@ def test_noised_balanced_matches_pytopk_on_the_same_noise(k, epsilon):
 
 def test_default_scale_is_the_authors():
     assert topk_nb.NoisedImbalTopK(class_counts=COUNTS).scale == 50.0
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+@pytest.mark.parametrize("magnitude", [torch.finfo(torch.float32).max, 1e38, 1e30, 1e4])
+def test_extreme_finite_scores_give_a_finite_loss_or_a_clear_error(name, magnitude):
+    s = torch.tensor([[magnitude, -magnitude, 0.0, 1.0, 2.0], [-magnitude, magnitude, magnitude, 0.0, -1.0]])
+    y = torch.tensor([1, 0])
+    crit = get_loss(name, **({**extra(name), "class_counts": torch.arange(1, 6)} if LOSSES[name].needs_class_counts
+                             else extra(name)), **({"k": 2} if "k" in LOSSES[name].defaults else {}))
+    x = s.clone().requires_grad_()
+    try:
+        loss = crit(x, y)
+    except ValueError as error:
+        assert "overflows torch.float32" in str(error) and "rescale" in str(error)
+        return
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(x.grad).all(), (name, loss, x.grad)

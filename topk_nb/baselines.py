@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .core import (LossModule, check_finite, check_int, check_real, check_reduction, check_scores, check_target,
-                          flatten_classes, reduce_loss, sync_free)
+                          check_loss_finite, flatten_classes, reduce_loss, sync_free)
 from .noised import margins_from_counts
 
 # %% auto #0
@@ -235,6 +235,7 @@ class CrossEntropy(LossModule):
             w = None if self.weight is None else self.weight.to(s)
             loss = F.cross_entropy(s, t, weight=w, ignore_index=self.ignore_index, reduction=self.reduction,
                                    label_smoothing=self.label_smoothing)
+        check_loss_finite(loss, scores, type(self).__name__, self.check_finite)
         return loss.to(out_dtype)
 
     def extra_repr(self):

@@ -21,7 +21,8 @@ import torch.nn as nn
 __all__ = ['FLOAT_DTYPES', 'REDUCTIONS', 'sync_free', 'force_sync_free', 'check_int', 'check_real', 'check_finite',
            'check_scores', 'check_target', 'check_loss_input', 'check_reduction', 'reduce_loss',
            'scores_without_target', 'target_rank', 'topk_correct', 'topk_accuracy', 'macro_topk_accuracy', 'brute_esp',
-           'brute_log_esp', 'workspace', 'time_fn', 'median_time', 'fwd_bwd', 'flatten_classes', 'LossModule']
+           'brute_log_esp', 'workspace', 'time_fn', 'median_time', 'fwd_bwd', 'flatten_classes', 'LossModule',
+           'check_loss_finite']
 
 # %% ../nbs/00_core.ipynb #576df6fa
 _SYNC_FREE = threading.local()
@@ -361,6 +362,19 @@ def _check_probabilities(probs: torch.Tensor, scores: torch.Tensor) -> torch.Ten
     return probs
 
 
+def check_loss_finite(loss: torch.Tensor,   # per-sample losses
+                      scores: torch.Tensor, # the scores they came from, already checked finite
+                      name: str,            # the loss, for the message
+                      check: bool | None = None) -> torch.Tensor:
+    "Raise if finite scores gave a non-finite loss (an overflow of the scores' dtype); on the host path, or when `check`."
+    if check is None: check = not sync_free(loss)
+    if check and loss.numel() and not bool(torch.isfinite(loss).all()):
+        big = scores.detach().abs().max().item()
+        raise ValueError(f"{name} overflows {scores.dtype} for these scores (largest |score| {big:.3g}): the scores are "
+                         f"too large for the dtype; rescale them or pass float64 scores")
+    return loss
+
+
 def _forward(self, scores: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     "The loss with nn.CrossEntropyLoss's conventions (see the section above)."
     s, t, shape = flatten_classes(scores, target)
@@ -379,7 +393,7 @@ def _forward(self, scores: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     if self.reduction == "mean": loss = loss.sum() / total
     elif self.reduction == "sum": loss = loss.sum()
     else: loss = loss.reshape(shape)
-    return loss.to(out_dtype)
+    return check_loss_finite(loss, scores, type(self).__name__, self.check_finite).to(out_dtype)
 
 
 LossModule.forward = _forward
