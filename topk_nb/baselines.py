@@ -172,29 +172,41 @@ def _grouping_terms(scores, probs, k):
     return -t_group * log_q_group + outside, ce, log_q_group
 
 
+def _grouping_terms_labels(scores, labels, k):
+    "(L_k, CE, log Q_G) per sample for class indices, in three passes over the scores (logsumexp, topk, the target's rank)."
+    lse = scores.logsumexp(1)                                             # (B,)
+    s_y = scores.gather(1, labels[:, None])[:, 0]                         # (B,)
+    log_q_group = scores.topk(k, dim=1).values.logsumexp(1) - lse        # (B,): Q_G needs only the values of the top k
+    in_group = (scores >= s_y[:, None]).sum(1) <= k                       # pessimistic rank < k: a tied target stays out
+    ce = lse - s_y
+    return torch.where(in_group, -log_q_group, ce), ce, log_q_group
+
+
 def _check_grouping_input(scores, target, k, reduction, check_finite):
     scores = check_scores(scores, "scores", ndim=2, min_classes=2, check=check_finite)
     labels, probs = split_target(target, scores)
-    return scores, probs, check_int(k, "k", 1, scores.shape[1] - 1), check_reduction(reduction)
+    return scores, labels, probs, check_int(k, "k", 1, scores.shape[1] - 1), check_reduction(reduction)
 
 
 def topk_grouping(scores: torch.Tensor, target: torch.Tensor, k: int = 5, reduction: str = "mean",
                   check_finite: bool | None = None) -> torch.Tensor:
     "Top-k grouping loss -T_G log Q_G - sum_{i not in G} t_i log q_i, G the predicted top-k (Sawada et al., eq. 5)."
-    scores, probs, k, reduction = _check_grouping_input(scores, target, k, reduction, check_finite)
+    scores, labels, probs, k, reduction = _check_grouping_input(scores, target, k, reduction, check_finite)
     with torch.autocast(scores.device.type, enabled=False):
         s = working_scores(scores)
-        loss = _grouping_terms(s, probs.to(s.dtype), k)[0]
+        terms = _grouping_terms_labels(s, labels, k) if labels is not None else _grouping_terms(s, probs.to(s.dtype), k)
+        loss = terms[0]
     return reduce_loss(loss, reduction).to(scores.dtype)
 
 # %% ../nbs/06_baselines.ipynb #997cc248
 def topk_transition(scores: torch.Tensor, target: torch.Tensor, k: int = 5, detach_weight: bool = False,
                     reduction: str = "mean", check_finite: bool | None = None) -> torch.Tensor:
     "Top-k transition loss (1 - Q_G) CE + Q_G L_k, Q_G the predicted top-k probability mass (Sawada et al., eq. 6)."
-    scores, probs, k, reduction = _check_grouping_input(scores, target, k, reduction, check_finite)
+    scores, labels, probs, k, reduction = _check_grouping_input(scores, target, k, reduction, check_finite)
     with torch.autocast(scores.device.type, enabled=False):
         s = working_scores(scores)
-        grouping, ce, log_q_group = _grouping_terms(s, probs.to(s.dtype), k)
+        terms = _grouping_terms_labels(s, labels, k) if labels is not None else _grouping_terms(s, probs.to(s.dtype), k)
+        grouping, ce, log_q_group = terms
         weight = log_q_group.exp()
         if detach_weight: weight = weight.detach()
         loss = ce + weight * (grouping - ce)
@@ -258,7 +270,7 @@ class FocalLoss(_NativeSoft):
     def extra_repr(self):
         return f"gamma={self.gamma}, reduction={self.reduction!r}"
 
-# %% ../nbs/06_baselines.ipynb #f920ab89
+# %% ../nbs/06_baselines.ipynb #45cf7879
 class LDAMLoss(_NativeSoft):
     "LDAM loss (Cao et al. 2019) as a module; margins from the training `class_counts`."
     example = "class_counts=counts"
