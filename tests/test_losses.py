@@ -104,5 +104,5 @@ def test_table_lists_every_loss():
     table = loss_table()
     for name in NAMES:
         assert f"`{name}`" in table
-    assert "Sawada eq. (5)" in table and "Berrada 2018 eq. (10)" in table
+    assert "Sawada eq. (5)" in table and "Berrada 2018 eq. (9)-(10)" in table and r"y \in A} e^" in table
     torch.testing.assert_close(get_loss("ce")(*problem(6)), cross_entropy(*problem(6)))
