@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from .core import fwd_bwd, time_fn
+from .core import force_sync_free, fwd_bwd, time_fn
 from .esp import log_esp, log_esp_summation
 from .esp_backward import LOG_SIGMA_METHODS, log_sigma
 from .losses import LOSSES, get_loss
@@ -25,7 +25,7 @@ from .models import get_model
 
 # %% auto #0
 __all__ = ['SYNCING_OPS', 'time_interleaved', 'bench_scores', 'bench_loss', 'loss_speed', 'esp_speed', 'epoch_times', 'OpCall',
-           'op_calls', 'aten_ops', 'syncing_ops', 'op_table']
+           'op_calls', 'aten_ops', 'syncing_ops', 'op_table', 'largest_tensor', 'cost_rows']
 
 # %% ../nbs/14_bench.ipynb #f6ddc67b
 def time_interleaved(fns: Sequence[Callable[[], object]], device="cpu", rounds: int = 5, block: int = 3,
@@ -204,17 +204,66 @@ def syncing_ops(counter: Counter  # from `aten_ops`
 
 # %% ../nbs/14_bench.ipynb #40f803bd
 def op_table(names: Sequence[str] | None = None,  # registry losses; all by default
-             batch: int = 256, n: int = 1000, k: int = 5, seed: int = 0) -> list[dict]:
+             batch: int = 256, n: int = 1000, k: int = 5, seed: int = 0,
+             path: str = "sync-free",                # 'sync-free' (what a GPU runs) or 'host' (CPU eager)
+             ) -> list[dict]:
     "Forward+backward aten op counts of F.cross_entropy and registry losses (check_finite=False): all, float64, host-syncing with their callers."
+    if path not in ("sync-free", "host"):
+        raise ValueError(f"path must be 'sync-free' or 'host', got {path!r}")
     scores, target = bench_scores(batch, n, seed=seed)
     fns = {"F.cross_entropy": F.cross_entropy, **{name: bench_loss(name, n, k, check_finite=False) for name in names or LOSSES}}
     rows = []
     for name, fn in fns.items():
         step = fwd_bwd(fn, scores, target)
-        step()                                                  # first call: cached constants, workspaces
-        torch.manual_seed(seed)
-        calls = op_calls(step)
+        with force_sync_free(path == "sync-free"):
+            step()                                              # first call: cached constants, workspaces
+            torch.manual_seed(seed)
+            calls = op_calls(step)
         syncs = Counter(f"{c.name} @ {c.where}" for c in calls if c.where)
         rows.append({"loss": name, "batch": batch, "n": n, "k": k, "ops": len(calls),
                      "float64_ops": sum(torch.float64 in c.dtypes for c in calls), "syncing": dict(syncs)})
+    return rows
+
+# %% ../nbs/14_bench.ipynb #9787921e
+class _LargestStorage(TorchDispatchMode):
+    "Dispatch mode that keeps the size of the largest storage any operator's output lives in."
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in _tensors(out):
+            self.bytes = max(self.bytes, t.untyped_storage().nbytes())
+        return out
+
+
+def largest_tensor(fn: Callable[[], object]  # called once, with no arguments
+                   ) -> int:
+    "Bytes of the largest storage an aten operator produces during one call of `fn()`, forward and backward."
+    with _LargestStorage() as mode:
+        fn()
+    return mode.bytes
+
+# %% ../nbs/14_bench.ipynb #fc2cef4f
+def cost_rows(names: Sequence[str] | None = None,            # registry losses; all by default
+              ks: Sequence[int] = (1, 5, 10, 50, 100),        # for the losses that take k (the others run once per n)
+              ns: Sequence[int] = (100, 1000, 10_000, 100_000),
+              batch: int | Callable[[int], int] = 256,        # or a function of n
+              rounds: int = 3, device="cpu") -> list[dict]:
+    "Forward+backward time of each loss over k and n, as a ratio to F.cross_entropy timed in turns on the same tensors, and its largest buffer over the scores' size."
+    rows = []
+    for n in ns:
+        b = batch(n) if callable(batch) else batch
+        scores, target = bench_scores(b, n, device)
+        ce_step = fwd_bwd(F.cross_entropy, scores, target)
+        for name in names or LOSSES:
+            for k in (ks if "k" in LOSSES[name].defaults else ks[:1]):
+                if k >= n: continue
+                step = fwd_bwd(bench_loss(name, n, k), scores, target)
+                t_ce, t = time_interleaved([ce_step, step], device, rounds=rounds, block=1)
+                rows.append({"loss": name, "n": n, "k": k if "k" in LOSSES[name].defaults else None, "batch": b,
+                             "ms": 1e3 * t["median"], "ce_ms": 1e3 * t_ce["median"], "ratio": t["median"] / t_ce["median"],
+                             "largest_over_scores": largest_tensor(step) / scores.untyped_storage().nbytes()})
     return rows
