@@ -1,3 +1,4 @@
+import pytest
 """Counting the aten operators of a call: names, dtypes, host syncs and who made them."""
 from collections import Counter
 
@@ -47,5 +48,9 @@ def test_op_table():
     assert [r["loss"] for r in rows] == ["F.cross_entropy", "topk_hinge", "smooth_svm"]
     ce = rows[0]
     assert ce["syncing"] == {} and ce["float64_ops"] == 0 and ce["ops"] > 0
-    assert rows[1]["syncing"] == {"_local_scalar_dense @ core.check_target": 2}
+    assert rows[1]["syncing"] == {}                             # the sync-free path: the label check runs on the device
+    host = op_table(["topk_hinge"], batch=4, n=10, k=3, path="host")
+    assert host[1]["syncing"] == {"_local_scalar_dense @ core.check_target": 2}
+    with pytest.raises(ValueError, match="path must be"):
+        op_table(["topk_hinge"], path="gpu")
     assert rows[2]["float64_ops"] > 0                           # the power path works in float64
