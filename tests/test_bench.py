@@ -1,7 +1,7 @@
-import pytest
 """Counting the aten operators of a call: names, dtypes, host syncs and who made them."""
 from collections import Counter
 
+import pytest
 import torch
 import torch.nn.functional as F
 
