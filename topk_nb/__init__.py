@@ -7,6 +7,14 @@ __version__ = "0.1.0"
 __all__ = []
 
 # %% ../nbs/09_api.ipynb #ee6e3b1a
+import os as _os
+import sys as _sys
+
+import torch as _torch
+
+if "triton" not in _sys.modules and not _torch.cuda.is_available():
+    _os.environ.setdefault("TRITON_INTERPRET", "1")    # no GPU: the fused kernels (chapter 16) run in Triton's interpreter
+
 from .core import LossModule, force_sync_free, macro_topk_accuracy, sync_free, topk_accuracy, topk_correct
 from .svm import SmoothTopkSVM, TopkHinge, smooth_topk_svm, topk_hinge
 from .noised import CalHinge, NoisedBalTopK, NoisedImbalTopK, cal_hinge, noised_bal_topk, noised_imbal_topk

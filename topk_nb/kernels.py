@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import threading
 
 import torch
@@ -47,8 +48,8 @@ def triton_ok(t: torch.Tensor, # the scores, classes along the last dimension
     "Whether the fused kernel takes this call: CUDA (or `force_triton()`), Triton present, not tracing, a row that fits."
     if not HAS_TRITON or torch.compiler.is_compiling():
         return False
-    if not (t.is_cuda or getattr(_FORCE, "on", False)):
-        return False
+    if not (t.is_cuda or (getattr(_FORCE, "on", False) and os.environ.get("TRITON_INTERPRET") == "1")):
+        return False                           # a CPU tensor runs a kernel only in the interpreter, when forced
     return t.ndim >= 1 and 1 <= t.shape[-1] <= MAX_ROW and k <= MAX_KTH and t.numel() > 0
 
 # %% ../nbs/16_kernels.ipynb #38b03ee8
