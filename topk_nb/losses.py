@@ -76,7 +76,7 @@ LOSSES: dict[str, LossEntry] = {e.name: e for e in [
               "Yang & Koyejo 2020; Garcin 2022 eq. (5), (17)"),
     LossEntry("smooth_svm", SmoothTopkSVM, smooth_topk_svm,
               r"$\tau \ln \sum_{|A|=K} e^{\alpha 1_{y \notin A}/\tau + \sum_{j\in A} s_j/(K\tau)} - \tau \ln \sum_{|A|=K,\, y \in A} e^{\sum_{j \in A} s_j/(K\tau)}$",
-              "Berrada 2018 eq. (9)-(10) (Garcin 2022 Table 1 prints the second sum without $y \in A$)"),
+              r"Berrada 2018 eq. (9)-(10) (Garcin 2022 Table 1 prints the second sum without $y \in A$)"),
     LossEntry("noised_bal", NoisedBalTopK, noised_bal_topk, r"$(\alpha + \widehat{\mathrm{top}}_{K+1,\epsilon,B}(s) - s_y)_+$",
               "Garcin 2022 eq. (8), (10)", stochastic=True),
     LossEntry("noised_imbal", NoisedImbalTopK, noised_imbal_topk,
