@@ -1186,7 +1186,7 @@ def _launch(experiment: Experiment, params: dict, out_dir, device: str | None, t
     proc = subprocess.run([sys.executable, "-m", "topk_nb.batch", "job", json.dumps(spec)], env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
     if proc.returncode == JOB_BUSY: return False
-    if proc.returncode not in (0, 1):
+    if proc.returncode != 0:              # a failed cell has its record; a crashed job gets one here
         _record_crash(experiment, params, directory, proc.returncode, proc.stdout, since)
     return True
 
