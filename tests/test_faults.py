@@ -105,18 +105,18 @@ def test_two_runners_on_one_out_run_each_cell_once(tmp_path):
 
 # --- kills at random instants --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("target", ["runner", "group"])
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", [1, 5, 7])
 def test_kill_at_a_random_instant_then_rerun(tmp_path, target, seed):
     nb, out, xs = counting_notebook(tmp_path), tmp_path / "runs", range(1, 5)
-    cmd = runner(nb, out, xs, 0.4, "--jobs", "2")
+    cmd = runner(nb, out, xs, 1.0, "--jobs", "2")
     proc = subprocess.Popen(cmd, env=ENV, cwd=tmp_path, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    time.sleep(random.Random(seed).uniform(1.0, 6.0))
+    time.sleep(random.Random(seed).uniform(2.5, 7.5))
     if target == "runner": os.kill(proc.pid, signal.SIGKILL)        # the runner alone: its jobs must die with it
     else: os.killpg(proc.pid, signal.SIGKILL)                       # the runner and its jobs at once
     proc.wait()
     assert wait_gone(tmp_path) == []                                # no job or kernel left writing into the cells
-    done_before = [x for x in xs if cell_done(batch.cell_dir(out, "count", {"x": x, "sleep": 0.4}))]
+    done_before = [x for x in xs if cell_done(batch.cell_dir(out, "count", {"x": x, "sleep": 1.0}))]
     for path in out.rglob(RECORD):                                  # whatever exists is complete JSON
         json.loads(path.read_text())
     rerun = subprocess.run(cmd, env=ENV, cwd=tmp_path, capture_output=True, text=True, timeout=300)
