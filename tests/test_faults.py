@@ -82,6 +82,14 @@ def processes_in(folder: Path) -> list[int]:
     return found
 
 
+def job_processes(folder: Path) -> list[int]:
+    "The live job processes (`python -m topk_nb.batch job SPEC`) started for `folder`."
+    def is_job(pid):
+        try: return b"topk_nb.batch\0job" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError: return False
+    return [pid for pid in processes_in(folder) if is_job(pid)]
+
+
 def wait_gone(folder: Path, seconds: float = 5.0) -> list[int]:
     deadline = time.monotonic() + seconds
     while (left := processes_in(folder)) and time.monotonic() < deadline:
@@ -115,7 +123,10 @@ def test_kill_at_a_random_instant_then_rerun(tmp_path, target, seed):
     if target == "runner": os.kill(proc.pid, signal.SIGKILL)        # the runner alone: its jobs must die with it
     else: os.killpg(proc.pid, signal.SIGKILL)                       # the runner and its jobs at once
     proc.wait()
-    assert wait_gone(tmp_path) == []                                # no job or kernel left writing into the cells
+    deadline = time.monotonic() + 1.0                               # jobs die at once with their runner ...
+    while job_processes(tmp_path) and time.monotonic() < deadline: time.sleep(0.05)
+    assert job_processes(tmp_path) == []
+    assert wait_gone(tmp_path) == []                                # ... and their kernels within a second or two
     done_before = [x for x in xs if cell_done(batch.cell_dir(out, "count", {"x": x, "sleep": 1.0}))]
     for path in out.rglob(RECORD):                                  # whatever exists is complete JSON
         json.loads(path.read_text())
@@ -133,8 +144,7 @@ def test_a_job_killed_alone_gets_a_failed_record_and_the_summary_says_so(tmp_pat
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while not executions(tmp_path) and time.monotonic() < deadline: time.sleep(0.1)   # the kernel is in the cell
-    jobs = [pid for pid in processes_in(tmp_path)
-            if b"topk_nb.batch\0job" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    jobs = job_processes(tmp_path)
     assert len(jobs) == 1
     os.kill(jobs[0], signal.SIGKILL)
     stdout, stderr = proc.communicate(timeout=60)
