@@ -8,7 +8,7 @@ from hypothesis import given, strategies as st
 from torchvision.datasets import CIFAR100, ImageFolder
 
 from topk_nb.core import topk_accuracy
-from topk_nb.data import (DATA_ENV, DATASETS, Cutout, DataBundle, cifar100, cifar100_label_maps, cifar100_lt,
+from topk_nb.data import (DATA_ENV, DATASETS, Cutout, DataBundle, DataError, cifar100, cifar100_label_maps, cifar100_lt,
                           cifar_transforms, circles, circles_posterior, class_counts, fake_cifar100,
                           fake_image_folder, fake_imagenet_lt, get_dataset, imagenet_lt, imagenet_subset,
                           long_tail_counts, make_loader, mixup, per_class_indices, plantnet300k, sample_circles,
@@ -156,7 +156,7 @@ def test_cifar100_augmentation_keeps_the_label(cifar_root):
 def test_cifar100_errors(cifar_root, tmp_path):
     with pytest.raises(FileNotFoundError, match=r"cifar-100-python/\{train,test,meta\}"):
         cifar100(tmp_path / "missing")
-    with pytest.raises(RuntimeError, match="official checksums"):
+    with pytest.raises(DataError, match="official checksums"):
         cifar100(cifar_root)                                       # fabricated files fail the md5 check
     with pytest.raises(ValueError, match="noise_p must be a finite number"):
         cifar100(cifar_root, noise_p=2.0, check_md5=False)
@@ -167,6 +167,25 @@ def test_cifar100_errors(cifar_root, tmp_path):
     b = cifar100(cifar_root, val_size=100, check_md5=False)
     with pytest.raises(ValueError, match="split must be one of"):
         b.loader("validation", 4)
+
+
+@pytest.mark.parametrize("name, content, expected", [
+    ("train", b"\x80\x04 not a pickle", "train is not a CIFAR-100 python pickle (UnpicklingError"),
+    ("train", pickle.dumps({"labels": [1]}), "train is a pickle without the entries data, fine_labels"),
+    ("test", b"", "test is not a CIFAR-100 python pickle (EOFError"),
+    ("meta", pickle.dumps([1, 2]), "meta is a pickle without the entries fine_label_names"),
+])
+def test_cifar100_damaged_files_are_named(cifar_root, tmp_path, name, content, expected):
+    import shutil
+    root = tmp_path / "bad"
+    shutil.copytree(cifar_root, root)
+    (root / "cifar-100-python" / name).write_bytes(content)
+    with pytest.raises(DataError, match="official checksums"):
+        cifar100(root)
+    with pytest.raises(DataError) as info:
+        cifar100(root, check_md5=False)
+    assert str(info.value).startswith(f"cifar100: {root / 'cifar-100-python' / name} ")
+    assert expected in str(info.value) and "replace it by the original file" in str(info.value)
 
 
 def test_split_indices():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import builtins
+import contextlib
 import hashlib
 import importlib
 import itertools
@@ -15,6 +16,8 @@ import math
 import os
 import platform
 import re
+import secrets
+import signal
 import subprocess
 import sys
 import threading
@@ -30,11 +33,13 @@ from tqdm import tqdm
 # %% auto #0
 __all__ = ['CIRCLES_TRADEOFFS', 'CIFAR100_NOISE', 'TEMPERATURE', 'NOISE_SCALE', 'IMAGENET_SUBSETS', 'PLANTNET_IMBALANCED',
            'IMAGENET_LT', 'CIFAR100_TRANSITION', 'STABILITY', 'LEVEL_SETS', 'SPEED', 'EXPERIMENTS', 'RECORD',
-           'EXECUTED', 'PaperValue', 'Finding', 'Figure', 'Experiment', 'package_dir', 'experiments_dir',
-           'get_experiment', 'parse_value', 'parse_grid', 'expand_grid', 'cell_id', 'cell_slug', 'cell_dir',
-           'git_commit', 'environment', 'atomic_write_json', 'write_record', 'read_record', 'load_records',
-           'training_metrics', 'with_parameters_tag', 'run_cell', 'short_error', 'pending_cells', 'run_grid',
-           'record_rows', 'summarise', 'aggregate', 'fmt', 'check_finding', 'plot_figure', 'report', 'main']
+           'EXECUTED', 'LOCK', 'JOB_BUSY', 'PaperValue', 'Finding', 'Figure', 'Experiment', 'package_dir',
+           'experiments_dir', 'get_experiment', 'parse_value', 'parse_grid', 'expand_grid', 'cell_id', 'cell_slug',
+           'cell_dir', 'git_commit', 'environment', 'atomic_write_json', 'write_record', 'RecordError',
+           'inspect_record', 'read_record', 'load_records', 'training_metrics', 'with_parameters_tag', 'CellBusy',
+           'claim_cell', 'record_stamp', 'notebook_final', 'cell_done', 'run_cell', 'die_with_parent', 'short_error',
+           'pending_cells', 'grid_summary', 'notebook_parameters', 'plan_grid', 'run_grid', 'record_rows', 'summarise',
+           'aggregate', 'fmt', 'check_finding', 'plot_figure', 'report', 'main']
 
 # %% ../nbs/13_batch.ipynb #ebb2c7ba
 @dataclass(frozen=True)
@@ -753,6 +758,10 @@ def parse_grid(words: Sequence[str]) -> dict[str, list]:
         key, sep, values = word.partition("=")
         if not sep or not key or not values:
             raise ValueError(f"--grid expects key=v1,v2,..., got {word!r}")
+        if key in grid:
+            raise ValueError(f"--grid gives {key} twice ({word!r}): write key=v1,v2,... once per key")
+        if any(not v.strip() for v in values.split(",")):
+            raise ValueError(f"--grid {word!r} has an empty value: write key=v1,v2,... without empty entries")
         grid[key] = [parse_value(v) for v in values.split(",")]
     return grid
 
@@ -859,23 +868,53 @@ def write_record(path, params: dict, metrics: dict | None = None, *, experiment:
               "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **extra}
     return atomic_write_json(path, record)
 
+# %% ../nbs/13_batch.ipynb #155ad565
+class RecordError(ValueError):
+    "Records that exist but cannot be read; the message names each file and what is wrong with it."
 
-def read_record(path) -> dict | None:
-    "The record at `path`, or None if there is none (or it cannot be read)."
+
+def inspect_record(path,  # a record file
+                   ) -> tuple[dict | None, str | None]:
+    "`(record, None)` for a readable record, `(None, None)` when there is none, `(None, what is wrong)` when it cannot be read."
     try:
-        return json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        return None, None
+    except (OSError, UnicodeDecodeError) as e:
+        return None, f"cannot be read ({type(e).__name__}: {e})"
+    try:
+        rec = json.loads(text)
+    except json.JSONDecodeError as e:
+        return None, f"not complete JSON ({len(text)} characters; {e})"
+    if not isinstance(rec, dict) or rec.get("status") not in ("ok", "failed"):
+        return None, "not a record: no 'status' of 'ok' or 'failed'"
+    return rec, None
 
 
-def load_records(out_dir, experiment: str | None = None, status: str | None = "ok") -> list[dict]:
-    "Every record under `out_dir[/experiment]` (only those with `status`, all if None), each with its `path`."
+def read_record(path,  # a record file
+                ) -> dict | None:
+    "The record at `path`, or None if there is none or it cannot be read (`inspect_record` says why)."
+    return inspect_record(path)[0]
+
+
+def load_records(out_dir,  # the --out folder of the runs
+                 experiment: str | None = None,  # only this experiment's records (all by default)
+                 status: str | None = "ok",  # only records with this status; None: all
+                 unreadable: list | None = None,  # collects (path, what is wrong) of unreadable records; None: raise
+                 ) -> list[dict]:
+    "Every record under `out_dir[/experiment]`, each with its `path`; an unreadable one raises RecordError unless `unreadable` collects it."
     root = Path(out_dir) / experiment if experiment else Path(out_dir)
-    records = []
+    records, bad = [], []
     for path in sorted(root.rglob(RECORD)):
-        rec = read_record(path)
-        if rec is not None and (status is None or rec.get("status") == status):
+        rec, problem = inspect_record(path)
+        if problem is not None:
+            bad.append((path, problem))
+        elif rec is not None and (status is None or rec.get("status") == status):
             records.append({**rec, "path": str(path)})
+    if unreadable is not None:
+        unreadable.extend(bad)
+    elif bad:
+        raise RecordError(f"{len(bad)} unreadable record(s): " + "; ".join(f"{p}: {what}" for p, what in bad))
     return records
 
 # %% ../nbs/13_batch.ipynb #09a4ad31
@@ -898,38 +937,184 @@ def with_parameters_tag(notebook):
         first.metadata.setdefault("tags", []).append("parameters")
     return nb
 
+# %% ../nbs/13_batch.ipynb #caf1b9ce
+LOCK = ".lock"
 
-def run_cell(notebook, params: dict, directory, experiment: str | None = None, timeout: float | None = None,
-             log_output: bool = False) -> dict:
-    "Execute `notebook` with papermill for one grid cell into `directory`; returns its record (written, ok or failed)."
-    import papermill as pm
-    directory = Path(directory).resolve()         # the kernel runs in the notebook's folder
+
+class CellBusy(RuntimeError):
+    "Another process owns the cell."
+
+
+@contextlib.contextmanager
+def claim_cell(directory,  # the cell's folder (created if missing)
+               wait: bool = False,  # block until the owner releases the cell instead of raising CellBusy
+               ):
+    "Own the cell folder `directory` inside the `with` block: an exclusive `flock` on `directory/.lock`, which dies with the process."
+    import fcntl
+    directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    for stale in directory.glob(".*.tmp"): stale.unlink()      # left by a killed run
-    record_path = directory / RECORD
-    if record_path.exists(): record_path.unlink()             # a failed record being retried
-    start = time.perf_counter()
+    fd = os.open(directory / LOCK, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
     try:
-        pm.execute_notebook(with_parameters_tag(notebook), str(directory / EXECUTED),
-                            parameters={**params, "record_path": str(record_path)},
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            owner = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "a process"
+            raise CellBusy(f"the cell {directory} is being run by {owner}") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()}\n".encode(), 0)     # who owns it, for the message above
+        yield directory
+    finally:
+        os.close(fd)                                            # releases the lock
+
+# %% ../nbs/13_batch.ipynb #99cf52a3
+def record_stamp(directory,  # a cell's folder
+                 ) -> list:
+    "Identity of the cell's `record.json` (inode, mtime in ns, size), `[]` when there is none: a change means a new record."
+    try:
+        st = os.stat(Path(directory) / RECORD)
+    except FileNotFoundError:
+        return []
+    return [st.st_ino, st.st_mtime_ns, st.st_size]
+
+
+def notebook_final(path,  # an executed notebook
+                   ) -> bool:
+    "Whether `path` is a notebook papermill finished executing (its `metadata.papermill.end_time` is set)."
+    try:
+        nb = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    meta = nb.get("metadata", {}).get("papermill") if isinstance(nb, dict) else None
+    return isinstance(meta, dict) and meta.get("end_time") is not None
+
+
+def cell_done(directory,  # a cell's folder
+              ) -> bool:
+    "A cell is done when its record says ok and its executed notebook is final."
+    directory = Path(directory)
+    return (read_record(directory / RECORD) or {}).get("status") == "ok" and notebook_final(directory / EXECUTED)
+
+# %% ../nbs/13_batch.ipynb #32f97fd6
+def _fsync(path: Path) -> None:
+    "Flush a file (or a folder's entries) to disk."
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try: os.fsync(fd)
+        finally: os.close(fd)
+
+
+def _clear_attempts(directory: Path) -> None:
+    "Delete what killed attempts left in a cell folder this process owns: their records, notebooks and temporary files."
+    for pattern in (".record.*.json", ".notebook.*.ipynb", ".*.tmp"):
+        for p in directory.glob(pattern):
+            with contextlib.suppress(FileNotFoundError): p.unlink()
+
+
+def _publish(directory: Path, record: Path, notebook: Path) -> None:
+    "Make an attempt final: its executed notebook becomes `notebook.ipynb`, then its record `record.json` (last)."
+    final = directory / EXECUTED
+    if notebook.exists():
+        _fsync(notebook)
+        os.replace(notebook, final)
+    else:                                  # no notebook from this attempt: none from an older one beside its record
+        with contextlib.suppress(FileNotFoundError): final.unlink()
+    _fsync(directory)
+    os.replace(record, directory / RECORD)
+    _fsync(directory)
+
+
+def _finished_record(directory: Path, since: list | None) -> dict | None:
+    "The record of a done cell, or (with `since`) one written after the stamp `since`; None if the cell is still to run."
+    if cell_done(directory): return read_record(directory / RECORD)
+    if since is not None and record_stamp(directory) not in ([], since): return read_record(directory / RECORD)
+    return None
+
+
+def _execute(notebook, params: dict, directory: Path, experiment, timeout, log_output) -> dict:
+    "Run one attempt in a folder this process owns, publish its notebook and record; returns the record."
+    import papermill as pm
+    _clear_attempts(directory)
+    attempt = f"{os.getpid()}-{secrets.token_hex(4)}"
+    record, executed = directory / f".record.{attempt}.json", directory / f".notebook.{attempt}.ipynb"
+    start, interrupted = time.perf_counter(), None
+    try:
+        pm.execute_notebook(with_parameters_tag(notebook), str(executed),
+                            parameters={**params, "record_path": str(record)},
                             kernel_name="python3", cwd=str(Path(notebook).parent), progress_bar=False,
                             log_output=log_output, execution_timeout=timeout)
-        if read_record(record_path) is None:
-            raise RuntimeError(f"the notebook ran but wrote no record to record_path={record_path}")
+        if read_record(record) is None:
+            raise RuntimeError("the notebook ran but wrote no record to record_path")
     except BaseException as e:
         error = f"{type(e).__name__}: {e}"
-        if not isinstance(e, Exception): error += " (interrupted)"
-        write_record(record_path, params, experiment=experiment, status="failed", error=error[-4000:],
+        if not isinstance(e, Exception): error, interrupted = error + " (interrupted)", e
+        write_record(record, params, experiment=experiment, status="failed", error=error[-4000:],
                      seed=params.get("seed"), wall_time_s=time.perf_counter() - start,
                      traceback=traceback.format_exc()[-4000:])
-        if not isinstance(e, Exception): raise
-    return read_record(record_path)
+    _publish(directory, record, executed)
+    if interrupted is not None: raise interrupted
+    return read_record(directory / RECORD)
+
+
+def _log_to(path: Path) -> None:
+    "Send this process's stdout and stderr, and those of the processes it starts (the kernel), to `path`."
+    sys.stdout.flush(); sys.stderr.flush()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    os.dup2(fd, 1); os.dup2(fd, 2)
+    os.close(fd)
+
+
+def run_cell(notebook,  # the experiment notebook
+             params: dict,  # the cell's parameters, injected by papermill
+             directory,  # the cell's folder: record.json, notebook.ipynb
+             experiment: str | None = None,  # the experiment's name, kept in a failed record
+             timeout: float | None = None,  # seconds per notebook cell (papermill's execution_timeout)
+             log_output: bool = False,  # echo the notebook's output (papermill's log_output)
+             wait: bool = False,  # when another process owns the cell, wait for it instead of raising CellBusy
+             since: list | None = None,  # a record newer than this `record_stamp` is the result (with wait, default: now)
+             log=None,  # a file for this process's output once it owns the cell (the job process's job.log)
+             ) -> dict:
+    "Execute `notebook` for one grid cell into `directory` as its owner; returns the cell's record. A done cell is not run again."
+    directory = Path(directory).resolve()         # the kernel runs in the notebook's folder
+    if wait and since is None: since = record_stamp(directory)
+    with claim_cell(directory, wait):
+        done = _finished_record(directory, since)
+        if done is not None: return done
+        if log is not None: _log_to(Path(log))
+        return _execute(notebook, params, directory, experiment, timeout, log_output)
+
+# %% ../nbs/13_batch.ipynb #8322871a
+JOB_BUSY = 75          # exit status of a job whose cell another process owns (EX_TEMPFAIL)
+
+
+def die_with_parent(parent: int,  # the pid of the process that started this one
+                    ) -> bool:
+    "Have this process killed (SIGKILL) when `parent` dies: Linux `prctl(PR_SET_PDEATHSIG)`, elsewhere a thread polling the parent. False if `parent` is already gone."
+    if sys.platform.startswith("linux"):
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(1, signal.SIGKILL, 0, 0, 0) != 0:          # 1: PR_SET_PDEATHSIG
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    else:
+        def watch():
+            while os.getppid() == parent: time.sleep(0.5)
+            os._exit(1)
+        threading.Thread(target=watch, daemon=True).start()
+    return os.getppid() == parent       # checked after the request: a parent that died before it is seen here
 
 
 def _job_main(spec_json: str) -> int:
+    "The job process: run one cell as its owner; exit 0 (ok), 1 (failed) or JOB_BUSY (another process owns it)."
     spec = json.loads(spec_json)
-    rec = run_cell(spec["notebook"], spec["params"], spec["directory"], spec.get("experiment"), spec.get("timeout"))
-    return 0 if rec and rec.get("status") == "ok" else 1
+    if spec.get("parent") is not None and not die_with_parent(spec["parent"]):
+        return 1                                                 # the runner died before this process started
+    directory = Path(spec["directory"])
+    try:
+        rec = run_cell(spec["notebook"], spec["params"], directory, spec.get("experiment"), spec.get("timeout"),
+                       wait=spec.get("wait", False), since=spec.get("since"), log=directory / "job.log")
+    except CellBusy as e:
+        print(e)
+        return JOB_BUSY
+    return 0 if rec.get("status") == "ok" else 1
 
 # %% ../nbs/13_batch.ipynb #d1934cb1
 def short_error(error) -> str:
@@ -938,69 +1123,152 @@ def short_error(error) -> str:
     return lines[-1][:200] if lines else ""
 
 
-def pending_cells(experiment: Experiment, cells: list[dict], out_dir) -> list[dict]:
-    "The cells of `cells` without a successful record under `out_dir`."
-    return [c for c in cells if (read_record(cell_dir(out_dir, experiment, c) / RECORD) or {}).get("status") != "ok"]
+def pending_cells(experiment: Experiment,  # the catalogue entry
+                  cells: list[dict],  # parameter dicts of the grid
+                  out_dir,  # the --out folder
+                  ) -> list[dict]:
+    "The cells of `cells` that are not done (`cell_done`) under `out_dir`."
+    return [c for c in cells if not cell_done(cell_dir(out_dir, experiment, c))]
 
 
-def _launch(experiment: Experiment, params: dict, out_dir, device: str | None, timeout) -> dict:
+def grid_summary(experiment: Experiment,  # the catalogue entry
+                 cells: list[dict],  # parameter dicts of the grid
+                 out_dir,  # the --out folder
+                 skipped: int = 0,  # how many cells were done before the run
+                 ) -> dict:
+    "Counts from the files on disk: total, skipped (done before), ok (done since), failed, missing (no final result); and the problems."
+    summary = {"total": len(cells), "skipped": skipped, "ok": 0, "failed": 0, "missing": 0, "failures": []}
+    for params in cells:
+        directory = cell_dir(out_dir, experiment, params)
+        rec, problem = inspect_record(directory / RECORD)
+        if cell_done(directory):
+            summary["ok"] += 1
+            continue
+        if rec is not None and rec["status"] == "failed":
+            summary["failed"] += 1
+            error = rec.get("error")
+        else:
+            summary["missing"] += 1
+            error = (f"record {directory / RECORD} {problem}" if problem else
+                     f"no record in {directory}" if rec is None else f"the executed notebook {directory / EXECUTED} is not final")
+        summary["failures"].append({"params": params, "error": error})
+    summary["ok"] -= skipped
+    return summary
+
+# %% ../nbs/13_batch.ipynb #19a7eacf
+def _signal_text(code: int) -> str:
+    if code >= 0: return f"exited with code {code}"
+    try: return f"was killed by {signal.Signals(-code).name}"
+    except ValueError: return f"was killed by signal {-code}"
+
+
+def _record_crash(experiment: Experiment, params: dict, directory: Path, code: int, output: str, since: list) -> None:
+    "A job process that died without a record: write a failed one, if this process can own the cell and nobody wrote a record since `since`."
+    try:
+        with claim_cell(directory):
+            if record_stamp(directory) == since and not cell_done(directory):
+                tail = " | ".join(line for line in output.splitlines()[-5:] if line.strip())
+                write_record(directory / RECORD, params, experiment=experiment.name, status="failed",
+                             error=f"the job process {_signal_text(code)} without a record (see job.log)"
+                                   + (f"; its output: {tail}" if tail else ""))
+    except CellBusy:
+        pass                                    # another runner owns it now: its outcome will be the record
+
+
+def _launch(experiment: Experiment, params: dict, out_dir, device: str | None, timeout, wait: bool,
+            since: list) -> bool:
+    "Run one cell in a job process; False if another process owns the cell (and `wait` is False)."
     directory = cell_dir(out_dir, experiment, params)
     spec = {"notebook": str(experiment.notebook_path()), "params": params, "directory": str(directory),
-            "experiment": experiment.name, "timeout": timeout}
+            "experiment": experiment.name, "timeout": timeout, "wait": wait, "since": since, "parent": os.getpid()}
     env = dict(os.environ)
     if device is not None: env["CUDA_VISIBLE_DEVICES"] = device     # one GPU per job; CPU workers inherit the setting
-    directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / "job.log", "w") as log:
-        proc = subprocess.run([sys.executable, "-m", "topk_nb.batch", "job", json.dumps(spec)], env=env,
-                              stdout=log, stderr=subprocess.STDOUT)
-    rec = read_record(directory / RECORD)
-    if rec is None:
-        write_record(directory / RECORD, params, experiment=experiment.name, status="failed",
-                     error=f"the job process exited with code {proc.returncode} and no record (see job.log)")
-        rec = read_record(directory / RECORD)
-    return rec
+    proc = subprocess.run([sys.executable, "-m", "topk_nb.batch", "job", json.dumps(spec)], env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
+    if proc.returncode == JOB_BUSY: return False
+    if proc.returncode != 0:              # a failed cell has its record; a crashed job gets one here
+        _record_crash(experiment, params, directory, proc.returncode, proc.stdout, since)
+    return True
+
+# %% ../nbs/13_batch.ipynb #0349cf0a
+def notebook_parameters(notebook,  # an experiment notebook
+                        ) -> set[str] | None:
+    "The names its parameters cell assigns (the cell tagged `parameters`, else the first code cell); None if it cannot be parsed."
+    import ast
+    nb = with_parameters_tag(notebook)
+    cell = next(c for c in nb.cells if "parameters" in c.get("metadata", {}).get("tags", []))
+    try:
+        tree = ast.parse(cell.source)
+    except SyntaxError:
+        return None
+    names = set()
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        for t in targets:
+            names |= {n.id for n in ast.walk(t) if isinstance(n, ast.Name)}
+    return names
 
 
-def run_grid(experiment: str | Experiment, preset: str | None = None, grid: dict | None = None,
-             seeds: int | None = None, out_dir="runs", gpus: Sequence[str] | None = None, jobs: int = 1,
-             timeout: float | None = None, progress: bool = True, data_root=None) -> dict:
-    "Run the missing cells of a grid (`data_root`: the real data's folder); returns counts {'total', 'skipped', 'ok', 'failed'} and the failures."
+def plan_grid(experiment: str | Experiment,  # a catalogue name, or the path of a notebook
+              preset: str | None = None,  # one of the experiment's presets
+              grid: dict | None = None,  # overrides {parameter: [values]}
+              seeds: int | None = None,  # number of seeds
+              data_root=None,  # the real data's folder (the parameter `data_root`)
+              ) -> tuple[Experiment, list[dict]]:
+    "Check what a run was given and expand its grid: (experiment, cells); any mistake raises before anything runs."
     exp = experiment if isinstance(experiment, Experiment) else get_experiment(experiment)
+    if not exp.notebook_path().is_file():
+        raise ValueError(f"the notebook of {exp.name} is missing: {exp.notebook_path()}")
     if preset is not None and preset not in exp.presets:
         raise ValueError(f"unknown preset {preset!r} of {exp.name}; valid presets: {', '.join(exp.presets) or 'none'}")
+    known = notebook_parameters(exp.notebook_path())
+    for key in grid or {}:
+        if key == "record_path" or (known is not None and key not in known):
+            raise ValueError(f"--grid {key}=...: {key!r} is not a parameter of {exp.notebook_path().name}; its "
+                             f"parameters: {', '.join(sorted((known or set()) - {'record_path'}))}")
     if data_root is not None:
         if not Path(data_root).is_dir():
             raise ValueError(f"data_root={str(data_root)!r} is not a directory")
         grid = {**(grid or {}), "data_root": [str(Path(data_root).resolve())]}
     elif preset in exp.data_presets and "data_root" not in (grid or {}):
         raise ValueError(f"preset {preset!r} of {exp.name} trains on the real data set: give its folder with --data-root")
-    cells = expand_grid(exp.presets.get(preset), grid, seeds, exp.seeds_param)
-    todo = pending_cells(exp, cells, out_dir)
-    devices = [str(g) for g in gpus] if gpus else [None] * max(1, int(jobs))
-    free = list(devices)
-    lock = threading.Lock()
-    summary = {"total": len(cells), "skipped": len(cells) - len(todo), "ok": 0, "failed": 0, "failures": []}
+    return exp, expand_grid(exp.presets.get(preset), grid, seeds, exp.seeds_param)
 
+
+def _run_pool(cells: list[dict], run, devices: list, bar) -> list[dict]:
+    "Run `run(params, device)` over `cells` with one worker per device; returns the cells for which it returned False."
+    free, lock, put_aside = list(devices), threading.Lock(), []
     def work(params):
         with lock: device = free.pop()
         try:
-            return params, _launch(exp, params, out_dir, device, timeout)
+            return params, run(params, device)
         finally:
             with lock: free.append(device)
+    with ThreadPoolExecutor(len(devices)) as pool:
+        for fut in as_completed([pool.submit(work, c) for c in cells]):
+            params, finished = fut.result()
+            if finished: bar.update(1)
+            else: put_aside.append(params)
+    return put_aside
 
-    with ThreadPoolExecutor(len(devices)) as pool, \
-         tqdm(total=len(todo), desc=exp.name, disable=not progress, unit="cell") as bar:
-        for fut in as_completed([pool.submit(work, c) for c in todo]):
-            params, rec = fut.result()
-            if rec.get("status") == "ok":
-                summary["ok"] += 1
-            else:
-                summary["failed"] += 1
-                summary["failures"].append({"params": params, "error": rec.get("error")})
-                tqdm.write(f"failed: {params}: {short_error(rec.get('error'))}")
-            bar.update(1)
-            bar.set_postfix(ok=summary["ok"], failed=summary["failed"])
-    return summary
+
+def run_grid(experiment: str | Experiment, preset: str | None = None, grid: dict | None = None,
+             seeds: int | None = None, out_dir="runs", gpus: Sequence[str] | None = None, jobs: int = 1,
+             timeout: float | None = None, progress: bool = True, data_root=None) -> dict:
+    "Run the cells of a grid that are not done (`data_root`: the real data's folder); returns `grid_summary` of the files on disk."
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"jobs must be a positive integer, got {jobs!r}")
+    if timeout is not None and not (isinstance(timeout, (int, float)) and 0 < timeout < math.inf):
+        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+    exp, cells = plan_grid(experiment, preset, grid, seeds, data_root)
+    todo = pending_cells(exp, cells, out_dir)
+    since = {cell_id(c): record_stamp(cell_dir(out_dir, exp, c)) for c in todo}
+    devices = [str(g) for g in gpus] if gpus else [None] * jobs
+    with tqdm(total=len(todo), desc=exp.name, disable=not progress, unit="cell") as bar:
+        busy = _run_pool(todo, lambda c, d: _launch(exp, c, out_dir, d, timeout, False, since[cell_id(c)]),
+                         devices, bar)
+        _run_pool(busy, lambda c, d: _launch(exp, c, out_dir, d, timeout, True, since[cell_id(c)]), devices, bar)
+    return grid_summary(exp, cells, out_dir, skipped=len(cells) - len(todo))
 
 # %% ../nbs/13_batch.ipynb #05734c7c
 def record_rows(records: list[dict]) -> list[dict]:
@@ -1097,16 +1365,22 @@ def plot_figure(rows: list[dict], fig: Figure, path) -> Path | None:
 
 
 def report(experiment: str | Experiment, out_dir="runs", report_dir=None, figures: bool = True) -> Path:
-    "Write the markdown report (and PNG figures) of an experiment's records under `out_dir`; returns its path."
+    "Write the markdown report (and PNG figures) of an experiment's records under `out_dir`; returns its path, or raises RecordError naming the unreadable records after writing it."
     exp = experiment if isinstance(experiment, Experiment) else get_experiment(experiment)
-    records = load_records(out_dir, exp.name, status=None)
+    if not Path(out_dir).is_dir():
+        raise FileNotFoundError(f"out_dir {str(out_dir)!r} is not a directory: give the --out folder of the runs")
+    unreadable = []
+    records = load_records(out_dir, exp.name, status=None, unreadable=unreadable)
+    if not records and not unreadable:
+        raise ValueError(f"no records of {exp.name} under {Path(out_dir) / exp.name}: run the experiment first, "
+                         "or give the --out folder of its runs")
     ok = [r for r in records if r.get("status") == "ok"]
     failed = [r for r in records if r.get("status") != "ok"]
     rows = record_rows(ok)
     report_dir = Path(report_dir) if report_dir else Path(out_dir) / exp.name / "report"
     report_dir.mkdir(parents=True, exist_ok=True)
     lines = [f"# {exp.name}: report", "", exp.description, "",
-             f"{len(ok)} successful records, {len(failed)} failed, {len(rows)} result rows. "
+             f"{len(ok)} successful records, {len(failed)} failed, {len(unreadable)} unreadable, {len(rows)} result rows. "
              "Accuracies in %, mean ± std over seeds (sample std); differences in percentage points.", ""]
     if exp.paper:
         lines += ["## The paper's numbers and ours", ""]
@@ -1137,6 +1411,9 @@ def report(experiment: str | Experiment, out_dir="runs", report_dir=None, figure
         lines += _table([fig.x] + [f"{s} {m}" for m in fig.metrics for s in series], body) + [""]
         if figures and plot_figure(rows, fig, report_dir / f"{fig.name}.png") is not None:
             lines += [f"![{fig.title}]({fig.name}.png)", ""]
+    if unreadable:
+        lines += ["## Unreadable records", "", "Left out of everything above; `topk-nb run` runs their cells again.", ""] + \
+                 _table(["record", "what is wrong"], [[str(p), what] for p, what in unreadable]) + [""]
     if failed:
         lines += ["## Failed cells", ""] + _table(["params", "error"], [[json.dumps(r.get("params")),
                                                    short_error(r.get("error"))] for r in failed]) + [""]
@@ -1148,23 +1425,51 @@ def report(experiment: str | Experiment, out_dir="runs", report_dir=None, figure
                  [f"- `{e}`" for e in envs] + [""]
     path = report_dir / "report.md"
     path.write_text("\n".join(lines))
+    if unreadable:
+        raise RecordError(f"{len(unreadable)} unreadable record(s), left out of the report {path}: "
+                          + "; ".join(f"{p}: {what}" for p, what in unreadable))
     return path
 
 # %% ../nbs/13_batch.ipynb #f0d7430d
+class _Parser(argparse.ArgumentParser):
+    "argparse, with a mistake reported in one line (`topk-nb run: error: ...`) and exit status 2."
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _positive(kind):
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not 0 < value < math.inf:
+            raise argparse.ArgumentTypeError(f"must be a positive {'integer' if kind is int else 'number'}, got {text!r}")
+        return value
+    return parse
+
+
+def _gpu_list(text):
+    ids = [g.strip() for g in text.split(",")]
+    if not all(ids):
+        raise argparse.ArgumentTypeError(f"must be comma-separated GPU ids such as 0,1, got {text!r}")
+    return ids
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="topk-nb", description="Run and report the experiments of topk_nb.")
+    p = _Parser(prog="topk-nb", description="Run and report the experiments of topk_nb.")
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="list the experiments and their presets")
-    r = sub.add_parser("run", help="run the missing cells of a grid")
+    r = sub.add_parser("run", help="run the cells of a grid that are not done")
     r.add_argument("experiment")
     r.add_argument("--preset", default=None)
     r.add_argument("--grid", nargs="*", default=[], metavar="KEY=V1,V2")
-    r.add_argument("--seeds", type=int, default=None)
+    r.add_argument("--seeds", type=_positive(int), default=None)
     r.add_argument("--out", default="runs")
     r.add_argument("--data-root", default=None, help="folder of the real data set (paper-scale presets)")
-    r.add_argument("--gpus", default=None, help="comma-separated GPU ids: one job per GPU")
-    r.add_argument("--jobs", type=int, default=1, help="parallel jobs without GPUs")
-    r.add_argument("--timeout", type=float, default=None, help="seconds per notebook cell")
+    r.add_argument("--gpus", type=_gpu_list, default=None, help="comma-separated GPU ids: one job per GPU")
+    r.add_argument("--jobs", type=_positive(int), default=1, help="parallel jobs without GPUs")
+    r.add_argument("--timeout", type=_positive(float), default=None, help="seconds per notebook cell")
     r.add_argument("--no-progress", action="store_true")
     q = sub.add_parser("report", help="write the markdown report and figures")
     q.add_argument("experiment")
@@ -1175,8 +1480,14 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    "The `topk-nb` command: `list`, `run` and `report` subcommands."
+def _fail(command: str, error: Exception, status: int = 2) -> int:
+    print(f"topk-nb {command}: error: {' '.join(str(error).split())}", file=sys.stderr)
+    return status
+
+
+def main(argv: Sequence[str] | None = None,  # the words after `topk-nb` (sys.argv[1:] by default)
+         ) -> int:
+    "The `topk-nb` command: `list`, `run` and `report`; returns the exit status (2: a mistake on the command line, nothing run)."
     args = _parser().parse_args(sys.argv[1:] if argv is None else list(argv))
     if args.command == "job":
         return _job_main(args.spec)
@@ -1185,13 +1496,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{e.name}: {e.description}\n  notebook: nbs/experiments/{e.notebook}\n  presets: {', '.join(e.presets)}")
         return 0
     if args.command == "report":
-        print(report(args.experiment, args.out, args.report_dir))
+        try:
+            print(report(args.experiment, args.out, args.report_dir))
+        except RecordError as e:
+            return _fail("report", e, 1)
+        except (ValueError, OSError) as e:
+            return _fail("report", e)
         return 0
-    gpus = [g.strip() for g in args.gpus.split(",") if g.strip()] if args.gpus else None
-    summary = run_grid(args.experiment, args.preset, parse_grid(args.grid), args.seeds, args.out, gpus, args.jobs,
+    try:
+        plan_grid(args.experiment, args.preset, parse_grid(args.grid), args.seeds, args.data_root)
+    except (ValueError, OSError) as e:
+        return _fail("run", e)
+    summary = run_grid(args.experiment, args.preset, parse_grid(args.grid), args.seeds, args.out, args.gpus, args.jobs,
                        args.timeout, progress=not args.no_progress, data_root=args.data_root)
+    for f in summary["failures"]:
+        print(f"not done: {json.dumps(f['params'])}: {short_error(f['error'])}", file=sys.stderr)
     print(json.dumps({k: v for k, v in summary.items() if k != "failures"}))
-    return 1 if summary["failed"] else 0
+    return 1 if summary["failed"] or summary["missing"] else 0
 
 
 if __name__ == "__main__" and not hasattr(builtins, "__IPYTHON__"):   # not when a notebook kernel runs this cell

@@ -28,11 +28,11 @@ from .core import check_int, check_real
 # %% auto #0
 __all__ = ['SPLITS', 'DATA_ENV', 'CIFAR100_MEAN', 'CIFAR100_STD', 'IMAGENET_MEAN', 'IMAGENET_STD', 'DATASETS', 'class_counts',
            'DataBundle', 'LabelledSubset', 'make_loader', 'resolve_root', 'fake_cifar100', 'fake_image_folder',
-           'fake_imagenet_lt', 'cifar100_label_maps', 'superclass_noise', 'Cutout', 'cifar_transforms', 'split_indices',
-           'cifar100', 'mixup', 'long_tail_counts', 'per_class_indices', 'cifar100_lt', 'imagenet_transforms',
-           'ClassListImageFolder', 'imagenet_subset', 'ImageList', 'shot_groups', 'plantnet300k', 'imagenet_lt',
-           'sample_circles', 'circles_posterior', 'PointsDataset', 'circles', 'SyntheticImages', 'synthetic_images',
-           'get_dataset']
+           'fake_imagenet_lt', 'DataError', 'read_cifar_pickle', 'cifar100_label_maps', 'superclass_noise', 'Cutout',
+           'cifar_transforms', 'split_indices', 'cifar100', 'mixup', 'long_tail_counts', 'per_class_indices',
+           'cifar100_lt', 'imagenet_transforms', 'ClassListImageFolder', 'imagenet_subset', 'ImageList', 'shot_groups',
+           'plantnet300k', 'imagenet_lt', 'sample_circles', 'circles_posterior', 'PointsDataset', 'circles',
+           'SyntheticImages', 'synthetic_images', 'get_dataset']
 
 # %% ../nbs/10_data.ipynb #ca4992f3
 SPLITS = ("train", "val", "test")
@@ -193,15 +193,38 @@ def fake_imagenet_lt(root, train_counts: Sequence[int] = (12, 8, 5, 3), n_val_pe
         (root / f"ImageNet_LT_{split}.txt").write_text("".join(f"{p} {y}\n" for p, y in rows))
     return root
 
+# %% ../nbs/10_data.ipynb #5a243dcf
+class DataError(ValueError):
+    "Files of a data set that are there but cannot be used: damaged, of another format, or failing their checksum."
+
+
+def read_cifar_pickle(path,  # a file of the python version of CIFAR-100: `train`, `test` or `meta`
+                      keys: Sequence[str],  # the entries it must hold, e.g. ("data", "fine_labels")
+                      ) -> dict:
+    "The dict in a CIFAR-100 pickle; a DataError naming the file when it is not one."
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            entry = pickle.load(f, encoding="latin1")
+    except OSError:
+        raise
+    except Exception as e:     # random bytes raise anything from UnpicklingError to IndexError
+        what = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        raise DataError(f"cifar100: {path} is not a CIFAR-100 python pickle ({what}); "
+                        "replace it by the original file") from None
+    missing = [k for k in keys if not isinstance(entry, dict) or k not in entry]
+    if missing:
+        raise DataError(f"cifar100: {path} is a pickle without the entries {', '.join(missing)} of a CIFAR-100 file; "
+                        "replace it by the original file")
+    return entry
+
 # %% ../nbs/10_data.ipynb #16079c9a
 def cifar100_label_maps(root) -> tuple[torch.Tensor, list[str], list[str]]:
     "fine -> coarse map `(100,)` from the `train` pickle's `fine_labels`/`coarse_labels`, and the fine and coarse names from `meta`."
     folder = Path(root) / "cifar-100-python"
     _require([folder / "train", folder / "meta"], "cifar100", "root/cifar-100-python/{train,test,meta}")
-    with open(folder / "train", "rb") as f:
-        entry = pickle.load(f, encoding="latin1")
-    with open(folder / "meta", "rb") as f:
-        meta = pickle.load(f, encoding="latin1")
+    entry = read_cifar_pickle(folder / "train", ("fine_labels", "coarse_labels"))
+    meta = read_cifar_pickle(folder / "meta", ("fine_label_names", "coarse_label_names"))
     fine, coarse = torch.tensor(entry["fine_labels"]), torch.tensor(entry["coarse_labels"])
     n_fine = len(meta["fine_label_names"])
     fine_to_coarse = torch.full((n_fine,), -1, dtype=torch.long)
@@ -282,17 +305,25 @@ class _CIFAR100Files(CIFAR100):
         super().__init__(root, train=train, download=download)
 
 
+_CIFAR_KEYS = {"train": ("data", "fine_labels"), "test": ("data", "fine_labels"), "meta": ("fine_label_names",)}
+
+
 def _cifar100_base(root, download: bool, check_md5: bool):
-    "The clean (train, test) CIFAR-100 datasets, without transforms, with a clear error when files are missing."
+    "The clean (train, test) CIFAR-100 datasets, without transforms, with a clear error when files are missing or damaged."
     root = Path(root)
+    folder = root / "cifar-100-python"
     if not download:
-        _require([root / "cifar-100-python" / f for f in ("train", "test", "meta")], "cifar100",
+        _require([folder / f for f in _CIFAR_KEYS], "cifar100",
                  f"{root}/cifar-100-python/{{train,test,meta}} (the python version of CIFAR-100); pass download=True to fetch it")
     try:
         return (_CIFAR100Files(root, True, download, check_md5), _CIFAR100Files(root, False, False, check_md5))
-    except RuntimeError as e:
-        raise RuntimeError(f"cifar100: {e} (files under {root / 'cifar-100-python'} do not match the official "
-                           "checksums; check_md5=False skips the check)") from e
+    except RuntimeError as e:  # torchvision: a file fails its md5 checksum
+        raise DataError(f"cifar100: {e} (files under {folder} do not match the official "
+                        "checksums; check_md5=False skips the check)") from e
+    except Exception as e:     # with check_md5=False: a file that is not what it should be
+        for name, keys in _CIFAR_KEYS.items(): read_cifar_pickle(folder / name, keys)   # names the damaged file
+        raise DataError(f"cifar100: the files under {folder} cannot be read as CIFAR-100 "
+                        f"({type(e).__name__}: {e}); replace them by the original files") from e
 
 
 def cifar100(root=None, noise_p: float = 0.0, seed: int = 0, val_size: int = 5000, split_seed: int = 0,

@@ -10,12 +10,13 @@ import contextlib
 import dataclasses
 import hashlib
 import inspect
+import io
 import json
 import math
 import os
 import random
+import secrets
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from numbers import Integral
@@ -43,8 +44,9 @@ except ImportError:  # numpy is optional: its global state is seeded and saved o
 # %% auto #0
 __all__ = ['PRESETS', 'MULTICROP', 'AMP_DTYPES', 'RUN_KEYS', 'metric_names', 'TrainConfig', 'make_optimizer', 'make_scheduler',
            'lr_at', 'class_hits', 'metrics_from_hits', 'evaluate', 'derive_seed', 'seed_everything', 'get_rng_state',
-           'set_rng_state', 'atomic_write', 'save_checkpoint', 'load_checkpoint', 'DistEnv', 'dist_env',
-           'init_distributed', 'ShardSampler', 'fit', 'run', 'parse_args', 'main']
+           'set_rng_state', 'atomic_write', 'remove_temporary_files', 'CheckpointError', 'previous_checkpoint',
+           'save_checkpoint', 'load_checkpoint', 'DistEnv', 'dist_env', 'init_distributed', 'ShardSampler', 'fit',
+           'run', 'parse_args', 'main']
 
 # %% ../nbs/12_train.ipynb #61871830
 _HUANG_CIFAR = dict(epochs=300, batch_size=64, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4,
@@ -310,12 +312,29 @@ def set_rng_state(state: dict) -> None:
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
+# %% ../nbs/12_train.ipynb #f4f76cb0
+def _fsync_dir(folder: Path) -> None:
+    "Make a rename inside `folder` durable (POSIX: fsync the directory; a no-op where directories cannot be opened)."
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        try: os.fsync(fd)
+        finally: os.close(fd)
 
-def atomic_write(path: str | os.PathLike, write: Callable, mode: str = "wb") -> Path:
-    "Write a file through `write(file)` into a temporary sibling, fsync it, then rename it over `path`."
+
+def atomic_write(path: str | os.PathLike,  # the file to write or replace
+                 write: Callable,  # called with the open temporary file; writes the whole content
+                 mode: str = "wb",  # "wb" for bytes, "w" for text
+                 ) -> Path:
+    "Write `path` through `write(file)` into a temporary sibling `.NAME.RANDOM.tmp`, fsync it, then rename it over `path`."
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    while True:   # O_EXCL with mode 0o666: a fresh name, permissions from the umask like any open()
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+            break
+        except FileExistsError:
+            continue
     try:
         with os.fdopen(fd, mode) as f:
             write(f)
@@ -325,17 +344,96 @@ def atomic_write(path: str | os.PathLike, write: Callable, mode: str = "wb") -> 
     except BaseException:
         with contextlib.suppress(FileNotFoundError): os.unlink(tmp)
         raise
+    _fsync_dir(path.parent)
     return path
 
 
-def save_checkpoint(state: dict, path: str | os.PathLike) -> Path:
-    "torch.save `state` to `path` atomically."
-    return atomic_write(path, lambda f: torch.save(state, f))
+def remove_temporary_files(folder: str | os.PathLike,  # a folder `atomic_write` writes into
+                           ) -> list[Path]:
+    "Delete the `.*.tmp` files that writes killed half-way left in `folder`; returns them."
+    folder = Path(folder)
+    stale = sorted(folder.glob(".*.tmp")) if folder.is_dir() else []
+    for p in stale:
+        with contextlib.suppress(FileNotFoundError): p.unlink()
+    return stale
+
+# %% ../nbs/12_train.ipynb #8f696199
+_CHECKPOINT_MAGIC = "topk_nb checkpoint v1"
 
 
-def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:
-    "Load a checkpoint written by `fit` (tensors, numbers and strings only: weights_only=True)."
-    return torch.load(path, map_location=map_location, weights_only=True)
+class CheckpointError(ValueError):
+    "A checkpoint that cannot be used; the message names the file, what is wrong with it and what to do."
+
+
+def previous_checkpoint(path: str | os.PathLike,  # a checkpoint, e.g. out_dir/checkpoint.pt
+                        ) -> Path:
+    "Where `save_checkpoint` keeps the checkpoint it replaced: `checkpoint.pt` -> `checkpoint.prev.pt`."
+    path = Path(path)
+    return path.with_name(f"{path.stem}.prev{path.suffix}")
+
+
+def save_checkpoint(state: dict,  # tensors, numbers, strings, lists and dicts (what weights_only loading accepts)
+                    path: str | os.PathLike,  # the checkpoint file
+                    keep_previous: bool = True,  # keep the file it replaces as `previous_checkpoint(path)`
+                    ) -> Path:
+    "torch.save `state` to `path` atomically, behind a header holding the SHA-256 and length of the data."
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    data = buffer.getbuffer()
+    header = f"{_CHECKPOINT_MAGIC} sha256={hashlib.sha256(data).hexdigest()} bytes={len(data)}\n".encode()
+    path = Path(path)
+    if keep_previous and path.is_file():
+        prev = previous_checkpoint(path)
+        link = prev.with_name(f".{prev.name}.{secrets.token_hex(6)}.tmp")
+        try:
+            os.link(path, link)
+            os.replace(link, prev)
+        except OSError:           # no hard links on this file system: a copy
+            with contextlib.suppress(FileNotFoundError): link.unlink()
+            atomic_write(prev, lambda f: f.write(path.read_bytes()))
+    return atomic_write(path, lambda f: (f.write(header), f.write(data)))
+
+# %% ../nbs/12_train.ipynb #71d8912a
+def _checkpoint_data(path: Path) -> memoryview:
+    "The torch.save bytes of the checkpoint at `path`, checked against its header; raises CheckpointError."
+    prev = previous_checkpoint(path)
+    todo = f"delete it to start the run over" + (f", or put the previous checkpoint in its place "
+                                                  f"(mv {prev} {path})" if prev.is_file() else "")
+    def fail(what): return CheckpointError(f"checkpoint {path}: {what}; {todo}")
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path}: no such file") from None
+    except OSError as e:
+        raise CheckpointError(f"checkpoint {path}: cannot be read ({e.strerror or e})") from None
+    if not raw: raise fail("the file is empty (its write was cut short)")
+    line, newline, rest = raw.partition(b"\n")
+    fields = line.decode("ascii", "replace").rsplit(" ", 2)
+    if not newline or len(fields) != 3 or fields[0] != _CHECKPOINT_MAGIC:
+        raise fail(f"not a checkpoint written by save_checkpoint (no '{_CHECKPOINT_MAGIC}' header line): "
+                   "the file is damaged or was written by another program")
+    digest, size = fields[1].removeprefix("sha256="), fields[2].removeprefix("bytes=")
+    if not size.isdigit() or len(digest) != 64:
+        raise fail(f"the header line is damaged: {line[:120].decode('ascii', 'replace')!r}")
+    if len(rest) != int(size):
+        raise fail(f"the file is truncated or has extra bytes: {len(rest)} bytes of data, the header says {size}")
+    if hashlib.sha256(rest).hexdigest() != digest:
+        raise fail("the data does not match the SHA-256 in the header (the file is corrupt)")
+    return memoryview(rest)
+
+
+def load_checkpoint(path: str | os.PathLike,  # a file written by `save_checkpoint`
+                    map_location="cpu",  # where the tensors go (torch.load's map_location)
+                    ) -> dict:
+    "Load a checkpoint written by `save_checkpoint` after checking its length and SHA-256 (tensors, numbers and strings only: weights_only=True)."
+    path = Path(path)
+    data = _checkpoint_data(path)
+    try:
+        return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+    except Exception as e:   # the checksum matched: written by save_checkpoint, but holding objects weights_only refuses
+        raise CheckpointError(f"checkpoint {path}: torch.load(weights_only=True) refuses its content "
+                              f"({type(e).__name__}); it holds objects other than tensors, numbers and strings: "
+                              "save such state in another file") from None
 
 # %% ../nbs/12_train.ipynb #181338cc
 @dataclass(frozen=True)
@@ -505,6 +603,7 @@ def _fit(model, loss_fn, train_set, val_set, test_set, config, env, start_time, 
     out_dir = Path(config.out_dir) if config.out_dir is not None else None
     ckpt_path = out_dir / "checkpoint.pt" if out_dir is not None else None
     write = env.is_main and out_dir is not None
+    if write: remove_temporary_files(out_dir)          # left by a run killed while writing
 
     seed_everything(derive_seed(config.seed, "train", env.rank))
     model.to(device)
@@ -667,6 +766,7 @@ def parse_args(argv: list[str]) -> dict:
     for word in argv:
         if "=" in word:
             key, value = word.split("=", 1)
+            if not key: raise ValueError(f"{word!r} has no key before '=': write key=value")
             try:
                 spec[key] = json.loads(value)
             except json.JSONDecodeError:
@@ -675,21 +775,33 @@ def parse_args(argv: list[str]) -> dict:
             path = Path(word)
             if not path.is_file():
                 raise ValueError(f"{word!r} is neither key=value nor a JSON file")
-            spec.update(json.loads(path.read_text()))
+            try:
+                content = json.loads(path.read_text())
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise ValueError(f"{word}: not a JSON file ({e})") from None
+            if not isinstance(content, dict):
+                raise ValueError(f"{word}: a run description must be a JSON object, got {type(content).__name__}")
+            spec.update(content)
     return spec
 
 
-def main(argv: list[str] | None = None) -> dict | None:
-    "Command line: `[torchrun ...] python -m topk_nb.train [spec.json] [key=value ...]`; prints the selected metrics."
+def main(argv: list[str] | None = None,  # the words after the command (sys.argv[1:] by default)
+         ) -> int:
+    "Command line: `[torchrun ...] python -m topk_nb.train [spec.json] [key=value ...]`; prints the selected metrics, returns the exit status."
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(main.__doc__, "\nkeys:", ", ".join(RUN_KEYS + tuple(f.name for f in dataclasses.fields(TrainConfig))))
-        return None
-    result = run(parse_args(argv))
+        return 0
+    try:
+        result = run(parse_args(argv))
+    except (ValueError, TypeError, OSError) as e:   # bad words, options, names, values, data files, checkpoints
+        message = " ".join(str(e).split()) or type(e).__name__
+        print(f"topk_nb.train: error: {message}", file=sys.stderr)
+        return 2
     if dist_env().is_main:
         print(json.dumps({k: result[k] for k in ("best_epoch", "select_metric", "val", "test")}))
-    return result
+    return 0
 
 
 if __name__ == "__main__" and not hasattr(builtins, "__IPYTHON__"):   # not when a notebook kernel runs this cell
-    main()
+    sys.exit(main())

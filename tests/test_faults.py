@@ -1,0 +1,350 @@
+"""Fault tests: runners racing on one folder, runners and jobs killed at random instants, damaged checkpoints,
+records and data files, and mistakes on every command line. Each test states what must hold afterwards."""
+import io
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from contextlib import redirect_stderr
+from pathlib import Path
+
+import nbformat
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.data import TensorDataset
+
+from topk_nb import batch, train
+from topk_nb.batch import EXECUTED, RECORD, cell_done, load_records, read_record
+from topk_nb.data import fake_cifar100
+from topk_nb.train import CheckpointError, atomic_write, fit, load_checkpoint, previous_checkpoint, save_checkpoint
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+LEFTOVERS = (".record.*.json", ".notebook.*.ipynb", "*.tmp")
+
+
+def counting_notebook(folder: Path) -> Path:
+    """An experiment notebook without torch (fast to start) that appends `x` to executions.txt, sleeps `sleep`
+    seconds and writes its record."""
+    nb = nbformat.v4.new_notebook()
+    params = nbformat.v4.new_code_cell("x = 1\nseed = 0\nsleep = 0.0\nrecord_path = None")
+    params.metadata["tags"] = ["parameters"]
+    log = str(folder / "executions.txt")
+    nb.cells = [params, nbformat.v4.new_code_cell(
+        f"import json, os, time\nwith open({log!r}, 'a') as f: f.write(f'{{x}}\\n')\ntime.sleep(sleep)\n"
+        "rec = {'status': 'ok', 'params': {'x': x, 'seed': seed, 'sleep': sleep}, 'metrics': {'final': [{'y': 10 * x}]}}\n"
+        "with open(record_path + '.tmp', 'w') as f: json.dump(rec, f)\n"
+        "os.replace(record_path + '.tmp', record_path)")]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, str(folder / "count.ipynb"))
+    return folder / "count.ipynb"
+
+
+def runner(nb: Path, out: Path, xs, sleep: float, *extra) -> list[str]:
+    return [sys.executable, "-m", "topk_nb.batch", "run", str(nb), "--grid", "x=" + ",".join(map(str, xs)),
+            f"sleep={sleep}", "--out", str(out), "--no-progress", *extra]
+
+
+def executions(folder: Path) -> Counter:
+    path = folder / "executions.txt"
+    return Counter(int(x) for x in path.read_text().split()) if path.exists() else Counter()
+
+
+def check_all_done(out: Path, xs) -> list[dict]:
+    "Every cell of `xs` done exactly once: one ok record each, its notebook final, nothing of an attempt left."
+    records = load_records(out, status=None)
+    assert sorted(r["params"]["x"] for r in records) == sorted(xs), records
+    assert all(r["status"] == "ok" and r["metrics"]["final"][0]["y"] == 10 * r["params"]["x"] for r in records)
+    assert all(cell_done(Path(r["path"]).parent) for r in records)
+    assert len(list(out.rglob(RECORD))) == len(xs)
+    assert [p for pattern in LEFTOVERS for p in out.rglob(pattern)] == []
+    return records
+
+
+def processes_in(folder: Path) -> list[int]:
+    "Live processes started for `folder`: command line naming it (runner, jobs) or working directory in it (kernels)."
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid(): continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            cwd = os.readlink(proc / "cwd")
+            state = next(l for l in (proc / "status").read_text().splitlines() if l.startswith("State:"))
+        except (OSError, StopIteration):
+            continue
+        if "Z" not in state.split()[1] and (str(folder) in cmd or cwd.startswith(str(folder))):
+            found.append(int(proc.name))
+    return found
+
+
+def job_processes(folder: Path) -> list[int]:
+    "The live job processes (`python -m topk_nb.batch job SPEC`) started for `folder`."
+    def is_job(pid):
+        try: return b"topk_nb.batch\0job" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError: return False
+    return [pid for pid in processes_in(folder) if is_job(pid)]
+
+
+def wait_gone(folder: Path, seconds: float = 5.0) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while (left := processes_in(folder)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
+# --- two runners on one --out ------------------------------------------------------------------------------------
+def test_two_runners_on_one_out_run_each_cell_once(tmp_path):
+    nb, out, xs = counting_notebook(tmp_path), tmp_path / "runs", range(1, 7)
+    procs = [subprocess.Popen(runner(nb, out, xs, 0.3, "--jobs", "2"), env=ENV, cwd=tmp_path,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    results = [(p.communicate(timeout=300), p.returncode) for p in procs]
+    for (stdout, stderr), code in results:
+        summary = json.loads(stdout.splitlines()[-1])
+        assert code == 0 and summary["total"] == 6 and summary["skipped"] + summary["ok"] == 6, (stdout, stderr)
+        assert summary["failed"] == summary["missing"] == 0
+    check_all_done(out, xs)
+    assert executions(tmp_path) == Counter({x: 1 for x in xs})     # no cell executed twice
+
+
+# --- kills at random instants --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("target", ["runner", "group"])
+@pytest.mark.parametrize("seed", [1, 5, 7])
+def test_kill_at_a_random_instant_then_rerun(tmp_path, target, seed):
+    nb, out, xs = counting_notebook(tmp_path), tmp_path / "runs", range(1, 5)
+    cmd = runner(nb, out, xs, 1.0, "--jobs", "2")
+    proc = subprocess.Popen(cmd, env=ENV, cwd=tmp_path, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(random.Random(seed).uniform(2.5, 7.5))
+    if target == "runner": os.kill(proc.pid, signal.SIGKILL)        # the runner alone: its jobs must die with it
+    else: os.killpg(proc.pid, signal.SIGKILL)                       # the runner and its jobs at once
+    proc.wait()
+    deadline = time.monotonic() + 1.0                               # jobs die at once with their runner ...
+    while job_processes(tmp_path) and time.monotonic() < deadline: time.sleep(0.05)
+    assert job_processes(tmp_path) == []
+    assert wait_gone(tmp_path) == []                                # ... and their kernels within a second or two
+    done_before = [x for x in xs if cell_done(batch.cell_dir(out, "count", {"x": x, "sleep": 1.0}))]
+    for path in out.rglob(RECORD):                                  # whatever exists is complete JSON
+        json.loads(path.read_text())
+    rerun = subprocess.run(cmd, env=ENV, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    summary = json.loads(rerun.stdout.splitlines()[-1])
+    assert rerun.returncode == 0, rerun.stderr
+    assert summary == {"total": 4, "skipped": len(done_before), "ok": 4 - len(done_before), "failed": 0, "missing": 0}
+    check_all_done(out, xs)
+    assert set(executions(tmp_path)) == set(xs)
+
+
+def test_a_job_killed_alone_gets_a_failed_record_and_the_summary_says_so(tmp_path):
+    nb, out = counting_notebook(tmp_path), tmp_path / "runs"
+    proc = subprocess.Popen(runner(nb, out, [1], 30), env=ENV, cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not executions(tmp_path) and time.monotonic() < deadline: time.sleep(0.1)   # the kernel is in the cell
+    jobs = job_processes(tmp_path)
+    assert len(jobs) == 1
+    os.kill(jobs[0], signal.SIGKILL)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert json.loads(stdout.splitlines()[-1]) == {"total": 1, "skipped": 0, "ok": 0, "failed": 1, "missing": 0}
+    rec, = load_records(out, status=None)
+    assert rec["status"] == "failed" and "the job process was killed by SIGKILL without a record" in rec["error"]
+    assert "not done: " in stderr and wait_gone(tmp_path) == []
+
+
+def test_a_kill_between_notebook_and_record_is_not_done(tmp_path):
+    nb, out, xs = counting_notebook(tmp_path), tmp_path / "runs", [1, 2, 3, 4]
+    assert batch.run_grid(str(nb), grid={"x": xs}, out_dir=out, jobs=2, progress=False)["ok"] == 4
+    cell = {x: batch.cell_dir(out, "count", {"x": x}) for x in xs}
+    # 1: an ok record beside a notebook papermill had not finished (what writing the record first allowed)
+    executed = json.loads((cell[1] / EXECUTED).read_text())
+    executed["metadata"]["papermill"]["end_time"] = None
+    (cell[1] / EXECUTED).write_text(json.dumps(executed))
+    # 2: killed between the two renames: the notebook is final, the record still under its attempt's name
+    (cell[2] / RECORD).rename(cell[2] / ".record.4242-0a1b2c3d.json")
+    # 3: an ok record and no notebook at all
+    (cell[3] / EXECUTED).unlink()
+    assert [cell_done(cell[x]) for x in xs] == [False, False, False, True]
+    summary = batch.run_grid(str(nb), grid={"x": xs}, out_dir=out, jobs=2, progress=False)
+    assert {k: summary[k] for k in ("skipped", "ok", "failed", "missing")} == {"skipped": 1, "ok": 3, "failed": 0, "missing": 0}
+    check_all_done(out, xs)
+    assert executions(tmp_path) == Counter({1: 2, 2: 2, 3: 2, 4: 1})
+
+
+def test_no_record_is_deleted_or_overwritten_by_a_process_that_does_not_own_its_cell(tmp_path):
+    nb = counting_notebook(tmp_path)
+    cell = tmp_path / "cell"
+    batch.write_record(cell / RECORD, {"x": 1}, status="failed", error="an earlier attempt")
+    with batch.claim_cell(cell):                                   # another process is on it
+        with pytest.raises(batch.CellBusy, match="is being run by pid"):
+            batch.run_cell(nb, {"x": 1}, cell)
+        assert read_record(cell / RECORD)["error"] == "an earlier attempt"
+    assert batch.run_cell(nb, {"x": 1}, cell)["status"] == "ok"    # free again: retried and replaced by its owner
+
+
+# --- checkpoints ----------------------------------------------------------------------------------------------------
+def _damaged(good: bytes, weight: torch.Tensor) -> dict[str, bytes]:
+    at = good.rindex(weight.numpy().tobytes()) + 3
+    return {"bit flip in a weight": good[:at] + bytes([good[at] ^ 0x01]) + good[at + 1:],
+            "truncated": good[:-100], "empty": b"", "random bytes": random.Random(0).randbytes(4096)}
+
+
+@pytest.mark.parametrize("damage, expected", [
+    ("bit flip in a weight", "the data does not match the SHA-256 in the header (the file is corrupt)"),
+    ("truncated", "the file is truncated or has extra bytes"),
+    ("empty", "the file is empty"),
+    ("random bytes", "not a checkpoint written by save_checkpoint"),
+])
+def test_a_damaged_checkpoint_is_refused_with_a_clear_error(tmp_path, damage, expected):
+    path, weight = tmp_path / "checkpoint.pt", torch.linspace(-1, 1, 64)
+    save_checkpoint({"epoch": 1, "w": weight}, path)
+    save_checkpoint({"epoch": 2, "w": weight * 2}, path)
+    path.write_bytes(_damaged(path.read_bytes(), weight * 2)[damage])
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(path)
+    message = str(info.value)
+    assert message.startswith(f"checkpoint {path}: {expected}") and "\n" not in message
+    assert f"delete it to start the run over, or put the previous checkpoint in its place " \
+           f"(mv {previous_checkpoint(path)} {path})" in message
+    assert "weights_only=False" not in message and info.value.__cause__ is None
+    os.replace(previous_checkpoint(path), path)                     # the way out the message gives
+    assert load_checkpoint(path)["epoch"] == 1
+
+
+def _blobs(n):
+    g = torch.Generator().manual_seed(n)
+    y = torch.randint(0, 3, (n,), generator=g)
+    return TensorDataset(3 * torch.eye(3)[y] + torch.randn(n, 3, generator=g), y)
+
+
+def _fit(out_dir, epochs):
+    torch.manual_seed(0)
+    return fit(nn.Linear(3, 3), nn.CrossEntropyLoss(), _blobs(48), _blobs(24), None, epochs=epochs, batch_size=16,
+               ks=(1, 2), progress=False, out_dir=str(out_dir))
+
+
+def test_resume_refuses_a_damaged_checkpoint_and_removes_temporary_files(tmp_path):
+    torch.set_num_threads(1)
+    ref = _fit(tmp_path / "ref", 3)
+    _fit(tmp_path / "run", 2)
+    ckpt = tmp_path / "run" / "checkpoint.pt"
+    good = ckpt.read_bytes()
+    ckpt.write_bytes(good[:len(good) // 3])
+    with pytest.raises(CheckpointError, match="truncated"):
+        _fit(tmp_path / "run", 3)
+    ckpt.write_bytes(good)
+    (tmp_path / "run" / ".checkpoint.pt.4b1d2e.tmp").write_bytes(good[:100])   # a save killed half-way
+    res = _fit(tmp_path / "run", 3)
+    assert res["resumed_from"] == 2 and not list((tmp_path / "run").glob("*.tmp"))
+    strip = lambda h: [{k: v for k, v in r.items() if k != "time_s"} for r in h]
+    assert strip(res["history"]) == strip(ref["history"])
+
+
+def test_atomic_files_follow_the_umask(tmp_path):
+    old = os.umask(0o022)
+    try:
+        for name, mask in (("a", 0o022), ("b", 0o077), ("c", 0o002)):
+            os.umask(mask)
+            path = atomic_write(tmp_path / name, lambda f: f.write(b"x"))
+            assert path.stat().st_mode & 0o777 == 0o666 & ~mask
+    finally:
+        os.umask(old)
+
+
+# --- the report -------------------------------------------------------------------------------------------------------
+def _report(*words):
+    return subprocess.run([sys.executable, "-m", "topk_nb.batch", "report", *words], env=ENV, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_report_names_unreadable_records_and_refuses_a_missing_out(tmp_path):
+    out = tmp_path / "runs"
+    params = {"experiment": 1, "sigma": 10, "n_seeds": 1}
+    batch.write_record(batch.cell_dir(out, "circles_tradeoffs", params) / RECORD, params,
+                       {"final": [{"loss": "ce", "seed": 0, "top1": 0.5, "top2": 0.8}]}, experiment="circles_tradeoffs")
+    cut = batch.cell_dir(out, "circles_tradeoffs", {**params, "sigma": 15}) / RECORD
+    cut.parent.mkdir(parents=True)
+    cut.write_text(json.dumps({"status": "ok", "params": {**params, "sigma": 15}})[:30])
+    done = _report("circles_tradeoffs", "--out", str(out))
+    assert done.returncode == 1 and done.stderr.count("\n") == 1
+    assert done.stderr.startswith("topk-nb report: error: 1 unreadable record(s)") and f"{cut}: not complete JSON" in done.stderr
+    md = (out / "circles_tradeoffs" / "report" / "report.md").read_text()
+    assert "1 successful records, 0 failed, 1 unreadable" in md and f"| {cut} | not complete JSON" in md
+    (tmp_path / "empty").mkdir()
+    for folder, expected in ((tmp_path / "nowhere", "is not a directory"), (tmp_path / "empty", "no records of")):
+        res = _report("circles_tradeoffs", "--out", str(folder))
+        assert res.returncode == 2 and res.stderr.count("\n") == 1 and expected in res.stderr, res.stderr
+        assert not (folder / "circles_tradeoffs").exists()
+
+
+# --- command-line mistakes: one line, exit status 2, nothing run -----------------------------------------------------
+@pytest.mark.parametrize("words, expected", [
+    (["--jobs", "0"], "argument --jobs: must be a positive integer, got '0'"),
+    (["--jobs", "-3"], "argument --jobs: must be a positive integer, got '-3'"),
+    (["--grid", "sigma=10,,20"], "--grid 'sigma=10,,20' has an empty value"),
+    (["--grid", "sigma"], "--grid expects key=v1,v2"),
+    (["--grid", "sigmaa=10"], "'sigmaa' is not a parameter of circles_tradeoffs.ipynb"),
+    (["--preset", "nope"], "unknown preset 'nope' of circles_tradeoffs"),
+    (["--seeds", "-1"], "argument --seeds: must be a positive integer"),
+    (["--timeout", "0"], "argument --timeout: must be a positive number"),
+    (["--data-root", "/nowhere/at/all"], "data_root='/nowhere/at/all' is not a directory"),
+    (["--preset", "paper", "--jobs", "2", "--bogus"], "unrecognized arguments: --bogus"),
+])
+def test_runner_mistakes_stop_before_anything_runs(tmp_path, words, expected):
+    res = subprocess.run([sys.executable, "-m", "topk_nb.batch", "run", "circles_tradeoffs", "--out",
+                          str(tmp_path / "runs"), *words], env=ENV, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and res.stdout == "", res
+    assert res.stderr.count("\n") == 1 and res.stderr.startswith(("topk-nb run: error: ", "topk-nb: error: ")) and expected in res.stderr, res.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def _train_cli(*words) -> tuple[int, str]:
+    err = io.StringIO()
+    with redirect_stderr(err):
+        code = train.main(list(words))
+    return code, err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def broken_cifar(tmp_path_factory):
+    root = fake_cifar100(tmp_path_factory.mktemp("cifar"), n_train=200, n_test=50)
+    (root / "cifar-100-python" / "train").write_bytes(b"not a pickle at all")
+    return root
+
+
+TRAIN_OK = ["dataset=circles", 'dataset_params={"n_per_class": 4, "n_test_per_class": 4}', "model=circle_linear",
+            "loss=ce", "ks=[1]", "progress=false"]
+
+
+@pytest.mark.parametrize("words, expected", [
+    (["dataset=nope"], "unknown dataset 'nope'; valid names: cifar100"),
+    (["model=nope"], "unknown model 'nope'; valid names:"),
+    (["loss=nope"], "unknown loss 'nope'; valid names:"),
+    (["learning_rate=0.1"], "unknown training option(s) learning_rate"),
+    (["epochs=-1"], "epochs must be an integer in [1, inf], got -1"),
+    (["epochs"], "'epochs' is neither key=value nor a JSON file"),
+    (["=3"], "'=3' has no key before '='"),
+    (["dataset=cifar100", "dataset_params=CIFAR"], "cifar-100-python/train is not a CIFAR-100 python pickle (UnpicklingError"),
+    (["dataset=cifar100", "dataset_params=CIFAR_MD5"], "do not match the official checksums"),
+    (["out_dir=CKPT"], "the file is empty"),
+])
+def test_training_mistakes_are_one_line_and_status_2(tmp_path, broken_cifar, words, expected):
+    cifar = {"root": str(broken_cifar), "check_md5": False, "val_size": 10}
+    subst = {"dataset_params=CIFAR": "dataset_params=" + json.dumps(cifar),
+             "dataset_params=CIFAR_MD5": "dataset_params=" + json.dumps({**cifar, "check_md5": True}),
+             "out_dir=CKPT": f"out_dir={tmp_path}"}
+    (tmp_path / "checkpoint.pt").write_bytes(b"")
+    words = [subst.get(w, w) for w in words]
+    keys = {w.split("=", 1)[0] for w in words}
+    code, err = _train_cli(*[w for w in TRAIN_OK if w.split("=", 1)[0] not in keys], *words)
+    assert code == 2 and err.count("\n") == 1 and err.startswith("topk_nb.train: error: ") and expected in err, err
+
+
+def test_training_command_exit_status(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "topk_nb.train", *TRAIN_OK, "epochs=0"], env=ENV, capture_output=True,
+                         text=True, timeout=300)
+    assert (res.returncode, res.stdout) == (2, "") and res.stderr == \
+        "topk_nb.train: error: epochs must be an integer in [1, inf], got 0\n"
