@@ -227,7 +227,7 @@ _WORKSPACE = threading.local()
 def workspace(shape: Sequence[int], dtype: torch.dtype = torch.float64, device: str | torch.device = "cpu") -> torch.Tensor:
     "Uninitialised scratch of `shape`: on the CPU a view of a per-thread buffer reused across calls, valid until the next call for `dtype`."
     device = torch.device(device)
-    if device.type != "cpu":
+    if device.type != "cpu" or torch.compiler.is_compiling():     # GPUs cache allocations; traced code gets its own
         return torch.empty(shape, dtype=dtype, device=device)
     numel, pool = math.prod(shape), _WORKSPACE.__dict__.setdefault("buffers", {})
     buf = pool.get(dtype)
