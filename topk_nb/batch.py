@@ -103,9 +103,12 @@ def package_dir() -> Path:
 
 
 def experiments_dir() -> Path:
-    "`nbs/experiments` of the source tree (`$TOPK_NB_EXPERIMENTS` overrides)."
+    "The experiment notebooks: shipped in an installed package's `experiments/`, else `nbs/experiments` of the source tree (`$TOPK_NB_EXPERIMENTS` overrides)."
     env = os.environ.get("TOPK_NB_EXPERIMENTS")
-    return Path(env) if env else package_dir().parent / "nbs" / "experiments"
+    if env:
+        return Path(env)
+    shipped = package_dir() / "experiments"                 # a wheel carries the notebooks as package data
+    return shipped if shipped.is_dir() else package_dir().parent / "nbs" / "experiments"
 
 # %% ../nbs/13_batch.ipynb #66e3cb38
 _SAWADA_COMMON = dict(n_classes=6, k=2, n_per_class=300, n_test_per_class=300, epochs=1000, n_seeds=10, minor_ratio=0.5)
@@ -1493,7 +1496,7 @@ def main(argv: Sequence[str] | None = None,  # the words after `topk-nb` (sys.ar
         return _job_main(args.spec)
     if args.command == "list":
         for e in EXPERIMENTS.values():
-            print(f"{e.name}: {e.description}\n  notebook: nbs/experiments/{e.notebook}\n  presets: {', '.join(e.presets)}")
+            print(f"{e.name}: {e.description}\n  notebook: {experiments_dir() / e.notebook}\n  presets: {', '.join(e.presets)}")
         return 0
     if args.command == "report":
         try:
