@@ -310,6 +310,7 @@ class LossModule(nn.Module):
                  ignore_index: int = -100,           # samples with this target count for nothing
                  reduction: str = "mean",            # 'mean', 'sum' or 'none'
                  max_support: int | None = None,     # bound on the classes a probability target puts mass on
+                 label_smoothing: float = 0.0,       # class indices become (1 - eps) e_y + eps / n, as in F.cross_entropy
                  check_finite: bool | None = None):  # check the scores (None: on the host path only)
         super().__init__()
         if weight is not None:
@@ -319,6 +320,7 @@ class LossModule(nn.Module):
         self.register_buffer("weight", weight)
         self.ignore_index, self.reduction = check_int(ignore_index, "ignore_index"), check_reduction(reduction)
         self.max_support = None if max_support is None else check_int(max_support, "max_support", 1)
+        self.label_smoothing = check_real(label_smoothing, "label_smoothing", 0.0, 1.0)
         self.check_finite = check_finite
 
     def per_sample(self, scores: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -388,7 +390,12 @@ def _forward(self, scores: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
             keep = t != self.ignore_index                                  # (N,)
             labels = torch.where(keep, t, 0)
             w = keep.to(s.dtype) if self.weight is None else keep * self.weight.to(s)[labels]
-            loss = torch.where(keep, self.per_sample(s, labels), 0.0) * w
+            if self.label_smoothing > 0:                                   # the smoothed target's expectation, weighted inside
+                eps, n = self.label_smoothing, s.shape[1]
+                smooth = torch.full_like(s, eps / n).scatter_add_(1, labels[:, None], torch.full_like(s[:, :1], 1 - eps))
+                loss = torch.where(keep, self.per_sample_soft(s, smooth), 0.0)
+            else:
+                loss = torch.where(keep, self.per_sample(s, labels), 0.0) * w
             total = w.sum()
     if self.reduction == "mean": loss = loss.sum() / total
     elif self.reduction == "sum": loss = loss.sum()
