@@ -22,7 +22,7 @@ __all__ = ['FLOAT_DTYPES', 'REDUCTIONS', 'sync_free', 'force_sync_free', 'check_
            'check_scores', 'check_target', 'check_loss_input', 'check_reduction', 'reduce_loss',
            'scores_without_target', 'target_rank', 'topk_correct', 'topk_accuracy', 'macro_topk_accuracy', 'brute_esp',
            'brute_log_esp', 'workspace', 'time_fn', 'median_time', 'fwd_bwd', 'flatten_classes', 'LossModule',
-           'check_loss_finite']
+           'loss_dtype', 'check_loss_finite']
 
 # %% ../nbs/00_core.ipynb #576df6fa
 _SYNC_FREE = threading.local()
@@ -364,6 +364,11 @@ def _check_probabilities(probs: torch.Tensor, scores: torch.Tensor) -> torch.Ten
     return probs
 
 
+def loss_dtype(scores: torch.Tensor) -> torch.dtype:
+    "The dtype a loss returns: float32 under autocast (as F.cross_entropy), the scores' dtype otherwise."
+    return torch.float32 if torch.is_autocast_enabled(scores.device.type) else scores.dtype
+
+
 def check_loss_finite(loss: torch.Tensor,   # per-sample losses
                       scores: torch.Tensor, # the scores they came from, already checked finite
                       name: str,            # the loss, for the message
@@ -380,7 +385,7 @@ def check_loss_finite(loss: torch.Tensor,   # per-sample losses
 def _forward(self, scores: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     "The loss with nn.CrossEntropyLoss's conventions (see the section above)."
     s, t, shape = flatten_classes(scores, target)
-    out_dtype = torch.float32 if torch.is_autocast_enabled(s.device.type) else scores.dtype
+    out_dtype = loss_dtype(scores)
     with torch.autocast(s.device.type, enabled=False):
         s = s if s.dtype in (torch.float32, torch.float64) else s.float()   # (N, n), half computed in float32
         if t.is_floating_point():

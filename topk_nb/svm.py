@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .core import (LossModule, check_int, check_loss_input, check_real, check_reduction, reduce_loss,
-                          scores_without_target, sync_free)
+                          scores_without_target, sync_free, loss_dtype)
 from .esp import dc_tree, log_zero
 from .esp_backward import power_backward, power_forward, power_inputs, power_log_sigma, power_tolerances
 
@@ -185,7 +185,7 @@ def smooth_topk_svm(scores: torch.Tensor, target: torch.Tensor, k: int = 5, tau:
     tau = check_real(tau, "tau", 0.0, lo_open=True)
     alpha = check_real(alpha, "alpha", 0.0)
     reduction = check_reduction(reduction)
-    out_dtype = scores.dtype
+    out_dtype = loss_dtype(scores)
     with torch.autocast(scores.device.type, enabled=False):
         s = scores if scores.dtype in (torch.float32, torch.float64) else scores.float()
         loss, ok = _SmoothTopkSVMFunction.apply(s, target, k, tau, alpha, hard_switch)
