@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 # %% auto #0
-__all__ = ['FLOAT_DTYPES', 'REDUCTIONS', 'sync_free', 'force_sync_free', 'check_int', 'check_real', 'check_finite',
+__all__ = ['FLOAT_DTYPES', 'REDUCTIONS', 'sync_free', 'thread_flag', 'force_sync_free', 'check_int', 'check_real', 'check_finite',
            'check_scores', 'check_target', 'check_loss_input', 'check_reduction', 'reduce_loss',
            'scores_without_target', 'target_rank', 'topk_correct', 'topk_accuracy', 'macro_topk_accuracy', 'brute_esp',
            'brute_log_esp', 'workspace', 'time_fn', 'median_time', 'fwd_bwd', 'flatten_classes', 'LossModule',
@@ -34,15 +34,21 @@ def sync_free(t: torch.Tensor) -> bool:
 
 
 @contextlib.contextmanager
-def force_sync_free(enabled: bool = True # run CPU tensors through the sync-free path too
-                    ):
-    "Context manager: CPU tensors take the sync-free path (fixed shapes, no read-back), as on a GPU."
-    before = getattr(_SYNC_FREE, "on", False)
-    _SYNC_FREE.on = bool(enabled)
+def thread_flag(store: threading.local, # holds the flag as its attribute `on`
+                enabled: bool = True):  # the value inside the block
+    "Context manager: set the thread-local flag `store.on` for the block, then restore it."
+    before = getattr(store, "on", False)
+    store.on = bool(enabled)
     try:
         yield
     finally:
-        _SYNC_FREE.on = before
+        store.on = before
+
+
+def force_sync_free(enabled: bool = True # run CPU tensors through the sync-free path too
+                    ):
+    "Context manager: CPU tensors take the sync-free path (fixed shapes, no read-back), as on a GPU."
+    return thread_flag(_SYNC_FREE, enabled)
 
 # %% ../nbs/00_core.ipynb #7530e4af
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
