@@ -1178,6 +1178,14 @@ def _record_crash(experiment: Experiment, params: dict, directory: Path, code: i
         pass                                    # another runner owns it now: its outcome will be the record
 
 
+# The job's first statement asks to die with its parent (Linux), before the seconds that importing torch takes.
+_JOB_LAUNCHER = ("import signal, sys\n"
+                 "if sys.platform.startswith('linux'):\n"
+                 "    import ctypes; ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)\n"
+                 "from topk_nb.batch import main\n"
+                 "sys.exit(main(sys.argv[1:]))")
+
+
 def _launch(experiment: Experiment, params: dict, out_dir, device: str | None, timeout, wait: bool,
             since: list) -> bool:
     "Run one cell in a job process; False if another process owns the cell (and `wait` is False)."
@@ -1186,7 +1194,7 @@ def _launch(experiment: Experiment, params: dict, out_dir, device: str | None, t
             "experiment": experiment.name, "timeout": timeout, "wait": wait, "since": since, "parent": os.getpid()}
     env = dict(os.environ)
     if device is not None: env["CUDA_VISIBLE_DEVICES"] = device     # one GPU per job; CPU workers inherit the setting
-    proc = subprocess.run([sys.executable, "-m", "topk_nb.batch", "job", json.dumps(spec)], env=env,
+    proc = subprocess.run([sys.executable, "-c", _JOB_LAUNCHER, "job", json.dumps(spec)], env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
     if proc.returncode == JOB_BUSY: return False
     if proc.returncode != 0:              # a failed cell has its record; a crashed job gets one here
