@@ -1,7 +1,7 @@
 # Developer tasks. `make test` is the test command of the README and of CI.
 PYTHON ?= python
 
-.PHONY: test sync nbtest pytest export clean readme run outputs gpu-check
+.PHONY: test sync nbtest pytest export clean readme run outputs gpu-check docs docs-check
 
 test: sync nbtest pytest
 
@@ -33,3 +33,21 @@ run:      ## the main job: Sawada's synthetic experiments 1-3, full paper grid o
 
 gpu-check: ## on a CUDA machine: every loss's float32 correctness, host syncs, speed vs cross-entropy, epoch overhead, torch.compile, CUDA graphs; writes results/gpu/<device>-<date>.json and .md (GPU_CHECK_FLAGS=--quick for a short run)
 	$(PYTHON) -m topk_nb.gpucheck --out results/gpu $(GPU_CHECK_FLAGS)
+
+MATHJAX_VERSION = 3.2.2
+MATHJAX = _proc/static/mathjax
+
+docs: $(MATHJAX)/tex-chtml.js  ## the documentation site in _docs/ (Sphinx, myst-nb; notebooks with their committed outputs, nothing executed; sources: docs/)
+	rm -rf _proc/docs _proc/doctrees _proc/html _proc/jupyter_execute && mkdir -p _proc/docs
+	$(PYTHON) -m sphinx -b html -W --keep-going -q -c docs -d _proc/doctrees _proc/docs _proc/html
+	rm -rf _docs && mv _proc/html _docs
+
+$(MATHJAX)/tex-chtml.js:  # MathJax 3 from the npm registry: the TeX-to-HTML bundle and what it loads, served by the site itself
+	rm -rf _proc/mathjax-npm $(MATHJAX) && mkdir -p _proc/mathjax-npm $(MATHJAX)
+	cd _proc/mathjax-npm && npm pack --silent mathjax@$(MATHJAX_VERSION) >/dev/null && tar -xzf mathjax-$(MATHJAX_VERSION).tgz
+	cd _proc/mathjax-npm/package/es5 && cp -r tex-chtml.js input output a11y adaptors sre ui ../../../../$(MATHJAX)/
+	cp _proc/mathjax-npm/package/LICENSE $(MATHJAX)/
+	rm -rf _proc/mathjax-npm
+
+docs-check: docs  ## headless Chromium on the built site: pages load without console errors, equations typeset; screenshots in _docs_shots/
+	$(PYTHON) docs/check_site.py _docs --shots _docs_shots
