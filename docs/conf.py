@@ -40,7 +40,6 @@ templates_path = []
 nb_execution_mode = "off"
 nb_merge_streams = True
 myst_enable_extensions = ["dollarmath", "amsmath", "colon_fence"]
-myst_heading_anchors = 3
 suppress_warnings = ["mystnb.unknown_mime_type"]
 
 # API reference: signatures and docstrings of the exported code; nbdev's docments become parameter lists.
@@ -55,7 +54,8 @@ add_module_names = False
 STATIC = ROOT / "_proc" / "static"
 if not (STATIC / "mathjax" / "tex-chtml.js").is_file():
     raise RuntimeError(f"MathJax is missing from {STATIC / 'mathjax'}: build the site with `make docs`, which unpacks it there")
-html_static_path = [str(STATIC)]
+html_static_path = [str(STATIC), "static"]
+html_css_files = ["topk_docs.css"]
 mathjax_path = "mathjax/tex-chtml.js"
 default_role = "literal"               # `name` in the docstrings is code, as in their markdown
 

@@ -16,6 +16,7 @@ signature) into `:param:` fields, which the theme shows as a parameter list.
 from __future__ import annotations
 
 import ast
+import html
 import importlib
 import inspect
 import json
@@ -24,6 +25,7 @@ import shutil
 from configparser import ConfigParser
 from pathlib import Path
 
+from docutils.nodes import make_id
 from fastcore.docments import docments
 from sphinx.util import logging
 from sphinx.util.inspect import signature as sphinx_signature, stringify_signature
@@ -37,6 +39,7 @@ NBS = ROOT / _cfg["DEFAULT"]["nbs_path"]
 DIRECTIVE = re.compile(r"^\s*#\s*\|\s*([\w-]+)")
 DROPPED = {"hide", "default_exp"}            # cells that are not part of the page
 SHOW_DOC = re.compile(r"^\s*show_doc\(\s*([\w.]+)", re.MULTILINE)
+SHOW_DOC_ONLY = re.compile(r"show_doc\([^\n]*\)")           # a cell that only shows a docstring
 CELL_HEADER = re.compile(r"^# %% (\S+\.ipynb)(?: #(\w+))?\s*$", re.MULTILINE)
 
 logger = logging.getLogger(__name__)
@@ -105,6 +108,15 @@ def symbol_cells() -> dict[str, tuple[str, str]]:
     return found
 
 
+def section_ids(notebook: Path) -> set[str]:
+    "The ids docutils gives the sections of a notebook (from the text of its markdown headings)."
+    ids = set()
+    for cell in json.loads(notebook.read_text(encoding="utf-8"))["cells"]:
+        if cell["cell_type"] == "markdown":
+            ids.update(make_id(m.group(1)) for m in re.finditer(r"^#+\s+(.+)$", _source(cell), re.MULTILINE))
+    return ids
+
+
 def chapter_links() -> dict[str, tuple[str, str]]:
     "{'topk_nb.mod.name': (page, anchor)} from nbdev's `_modidx.py`, for top-level functions and classes."
     index = importlib.import_module(f"{LIB}._modidx").d
@@ -123,8 +135,13 @@ class Site:
 
     def __init__(self):
         self.links = chapter_links()
+        sections = {page_name(p): section_ids(p) for p in chapters()}
+        for name, (page, anchor) in self.links.items():
+            if anchor in sections.get(page, ()):            # a section of the chapter has that id already
+                self.links[name] = (page, f"sym-{anchor}")
         cells = symbol_cells()
         self.anchors: dict[str, dict[str, list[str]]] = {}      # page -> {cell id or 'show_doc:name': [anchors]}
+        self.names: dict[tuple[str, str], str] = {}             # (page, short name) -> full name
         for name, (page, anchor) in self.links.items():
             if name not in cells:
                 continue
@@ -132,6 +149,7 @@ class Site:
             if page_name(Path(notebook)) != page:
                 continue
             short = name.rsplit(".", 1)[1]
+            self.names[(page, short)] = name
             spots = self.anchors.setdefault(page, {})
             spots.setdefault(f"show_doc:{short}", []).append(anchor)
             spots.setdefault(cell_id, []).append(anchor)
@@ -166,7 +184,13 @@ class Site:
                     continue
                 for name in SHOW_DOC.findall(source):
                     if "." not in name:
-                        anchors += spots.get(f"show_doc:{name}", [])
+                        own = [a for a in spots.get(f"show_doc:{name}", []) if a not in placed]
+                        cell, used = self.show_doc_output(page, name, cell, own[0] if own else None)
+                        placed.update(own[:1] if used else [])
+                        anchors += own[1:] if used else own
+                if SHOW_DOC_ONLY.fullmatch(source.strip()):
+                    metadata = cell.get("metadata", {})         # as on nbdev's pages: the output, not the call
+                    cell = {**cell, "metadata": {**metadata, "tags": [*metadata.get("tags", []), "remove-input"]}}
                 anchors += [a for a in spots.get(cell.get("id"), [])
                             if not any(a in spots.get(f"show_doc:{n}", []) for n in shown)]
                 cell = {**cell, "source": source}
@@ -183,6 +207,33 @@ class Site:
         nb["cells"] = cells
         nb["nbformat_minor"] = min(nb.get("nbformat_minor", 4), 4)    # cell ids removed
         return json.dumps(nb)
+
+
+    def show_doc_output(self, page: str, name: str, cell: dict, anchor: str | None) -> tuple[dict, bool]:
+        """A show_doc output as the page shows it: no leading rule (docutils allows none in an output), the
+        heading as HTML with the symbol's anchor as its id (a markdown heading in an output would become a
+        rubric with an id of its own), nbdev's `[source](url){attributes}` line as HTML with a link to the API
+        entry. Returns the cell and whether the anchor was used."""
+        full = self.names.get((page, name))
+        api = f' · <a href="api/{full.rsplit(".", 1)[0]}.html#{full}">API</a>' if full else ""
+        outputs, used = [], False
+        for output in cell.get("outputs", []):
+            markdown = output.get("data", {}).get("text/markdown")
+            if markdown is not None:
+                text = LEADING_RULE.sub("", _source({"source": markdown}))
+                text = SOURCE_LINK.sub(lambda m: f'<p class="showdoc-links"><a href="{m.group(1)}">source</a>{api}</p>', text)
+                ident = f' id="{anchor}"' if anchor and not used else ""
+                text, found = HEADING.subn(lambda m: f'<h{len(m.group(1))} class="showdoc-name"{ident}>'
+                                                     f'{html.escape(m.group(2).strip())}</h{len(m.group(1))}>', text, count=1)
+                used = used or bool(found and ident)
+                output = {**output, "data": {**output["data"], "text/markdown": text}}
+            outputs.append(output)
+        return {**cell, "outputs": outputs}, used
+
+
+HEADING = re.compile(r"^(#{1,6})[ \t]+(.+)$", re.MULTILINE)
+LEADING_RULE = re.compile(r"\A\s*---[ \t]*\n")
+SOURCE_LINK = re.compile(r"^\[source\]\((\S+?)\)\{[^}\n]*\}[ \t]*$", re.MULTILINE)
 
 
 def _source(cell) -> str:
@@ -423,13 +474,19 @@ CHAPTER_TITLES: dict[str, str] = {}
 
 
 def on_build_finished(app, exception):
-    "Every chapter link written into the API pages must point at an anchor placed in that chapter."
+    "Every chapter link written into the API pages points at an anchor placed in that chapter; no page has an id twice."
     if exception is not None:
         return
     site = app.topk_site
     for page, anchor in sorted(site.linked):
         if anchor not in site.placed.get(page, set()):
             logger.warning(f"API link to {page}.html#{anchor}: no such anchor was placed in the chapter")
+    if app.builder.format == "html":
+        for path in sorted(Path(app.outdir).rglob("*.html")):
+            ids = re.findall(r'\sid="([^"]+)"', path.read_text(encoding="utf-8"))
+            twice = sorted({i for i in ids if ids.count(i) > 1})
+            if twice:
+                logger.warning(f"{path.relative_to(app.outdir)}: ids used twice: {', '.join(twice)}")
 
 
 def setup(app):
