@@ -3,7 +3,7 @@ PYTHON ?= python
 
 .PHONY: test sync nbtest pytest export clean readme run outputs gpu-check docs docs-check
 
-test: sync nbtest pytest
+test: sync nbtest pytest docs
 
 sync:     ## fail if nbdev_export / nbdev_clean would change files, or README.md is stale
 	$(PYTHON) tools/check_sync.py

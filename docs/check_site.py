@@ -1,7 +1,7 @@
 """Check the built documentation site in headless Chromium: `make docs-check`.
 
-Serves the site on a free localhost port, opens the front page, a chapter with equations and a figure, and an
-API page in Chromium (driven over the DevTools protocol), and fails if a page logs a console error or an
+Serves the site on a free localhost port, opens the front page, a chapter with equations and a figure, an
+API page and the experiment catalogue in Chromium (driven over the DevTools protocol), and fails if a page logs a console error or an
 uncaught exception, a request fails, an image does not load, MathJax typesets nothing, or TeX delimiters
 (`$$`, `\\(`, `\\[`) are left in the visible text. Saves a full-page PNG screenshot of each page.
 
@@ -29,10 +29,11 @@ from pathlib import Path
 
 import websocket
 
-PAGES = [                      # (page, what it must show)
-    ("index.html", "front page"),
-    ("noised.html", "chapter with equations and a figure"),
-    ("api/topk_nb.svm.html", "API page"),
+PAGES = [                      # (page, what it is, must it show equations, must it show a figure)
+    ("index.html", "front page", True, False),
+    ("noised.html", "chapter with equations and a figure", True, True),
+    ("api/topk_nb.svm.html", "API page", False, False),
+    ("experiments/index.html", "experiment catalogue", False, False),
 ]
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync",
@@ -120,7 +121,7 @@ PAGE_FACTS = """(async () => {
 })()"""
 
 
-def check_page(page: Page, url: str, what: str, shot: Path | None) -> list[str]:
+def check_page(page: Page, url: str, what: str, math: bool, figure: bool, shot: Path | None) -> list[str]:
     page.events.clear()
     page.send("Page.navigate", url=url)
     page.wait_for("Page.loadEventFired")
@@ -133,7 +134,7 @@ def check_page(page: Page, url: str, what: str, shot: Path | None) -> list[str]:
         problems.append(f"MathJax is not loaded from the site itself: {facts['mathjax_src']}")
     if facts["math_source"] and facts["mathjax"] == 0:
         problems.append(f"{facts['math_source']} math elements but no MathJax output")
-    if what != "API page" and facts["mathjax"] == 0:
+    if math and facts["mathjax"] == 0:
         problems.append("no equation typeset by MathJax")
     if facts["mathjax_errors"]:
         problems.append(f"{facts['mathjax_errors']} MathJax errors (mjx-merror)")
@@ -142,7 +143,7 @@ def check_page(page: Page, url: str, what: str, shot: Path | None) -> list[str]:
         problems.append(f"TeX left in the visible text: {left}")
     if facts["broken_images"]:
         problems.append(f"images that did not load: {facts['broken_images']}")
-    if "figure" in what and facts["images"] == 0:
+    if figure and facts["images"] == 0:
         problems.append("no figure on the page")
     if shot is not None:
         height = min(facts["height"], 12000)
@@ -196,9 +197,9 @@ def main(argv=None) -> int:
                 page.send(f"{domain}.enable")
             page.send("Emulation.setDeviceMetricsOverride", width=1280, height=1000, deviceScaleFactor=1, mobile=False)
             failures = 0
-            for path, what in PAGES:
+            for path, what, math, figure in PAGES:
                 shot = args.shots / (path.replace("/", "_").removesuffix(".html") + ".png") if args.shots else None
-                failures += bool(check_page(page, f"http://127.0.0.1:{port}/{path}", what, shot))
+                failures += bool(check_page(page, f"http://127.0.0.1:{port}/{path}", what, math, figure, shot))
             page.ws.close()
         finally:
             chromium.terminate()
