@@ -32,7 +32,7 @@ import websocket
 PAGES = [                      # (page, what it is, must it show equations, must it show a figure)
     ("index.html", "front page", True, False),
     ("noised.html", "chapter with equations and a figure", True, True),
-    ("api/topk_nb.svm.html", "API page", False, False),
+    ("reference/topk_nb.svm.html", "API page", False, False),
     ("experiments/index.html", "experiment catalogue", False, False),
 ]
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

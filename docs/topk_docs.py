@@ -6,7 +6,7 @@ At the start of the build (`builder-inited`) it fills the empty source folder wi
   `baselines`), read with their committed outputs; `source-read` drops the `#| hide` and `#| default_exp`
   cells, strips the `#|` directive lines, and puts an HTML anchor before the cell that shows each exported
   symbol (its `show_doc` cell, else the cell that defines it), named as in nbdev's `_modidx.py`;
-* one API page per module (`api/<module>.rst`: a summary table, then autodoc of each name of `__all__`);
+* one API page per module (`reference/<module>.rst`: a summary table, then autodoc of each name of `__all__`);
 * the experiment catalogue (`experiments/index.md`), made from `topk_nb.batch.EXPERIMENTS`.
 
 `autodoc-process-docstring` adds to each docstring a link to the chapter that defines the object (the
@@ -215,7 +215,7 @@ class Site:
         rubric with an id of its own), nbdev's `[source](url){attributes}` line as HTML with a link to the API
         entry. Returns the cell and whether the anchor was used."""
         full = self.names.get((page, name))
-        api = f' · <a href="api/{full.rsplit(".", 1)[0]}.html#{full}">API</a>' if full else ""
+        api = f' · <a href="reference/{full.rsplit(".", 1)[0]}.html#{full}">API</a>' if full else ""
         outputs, used = [], False
         for output in cell.get("outputs", []):
             markdown = output.get("data", {}).get("text/markdown")
@@ -246,7 +246,7 @@ ROOT_TOCTREE = """```{toctree}
 
 chapters
 experiments/index
-api/index
+reference/index
 design
 ```
 """
@@ -266,7 +266,7 @@ def chapters_page() -> str:
     return f"""# Chapters
 
 The notebooks in `nbs/` in reading order: each derives part of the package, implements it in its exported
-cells and checks it. Each exported function and class is also listed in the {{doc}}`API reference <api/index>`.
+cells and checks it. Each exported function and class is also listed in the {{doc}}`API reference <reference/index>`.
 
 | chapter | notebook |
 |---|---|
@@ -397,9 +397,9 @@ def stage(app):
     for notebook in experiment_notebooks():
         write(src / "experiments" / notebook.name, notebook.read_text(encoding="utf-8"))
     write(src / "chapters.md", chapters_page())
-    write(src / "api" / "index.md", api_index_page())
+    write(src / "reference" / "index.md", api_index_page())
     for module in modules():
-        write(src / "api" / f"{module}.rst", api_module_page(module))
+        write(src / "reference" / f"{module}.rst", api_module_page(module))
     write(src / "experiments" / "index.md", catalogue_page())
 
 
@@ -474,7 +474,7 @@ CHAPTER_TITLES: dict[str, str] = {}
 
 
 def on_build_finished(app, exception):
-    "Every chapter link written into the API pages points at an anchor placed in that chapter; no page has an id twice."
+    "Every chapter link of the API pages points at an anchor placed in that chapter; every page's links resolve."
     if exception is not None:
         return
     site = app.topk_site
@@ -482,11 +482,27 @@ def on_build_finished(app, exception):
         if anchor not in site.placed.get(page, set()):
             logger.warning(f"API link to {page}.html#{anchor}: no such anchor was placed in the chapter")
     if app.builder.format == "html":
-        for path in sorted(Path(app.outdir).rglob("*.html")):
-            ids = re.findall(r'\sid="([^"]+)"', path.read_text(encoding="utf-8"))
-            twice = sorted({i for i in ids if ids.count(i) > 1})
-            if twice:
-                logger.warning(f"{path.relative_to(app.outdir)}: ids used twice: {', '.join(twice)}")
+        check_html(Path(app.outdir))
+
+
+def check_html(outdir: Path):
+    "Warn about an id used twice in a page, and a relative link to a page or an anchor that does not exist."
+    pages = {path: path.read_text(encoding="utf-8") for path in sorted(outdir.rglob("*.html"))}
+    ids = {path: re.findall(r'\sid="([^"]+)"', text) for path, text in pages.items()}
+    for path, text in pages.items():
+        where = path.relative_to(outdir)
+        twice = sorted({i for i in ids[path] if ids[path].count(i) > 1})
+        if twice:
+            logger.warning(f"{where}: ids used twice: {', '.join(twice)}")
+        for href in sorted(set(re.findall(r'\shref="([^"]+)"', text))):
+            if re.match(r"^[a-z][a-z0-9+.-]*:|^//", href) or not (href.split("#")[0].endswith(".html") or href.startswith("#")):
+                continue                                  # other sites, and files that are not pages
+            target, _, anchor = html.unescape(href).partition("#")
+            target_path = (path.parent / target).resolve() if target else path
+            if target_path not in pages:
+                logger.warning(f"{where}: link to a missing page {href}")
+            elif anchor and anchor not in ids[target_path]:
+                logger.warning(f"{where}: link to a missing anchor {href}")
 
 
 def setup(app):
