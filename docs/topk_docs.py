@@ -441,6 +441,9 @@ def on_process_docstring(app, what, name, obj, options, lines):
                 fields.append(f":returns: {_rst_escape(text)}")
             elif not any(line.lstrip().startswith(f":param {param}:") for line in lines):
                 fields.append(f":param {param}: {_rst_escape(text)}")
+                anno = _annotation(info.get("anno"))
+                if anno:
+                    fields.append(f":type {param}: {_rst_escape(anno)}")
         if fields:
             extra += ["", *fields]
     if extra:
@@ -456,6 +459,15 @@ def on_process_signature(app, what, name, obj, options, signature, return_annota
     except (TypeError, ValueError):
         return None
     return stringify_signature(sig, show_return_annotation=False), return_annotation
+
+
+def _annotation(anno) -> str:
+    "An annotation as text: the string of a postponed annotation, a class's name, else its repr."
+    if anno is None or anno is inspect.Parameter.empty:
+        return ""
+    if isinstance(anno, str):
+        return anno
+    return anno.__name__ if isinstance(anno, type) else repr(anno).replace("typing.", "")
 
 
 def _is_type_doc(obj, lines) -> bool:
