@@ -1,9 +1,9 @@
 """Check the built documentation site in headless Chromium: `make docs-check`.
 
 Serves the site on a free localhost port, opens the front page, a chapter with equations and a figure, an
-API page and the experiment catalogue in Chromium (driven over the DevTools protocol), and fails if a page logs a console error or an
-uncaught exception, a request fails, an image does not load, MathJax typesets nothing, or TeX delimiters
-(`$$`, `\\(`, `\\[`) are left in the visible text. Saves a full-page PNG screenshot of each page.
+API page and the experiment catalogue in Chromium (driven over the DevTools protocol), and fails if a page
+logs a console error or an uncaught exception, a request fails, an image does not load, MathJax typesets nothing, or TeX delimiters
+(`$$`, `\\(`, `\\[`) are left in the text outside code. Saves a full-page PNG screenshot of each page.
 
     python docs/check_site.py _docs --shots _docs_shots [--chromium /usr/bin/chromium]
 
@@ -107,9 +107,11 @@ PAGE_FACTS = """(async () => {
   if (window.MathJax && MathJax.startup && MathJax.startup.promise) { await MathJax.startup.promise; }
   await Promise.all([...document.images].map(img => img.complete ? null : new Promise(r => { img.onload = img.onerror = r; })));
   const main = document.querySelector('main') || document.body;
+  const prose = main.cloneNode(true);          // the text outside code and typeset math, where TeX must not be left
+  prose.querySelectorAll('pre, code, script, style, mjx-container').forEach(e => e.remove());
   return {
     title: document.title,
-    text: main.innerText,
+    text: prose.textContent,
     math_source: document.querySelectorAll('.math, span.math, div.math').length,
     mathjax: document.querySelectorAll('mjx-container').length,
     mathjax_errors: document.querySelectorAll('mjx-merror').length,
