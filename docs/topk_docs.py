@@ -4,8 +4,9 @@ At the start of the build (`builder-inited`) it fills the empty source folder wi
 
 * the notebooks of `nbs/` and `nbs/experiments/`, under nbdev's page names (`06_baselines.ipynb` ->
   `baselines`), read with their committed outputs; `source-read` drops the `#| hide` and `#| default_exp`
-  cells, strips the `#|` directive lines, and puts an HTML anchor before the cell that shows each exported
-  symbol (its `show_doc` cell, else the cell that defines it), named as in nbdev's `_modidx.py`;
+  cells, strips the `#|` directive lines, shows the output of a `show_doc` cell without the call, and gives
+  each exported function and class an anchor named as in nbdev's `_modidx.py` (`baselines.html#ldamloss`):
+  on the heading of its `show_doc` output, else before the cell that defines it;
 * one API page per module (`reference/<module>.rst`: a summary table, then autodoc of each name of `__all__`);
 * the experiment catalogue (`experiments/index.md`), made from `topk_nb.batch.EXPERIMENTS`.
 
@@ -21,7 +22,6 @@ import importlib
 import inspect
 import json
 import re
-import shutil
 from configparser import ConfigParser
 from pathlib import Path
 
@@ -207,7 +207,6 @@ class Site:
         nb["cells"] = cells
         nb["nbformat_minor"] = min(nb.get("nbformat_minor", 4), 4)    # cell ids removed
         return json.dumps(nb)
-
 
     def show_doc_output(self, page: str, name: str, cell: dict, anchor: str | None) -> tuple[dict, bool]:
         """A show_doc output as the page shows it: no leading rule (docutils allows none in an output), the
