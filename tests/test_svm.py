@@ -162,3 +162,26 @@ def test_float32_power_path_against_float64_tree(k, tau, scale):
     (g,) = torch.autograd.grad((loss * w.float()).sum(), s32)
     (g_ref,) = torch.autograd.grad((ref * w).sum(), s)
     assert ((g.double() - g_ref).abs().amax(1) <= 1e-4 * g_ref.abs().amax(1)).all()
+
+
+@pytest.mark.parametrize("n,k,tau,scale,certified", [
+    (60, 50, 1.0, 1.0, True), (120, 50, 0.1, 1.0, True), (200, 49, 1.0, 5.0, True),     # the whole row in the head
+    (1000, 50, 1.0, 1.0, True), (3000, 100, 1.0, 1.0, True),                             # head of k+1 and a long tail
+    (1000, 100, 1.0, 1.0, None)])                                                        # certified or not, exact
+def test_large_k_against_float64_tree(n, k, tau, scale, certified):
+    # large k (up to 100, k close to n): the float32 loss and gradient against the float64 log-space tree
+    s32, y = random_scores(12, 8, n, scale, torch.float32)
+    s32.requires_grad_()
+    loss_fn, ok = _SmoothTopkSVMFunction.apply(s32.detach(), y, k, tau, 1.0, False)
+    if certified is not None:
+        assert bool(ok.all()) == certified
+    loss = smooth_topk_svm(s32, y, k=k, tau=tau, reduction="none")
+    s = s32.detach().double().requires_grad_()
+    log_sig = log_sigma(scores_without_target(s, y) / (k * tau), k, method="autograd")
+    s_y = s.gather(1, y[:, None])[:, 0]
+    ref = tau * F.softplus(1.0 / tau + log_sig[:, 1] - log_sig[:, 0] - s_y / (k * tau))
+    assert ((loss.double() - ref).abs() <= 1e-4 * ref.abs() + 1e-6).all()
+    w = torch.rand(8, dtype=torch.float64)
+    (g,) = torch.autograd.grad((loss * w.float()).sum(), s32)
+    (g_ref,) = torch.autograd.grad((ref * w).sum(), s)
+    assert ((g.double() - g_ref).abs().amax(1) <= 1e-4 * g_ref.abs().amax(1)).all()

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from .core import (LossModule, check_int, check_loss_input, check_real, check_reduction, reduce_loss,
                           scores_without_target, sync_free, loss_dtype)
 from .esp import dc_tree, log_zero
-from .esp_backward import power_backward, power_forward, power_inputs, power_log_sigma, power_tolerances
+from .esp_backward import head_size, power_backward, power_forward, power_inputs, power_log_sigma, power_tolerances
 
 # %% auto #0
 __all__ = ['topk_hinge', 'subset_sums_bruteforce', 'smooth_topk_svm_bruteforce', 'hard_enough', 'smooth_topk_svm',
@@ -65,10 +65,11 @@ def _smooth_part(scores: torch.Tensor, target: torch.Tensor, k: int, tau: float,
 
 # %% ../nbs/03_smooth_svm.ipynb #6ebb4c73
 def _top_others(scores: torch.Tensor, target: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    "The k+2 largest scores other than the target's (all of them when fewer), sorted, their indices, and the target's score."
+    "The head and the largest tail score among the scores other than the target's (head_size), sorted, their indices, and the target's score."
     n = scores.shape[1]
-    top, idx = scores.topk(min(k + 3, n), dim=1)                     # no masked copy of the scores: drop the target here
-    keep = (idx == target[:, None]).to(torch.uint8).argsort(dim=1, stable=True)[:, :min(k + 2, n - 1)]
+    count = min(head_size(n - 1, k) + 1, n - 1)                      # at least the k+1 largest others
+    top, idx = scores.topk(count + 1, dim=1)                         # no masked copy of the scores: drop the target here
+    keep = (idx == target[:, None]).to(torch.uint8).argsort(dim=1, stable=True)[:, :count]
     return top.gather(1, keep), idx.gather(1, keep), scores.gather(1, target[:, None])[:, 0]
 
 
@@ -93,7 +94,7 @@ def hard_enough(scores: torch.Tensor, target: torch.Tensor, k: int, tau: float, 
 # %% ../nbs/03_smooth_svm.ipynb #a9e7c2d1
 def _masked_forward(ctx, s, target, k, tau, alpha, top, idx, s_y, hard, loss, kth, gain):
     "The sync-free forward: the power path on every row (B, n), the hinge kept on hard rows; (loss, hard or certified)."
-    h, scale = min(k + 1, top.shape[1]), 1.0 / (k * tau)
+    h, scale = head_size(s.shape[1] - 1, k), 1.0 / (k * tau)
     head = idx[:, :h]                                                         # (B, h)
     c, v, t, e = power_inputs(s, top, head, target, scale)                   # e: (B, n) float64
     sig, ok_s, state = power_forward(e, v, t, k, *power_tolerances(s.dtype))  # sig: (B, k+1)
@@ -146,7 +147,7 @@ class _SmoothTopkSVMFunction(torch.autograd.Function):
             ctx.save_for_backward(target, kth, gain)
             return loss, ok
         s_s, y_s, top_s, idx_s = (s, target, top, idx) if ctx.every else (s[soft], target[soft], top[soft], idx[soft])
-        h, scale = min(k + 1, top_s.shape[1]), 1.0 / (k * tau)
+        h, scale = head_size(n - 1, k), 1.0 / (k * tau)
         head = idx_s[:, :h]
         c, v, t, e = power_inputs(s_s, top_s, head, y_s, scale)      # x = s / (k tau), shifted by its largest other
         sig, ok_s, state = power_forward(e, v, t, k, *power_tolerances(s.dtype))
