@@ -177,10 +177,15 @@ def test_report_on_fabricated_records(tmp_path):
     md = report(exp, tmp_path).read_text()
     assert "| Some 2020, Tab. 1 | ce, s=1 | top1 | 60.00 | 70.00 ± 10.00 | 3 | +10.00 |" in md
     assert "| Some 2020, Tab. 1 | g, s=3 | top1 | 60.00 | n/a | 0 | n/a |" in md
-    assert "| s=1 | top1 | best | +20.00 | g | yes |" in md and "| s=2 | top1 | best | -20.00 | g | **no** |" in md
+    # ce 20 points ahead with a spread of 10 over three seeds: Welch t = 3.46 on 2 df, p = 0.074, within noise
+    assert "| s=1 | top1 | ce best | 70.00 ± 10.00 (3) | g: 50.00 ± 0.00 (3) | +20.00 | 3.46 (2.0) | 0.074 | within noise |" in md
+    assert "| s=2 | top1 | ce best | 40.00 ± 0.00 (3) | g: 60.00 ± 0.00 (3) | -20.00 | -inf (4.0) | 0.000 | **contradicted** |" in md
+    assert "Findings: 0 hold, 1 within noise, 1 contradicted, 0 untested (one seed), 0 not run" in md
     assert "| 1 | 70.00 ± 10.00 | 50.00 ± 0.00 |" in md and "| 2 | 40.00 ± 0.00 | 60.00 ± 0.00 |" in md
     assert "2 successful records, 1 failed" in md and "ValueError: bad s" in md
     assert (tmp_path / "fab" / "report" / "f.png").stat().st_size > 1000
+    assert (tmp_path / "fab" / "report" / "f.svg").read_text().startswith("<?xml")
+    assert md.startswith("# fab: report\n\n> **Not comparable with the papers' numbers: 2 of 2 records ran no paper")
 
 
 def test_circles_report_on_fabricated_records(tmp_path):
@@ -192,11 +197,45 @@ def test_circles_report_on_fabricated_records(tmp_path):
         _fabricate(tmp_path, name, {"experiment": 2, "sigma": 10, "d": d, "n_seeds": 2}, rows)
     path = report(name, tmp_path)
     md = path.read_text()
-    assert "| d=30 | top2 | best | +3.00 | topk_transition | yes |" in md
-    assert "| d=60 | top2 | not_best | -6.00 | topk_transition | yes |" in md
-    assert "| d=75 | top2 | not_best | n/a | None | n/a |" in md        # not run: not judged
+    # two seeds without spread: any difference is beyond the noise
+    assert "| d=30 | top2 | ce best | 99.00 ± 0.00 (2) | topk_transition: 96.00 ± 0.00 (2) | +3.00 | inf (2.0) | 0.000 | holds |" in md
+    assert "| d=60 | top2 | ce not_best | 90.00 ± 0.00 (2) | topk_transition: 96.00 ± 0.00 (2) | -6.00 | inf (2.0) | 0.000 | holds |" in md
+    assert "| d=75 | top2 | ce not_best | n/a | n/a | n/a | n/a | n/a | not run |" in md        # not run: not judged
     assert "| 30 | 80.00 ± 0.00 |" in md and (path.parent / "fig3.png").is_file()
     assert not (path.parent / "fig2.png").exists()                      # no exp. 1 records, no figure
+
+
+def test_report_counts_each_seed_once_and_ties_are_no_wins(tmp_path):
+    name, base = CIRCLES_TRADEOFFS.name, {"experiment": 2, "sigma": 10, "d": 30, "m": None}
+
+    def rows(seeds, ce1, tr1):
+        return [{"loss": l, "seed": s, "top1": t1, "top2": 0.99} for s in seeds
+                for l, t1 in (("ce", ce1), ("topk_grouping", 0.5), ("topk_transition", tr1), ("bayes", 0.95))]
+    old = cell_dir(tmp_path, name, {**base, "n_seeds": 2}) / RECORD          # seeds 0, 1: CE far ahead
+    write_record(old, {**base, "n_seeds": 2}, {"final": rows((0, 1), 0.9, 0.6)}, experiment=name, seed=[0, 1])
+    os.utime(old, ns=(1, 1))                                                # older than the next one
+    _fabricate(tmp_path, name, {**base, "n_seeds": 3}, rows((0, 1, 2), 0.8, 0.8))   # seeds 0-2 again: a tie
+    md = report(name, tmp_path).read_text()
+    assert "Dropped 8 result rows (2 seeds of 1 records) that repeat the experiment, parameters and seed" in md
+    assert "| 30 | 80.00 ± 0.00 | 50.00 ± 0.00 | 80.00 ± 0.00 | 95.00 ± 0.00 |" in md   # three seeds, not five
+    # CE ties the transition loss exactly: not a win, however small the spread
+    assert "| d=30 | top1 | ce best | 80.00 ± 0.00 (3) | topk_transition: 80.00 ± 0.00 (3) | +0.00 | 0.00 (4.0) | 1.000 | within noise |" in md
+
+
+def test_welch_test_matches_the_t_tables():
+    assert abs(batch.t_two_sided(2.228, 10) - 0.05) < 2e-5 and abs(batch.t_two_sided(12.706, 1) - 0.05) < 2e-5
+    test = batch.welch_test({"mean": 0.7, "std": 0.1, "n": 3}, {"mean": 0.5, "std": 0.0, "n": 3})
+    assert (round(test["t"], 4), round(test["df"], 6), round(test["p"], 4)) == (3.4641, 2.0, 0.0742)
+    assert batch.verdict({"mean": 0.5, "std": 0.0, "n": 1}, {"mean": 0.1, "std": 0.1, "n": 5}, "best") == ("untested", None)
+
+
+def test_records_carry_their_identity(tmp_path):
+    nb = fake_notebook(tmp_path / "fake.ipynb", WRITE)
+    exp = Experiment("fake", str(nb), "fake", presets={"p": {"x": [1, 2]}})
+    assert run_grid(exp, "p", out_dir=tmp_path / "runs", progress=False)["ok"] == 2
+    ids = sorted((r["identity"]["preset"], r["identity"]["cell"]["x"], r["identity"]["seed"])
+                 for r in load_records(tmp_path / "runs"))
+    assert ids == [("p", 1, 0), ("p", 2, 0)]
 
 
 def test_cli_list(capsys):
