@@ -64,6 +64,46 @@ def test_paper_presets_are_the_papers_values():
     assert all(c["d"] == 90 for c in cells if c["experiment"] == 3)
 
 
+# the papers' sentences on how many runs each number averages
+PAPER_SEEDS = [
+    ("circles_tradeoffs", "paper", 10),        # Sawada IV-A: "averaged over ten runs with different random seeds"
+    ("cifar100_noise", "berrada", 3),          # Berrada 2018, §5.1: "averaged over three runs with different random seeds"
+    ("cifar100_noise", "garcin", 2),           # Garcin 2022, §4.4: "averaged over two runs with two different random seeds"
+    ("cifar100_transition", "paper", 10),      # Sawada, Tab. I: "averaged over 10 different trials"
+    ("imagenet_lt", "paper", 4),               # Garcin 2022 draft, §4.5.2: "four seeds, 95% confidence interval"
+    ("plantnet_imbalanced", "paper", 3),       # Garcin 2022 draft, §4.5.1 (Tab. 5): "three seeds, 95% confidence interval"
+]
+
+
+@pytest.mark.parametrize("name, preset, n", PAPER_SEEDS)
+def test_paper_presets_run_the_papers_seeds(name, preset, n):
+    exp = batch.EXPERIMENTS[name]
+    seeds = {}
+    for cell in expand_grid(exp.presets[preset]):
+        setting = json.dumps({k: v for k, v in cell.items() if k not in ("seed", exp.seeds_param)}, sort_keys=True)
+        seeds.setdefault(setting, []).append(cell[exp.seeds_param] if exp.seeds_param else cell["seed"])
+    expected = [n] if exp.seeds_param else list(range(n))
+    assert seeds and all(sorted(s) == expected for s in seeds.values()), (name, preset)
+
+
+def test_a_fine_tuning_preset_refuses_to_start_without_its_weights(tmp_path, capsys):
+    # Garcin 2022, §4.5: "We train a ResNet-50 (He et al., 2016) pre-trained on ImageNet"
+    with pytest.raises(ValueError, match="preset 'paper' of plantnet_imbalanced needs the parameter weights: Garcin "
+                                         "2022, §4.5 fine-tunes .* give it with --grid weights="):
+        batch.plan_grid("plantnet_imbalanced", "paper", data_root=tmp_path)
+    assert main(["run", "plantnet_imbalanced", "--preset", "paper", "--data-root", str(tmp_path), "--out",
+                 str(tmp_path / "runs")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "needs the parameter weights" in err and not (tmp_path / "runs").exists()
+    _, cells = batch.plan_grid("plantnet_imbalanced", "paper", {"weights": ["resnet50.pth"]}, data_root=tmp_path)
+    assert len(cells) == (5 * 4 + 3) * 3 and all(c["weights"] == "resnet50.pth" for c in cells)
+
+
+def test_training_runs_in_float32_unless_asked():
+    from topk_nb.train import TrainConfig    # none of the papers trains in reduced precision
+    assert TrainConfig().amp is False and TrainConfig(amp=True).amp is True
+
+
 def test_cell_paths_are_stable():
     assert cell_id({"a": 1, "b": [1, 2]}) == cell_id({"b": [1, 2], "a": 1})
     assert cell_id({"a": 1}) != cell_id({"a": 2}) and cell_id({"a": 1}) != cell_id({"a": "1"})

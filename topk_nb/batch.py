@@ -41,7 +41,7 @@ __all__ = ['CIRCLES_TRADEOFFS', 'CIFAR100_NOISE', 'TEMPERATURE', 'NOISE_SCALE', 
            'short_error', 'pending_cells', 'grid_summary', 'notebook_parameters', 'plan_grid', 'run_grid',
            'record_rows', 'summarise', 'aggregate', 'fmt', 'record_settings', 'unique_rows', 'beta_inc', 't_two_sided',
            'welch_test', 'verdict', 'check_finding', 'paper_points', 'plot_figure', 'paper_cells', 'comparability',
-           'verdict_counts', 'report', 'main']
+           'verdict_counts', 'sawada_fig5', 'report', 'main']
 
 # %% ../nbs/13_batch.ipynb #ebb2c7ba
 @dataclass(frozen=True)
@@ -52,6 +52,7 @@ class PaperValue:
     where: dict
     metric: str
     value: float
+    std: float | None = None      # the paper's standard deviation over its runs, where it gives one
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,7 @@ class Experiment:
     seeds_param: str | None = None       # set: seeds are vectorised inside one run
     data_presets: tuple = ()             # presets that need real data: `--data-root` (the parameter `data_root`)
     requires: dict = field(default_factory=dict)   # {preset: {parameter: why the paper needs it}}: refused without it
+    drawings: tuple = ()                 # names of functions `f(records, report_dir) -> report lines` of this module
 
     def notebook_path(self) -> Path:
         return experiments_dir() / self.notebook
@@ -155,6 +157,7 @@ CIRCLES_TRADEOFFS = Experiment(
                 {"experiment": 3}, "m", (8, 16, 32), "top2", "best", tol=0.005),
     ),
     seeds_param="n_seeds",
+    drawings=("sawada_fig5",),
 )
 
 # %% ../nbs/13_batch.ipynb #ae0f3ecb
@@ -184,6 +187,9 @@ _CN_NOISE = {
 _CN_B1 = {  # Berrada 2018, Tab. 1 (%): noise -> (CE top-1, L51 top-1, CE top-5, L51 top-5)
     0.0: (76.68, 69.33, 94.34, 94.29), 0.2: (68.20, 71.30, 87.89, 90.59), 0.4: (61.18, 70.02, 83.04, 87.39),
     0.6: (52.50, 67.97, 79.59, 83.86), 0.8: (35.53, 55.85, 74.80, 79.32), 1.0: (14.06, 15.28, 67.70, 72.93)}
+_CN_B9 = {  # Berrada 2018, App. D.3, Tab. 9: the standard deviations of Tab. 1 (same order)
+    0.0: (0.38, 0.27, 0.09, 0.10), 0.2: (0.50, 0.79, 0.08, 0.08), 0.4: (0.97, 0.40, 0.38, 0.23),
+    0.6: (0.27, 0.51, 0.36, 0.39), 0.8: (0.79, 0.80, 0.15, 0.25), 1.0: (0.13, 0.39, 0.16, 0.25)}
 _CN_G4 = {  # Garcin 2022, Tab. 4 (top-5, %): noise -> (CE, smoothed hinge L_{5,1}, noised bal. 5, 0.2, 10)
     0.0: (94.24, 94.34, 94.35), 0.1: (90.39, 92.08, 92.03), 0.2: (87.67, 90.22, 90.68), 0.3: (85.93, 88.82, 89.58),
     0.4: (83.74, 87.40, 87.48)}
@@ -204,10 +210,11 @@ CIFAR100_NOISE = Experiment(
     figures=(Figure("tab1", "Berrada 2018 Tab. 1 / Garcin 2022 Tab. 4: test accuracy vs label noise p", {}, "noise_p",
                     metrics=("top1", "top5")),),
     paper=tuple(
-        [PaperValue("Berrada 2018, Tab. 1", f"p = {p}, {_CN_LABEL[loss]}", {"loss": loss, "noise_p": p}, metric, v / 100)
+        [PaperValue("Berrada 2018, Tab. 1", f"p = {p}, {_CN_LABEL[loss]}", {"loss": loss, "noise_p": p}, metric, v / 100,
+                    sd / 100)
          for p, vals in _CN_B1.items()
-         for loss, metric, v in (("ce", "top1", vals[0]), ("smooth_svm", "top1", vals[1]),
-                                 ("ce", "top5", vals[2]), ("smooth_svm", "top5", vals[3]))]
+         for (loss, metric), v, sd in zip((("ce", "top1"), ("smooth_svm", "top1"), ("ce", "top5"), ("smooth_svm", "top5")),
+                                          vals, _CN_B9[p])]
         + [PaperValue("Garcin 2022, Tab. 4", f"p = {p}, {_CN_LABEL[loss]}", {"loss": loss, "noise_p": p}, "top5", v / 100)
            for p, vals in _CN_G4.items() for loss, v in zip(("ce", "smooth_svm", "noised_bal"), vals)]
         + [PaperValue("Garcin 2022, App., Tab. 6", f"p = {p}, {_CN_LABEL[loss]}", {"loss": loss, "noise_p": p}, "top1",
@@ -532,14 +539,19 @@ _TR_TAB1 = {  # Sawada, Tab. I: test accuracy (%), mean over 10 trials: (ResNet1
     "Smooth top-5 SVM": (67.31, 93.76, None, None, 73.55, 94.50, None, None),
     "Top-5 grouping": (59.99, 92.64, 57.66, 92.52, 58.69, 93.77, 56.68, 93.58),
     "Top-5 transition": (69.06, 93.62, 74.26, 94.07, 71.92, 94.38, 76.28, 95.18)}
+_TR_TAB1_STD = {  # Sawada, Tab. I: "values in braces are standard deviations" (same order)
+    "Cross entropy": (0.23, 0.16, 0.23, 0.13, 0.36, 0.15, 0.25, 0.15),
+    "Smooth top-5 SVM": (0.31, 0.12, None, None, 0.36, 0.19, None, None),
+    "Top-5 grouping": (0.47, 0.13, 0.52, 0.21, 0.19, 0.19, 0.94, 0.20),
+    "Top-5 transition": (0.30, 0.18, 0.23, 0.14, 0.26, 0.24, 0.28, 0.06)}
 _TR_COLUMNS = [(net, aug, m) for net in _TR_MODELS for aug in ("cutout", "mixup") for m in ("top1", "top5")]
 
 
-def _TR_pv(label, net, aug, metric, value):
+def _TR_pv(label, net, aug, metric, value, std):
     # "early-stopping by top-1 validation accuracy and by top-5 validation accuracy ... corresponding to the two
     # target metrics": the top-1 column comes from the runs selected on val_top1, the top-5 column from val_top5
     where = {"loss": _TR_LOSSES[label], "model": _TR_MODELS[net], "augment": aug, "select_metric": f"val_{metric}"}
-    return PaperValue("Sawada, Tab. I", f"{label}, {net} with {aug.capitalize()}", where, metric, value / 100)
+    return PaperValue("Sawada, Tab. I", f"{label}, {net} with {aug.capitalize()}", where, metric, value / 100, std / 100)
 
 
 def _TR_fig6(net, aug):
@@ -565,8 +577,8 @@ CIFAR100_TRANSITION = Experiment(
                     _TR_fig6("ResNet18", "mixup"), "k_eval", metrics=("acc_k",)),
              Figure("fig6_densenet_cutout", "Sawada §V-B: top-k test accuracy vs k (DenseNet121, Cutout, selected "
                     "on top-5)", _TR_fig6("DenseNet121", "cutout"), "k_eval", metrics=("acc_k",))),
-    paper=tuple(_TR_pv(label, net, aug, m, v) for label, row in _TR_TAB1.items()
-                for (net, aug, m), v in zip(_TR_COLUMNS, row) if v is not None),
+    paper=tuple(_TR_pv(label, net, aug, m, v, sd) for label, row in _TR_TAB1.items()
+                for (net, aug, m), v, sd in zip(_TR_COLUMNS, row, _TR_TAB1_STD[label]) if v is not None),
     findings=tuple(
         [Finding("Sawada §V-B, Tab. I", f"{net} with {aug.capitalize()}: CE performed the best in top-1 accuracy",
                  {"model": _TR_MODELS[net], "augment": aug, "select_metric": "val_top1"}, "select_metric", ("val_top1",),
@@ -1337,7 +1349,7 @@ def fmt(s: dict, scale: float = 100.0) -> str:
     "`mean ± std` in percent (`n/a` when empty)."
     return "n/a" if not s["n"] else f"{scale * s['mean']:.2f} ± {scale * s['std']:.2f}"
 
-# %% ../nbs/13_batch.ipynb #af49a8c0
+# %% ../nbs/13_batch.ipynb #2b7f68f8
 NOT_IDENTITY = ("record_path", "seed", "device", "num_workers", "progress", "log_every")   # how a cell ran, not what
 
 
@@ -1385,7 +1397,7 @@ def _order(values):
     return sorted(values, key=lambda v: (v is None, v if isinstance(v, (int, float)) else str(v)))
 
 
-# %% ../nbs/13_batch.ipynb #9810110a
+# %% ../nbs/13_batch.ipynb #874589bd
 def _beta_fraction(a: float, b: float, x: float) -> float:
     "The continued fraction of the incomplete beta function (modified Lentz), converging for x < (a + 1) / (a + b + 2)."
     tiny, c, d = 1e-300, 1.0, 1.0 - (a + b) * x / (a + 1)
@@ -1421,7 +1433,7 @@ def t_two_sided(t: float,  # a t statistic
     return beta_inc(df / 2, 0.5, df / (df + t * t))
 
 
-# %% ../nbs/13_batch.ipynb #52318455
+# %% ../nbs/13_batch.ipynb #68fa7078
 LEVEL = 0.05          # the significance level of the findings' tests (two-sided)
 
 
@@ -1456,7 +1468,7 @@ def verdict(ref: dict,  # `summarise` of the reference series
     return ("holds" if test["t"] > 0 else "contradicted"), test
 
 
-# %% ../nbs/13_batch.ipynb #390e8ab0
+# %% ../nbs/13_batch.ipynb #c7ed7091
 def check_finding(rows: list[dict],  # tidy result rows (`unique_rows`)
                   f: Finding,  # the claim
                   level: float = LEVEL,  # significance level of the tests
@@ -1478,7 +1490,7 @@ def check_finding(rows: list[dict],  # tidy result rows (`unique_rows`)
     return out
 
 
-# %% ../nbs/13_batch.ipynb #ab720f87
+# %% ../nbs/13_batch.ipynb #37587ef4
 VERDICT_MARKS = {"holds": ("✓ holds", "tab:green"), "within noise": ("≈ noise", "0.35"),
                  "contradicted": ("✗ contradicted", "tab:red"), "untested": ("? 1 seed", "0.35"), "not run": ("not run", "0.6")}
 
@@ -1492,11 +1504,11 @@ def paper_points(paper: Sequence[PaperValue],  # the catalogue's paper values
                  fig: Figure,  # the figure
                  metric: str,  # one panel's metric
                  ) -> dict:
-    "`{series: {source: [(x, value), ...]}}`: the paper values one panel of `fig` can show (those that name its x and series)."
+    "`{series: {source: [(x, value, std or None), ...]}}`: the paper values one panel of `fig` can show (those that name its x and series)."
     out: dict = {}
     for pv in paper:
         if pv.metric == metric and fig.x in pv.where and fig.series in pv.where and _compatible(pv.where, fig.where):
-            out.setdefault(pv.where[fig.series], {}).setdefault(pv.source, []).append((pv.where[fig.x], pv.value))
+            out.setdefault(pv.where[fig.series], {}).setdefault(pv.source, []).append((pv.where[fig.x], pv.value, pv.std))
     return out
 
 
@@ -1512,9 +1524,9 @@ def _x_axis(ax, xs: list) -> None:
         ax.minorticks_off()
 
 
-# %% ../nbs/13_batch.ipynb #f4ee2867
+# %% ../nbs/13_batch.ipynb #ec149aa2
 def _draw_panel(ax, agg: dict, points: dict, claims: list, colours: dict) -> str:
-    "Our series (mean ± std bars, offset a little each), the paper's values (hollow markers), the paper's claims with our verdicts (above the panel); returns the legend title."
+    "Our series (mean ± std bars, offset a little each), the paper's values (hollow markers), else the paper's claims with our verdicts (above the panel); returns the legend title."
     from matplotlib.transforms import ScaledTranslation
     series = [s for s in colours if any(ss == s for _, ss in agg)]
     ys = []
@@ -1532,16 +1544,20 @@ def _draw_panel(ax, agg: dict, points: dict, claims: list, colours: dict) -> str
     shapes = dict(zip(dict.fromkeys(src for sources in points.values() for src in sources), "sD^vP<>"))
     for s, sources in points.items():
         for source, pts in sources.items():
-            pts = sorted(pts, key=lambda p: _order([x for x, _ in pts]).index(p[0]))
-            ys += [100 * v for _, v in pts]
-            ax.plot([x for x, _ in pts], [100 * v for _, v in pts], ls=":", marker=shapes[source], ms=6, mfc="none",
-                    mew=1.3, color=colours.get(s, "k"), label=f"{s}: {source}")
-    shown = {x for x, _ in agg}
-    for f, res in claims:
-        for r in (r for r in res if r["x"] in shown):              # a claim about a setting we did not run: no mark
+            pts = sorted(pts, key=lambda p: _order([x for x, _, _ in pts]).index(p[0]))
+            err = [100 * (sd or 0.0) for _, _, sd in pts]
+            ys += [100 * v - e for (_, v, _), e in zip(pts, err)] + [100 * v + e for (_, v, _), e in zip(pts, err)]
+            ax.errorbar([x for x, _, _ in pts], [100 * v for _, v, _ in pts], yerr=err if any(err) else None, ls=":",
+                        marker=shapes[source], ms=6, mfc="none", mew=1.3, capsize=2, color=colours.get(s, "k"),
+                        label=f"{s}: {source}" + (" (± its std)" if any(err) else ""))
+    shown, marks = {x for x, _ in agg}, {}
+    for f, res in ([] if points else claims):           # where the paper gives numbers, they stand for its claims
+        for r in (r for r in res if r["x"] in shown):    # a claim about a setting we did not run: no mark
             text, colour = VERDICT_MARKS[r["verdict"]]
-            ax.text(r["x"], 1.01, f"{f.reference} {'best' if f.relation == 'best' else 'not best'}\n{text}", color=colour,
-                    fontsize=6, ha="center", va="bottom", transform=ax.get_xaxis_transform())
+            marks.setdefault(r["x"], []).append((f"{f.reference} {'best' if f.relation == 'best' else 'not best'}\n{text}", colour))
+    for x, texts in marks.items():
+        ax.text(x, 1.01, "\n".join(t for t, _ in texts), color=texts[0][1] if len(texts) == 1 else "0.2", fontsize=6,
+                ha="center", va="bottom", transform=ax.get_xaxis_transform())
     lo, hi = max(0.0, min(ys)), min(100.0, max(ys))       # accuracies and shares: bars beyond 0 or 100 % are cut
     pad = 0.06 * (hi - lo) or 1.0
     ax.set_ylim(lo - pad, hi + pad)
@@ -1551,7 +1567,7 @@ def _draw_panel(ax, agg: dict, points: dict, claims: list, colours: dict) -> str
     return f"ours: mean ± 1 std over seeds (n = {n})" + ("; paper: hollow markers" if points else "")
 
 
-# %% ../nbs/13_batch.ipynb #3a857acb
+# %% ../nbs/13_batch.ipynb #ed15cc35
 def plot_figure(rows: list[dict],  # tidy result rows (`unique_rows`)
                 fig: Figure,  # the figure of the catalogue
                 path,  # the PNG to write; an SVG copy goes beside it
@@ -1575,7 +1591,7 @@ def plot_figure(rows: list[dict],  # tidy result rows (`unique_rows`)
         mine = [(f, r) for f, r in claims if f.metric == m and f.x == fig.x and f.series == fig.series
                 and _compatible(f.where, fig.where)]
         title = _draw_panel(ax, aggs[m], points[m], mine, colours)
-        _x_axis(ax, _order({x for x, _ in aggs[m]} | {x for src in points[m].values() for p in src.values() for x, _ in p}))
+        _x_axis(ax, _order({x for x, _ in aggs[m]} | {x for src in points[m].values() for p in src.values() for x, _, _ in p}))
         ax.set_xlabel(fig.x); ax.set_ylabel(f"{m} (%)"); ax.grid(alpha=0.3)
         ax.legend(fontsize=6.5, title=title, title_fontsize=6.5, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
     panels.suptitle(fig.title + (f"\n{banner}" if banner else ""), fontsize=10, color="k" if not banner else "tab:red")
@@ -1587,7 +1603,7 @@ def plot_figure(rows: list[dict],  # tidy result rows (`unique_rows`)
     return path
 
 
-# %% ../nbs/13_batch.ipynb #b72f7bc5
+# %% ../nbs/13_batch.ipynb #dbb7c422
 def paper_cells(exp: Experiment) -> list[dict]:
     "The cells of every preset but `smoke`: the configurations whose numbers can stand beside the papers'."
     return [c for name, p in exp.presets.items() if name != "smoke" for c in expand_grid(p)]
@@ -1610,15 +1626,16 @@ def comparability(exp: Experiment,  # the catalogue entry
     return "Not comparable with the papers' numbers: " + "; ".join(why) + ". They show that the code runs, not what the papers found."
 
 
-# %% ../nbs/13_batch.ipynb #b8942d59
+# %% ../nbs/13_batch.ipynb #c75d1ba4
 def _paper_section(exp: Experiment, rows: list[dict]) -> list[str]:
-    "The table of the paper's numbers beside ours."
+    "The table of the paper's numbers (± its standard deviation where it gives one) beside ours."
     if not exp.paper: return []
     body = []
     for pv in exp.paper:
         s = aggregate(rows, [], pv.metric, pv.where).get((), summarise([]))
         diff = "n/a" if not s["n"] else f"{100 * (s['mean'] - pv.value):+.2f}"
-        body.append([pv.source, pv.row, pv.metric, f"{100 * pv.value:.2f}", fmt(s), s["n"], diff])
+        paper = f"{100 * pv.value:.2f}" + ("" if pv.std is None else f" ± {100 * pv.std:.2f}")
+        body.append([pv.source, pv.row, pv.metric, paper, fmt(s), s["n"], diff])
     return ["## The paper's numbers and ours", ""] + \
         _table(["source", "row", "metric", "paper", "ours", "n", "ours − paper"], body) + [""]
 
@@ -1657,7 +1674,7 @@ def _findings_section(results: Sequence, level: float) -> list[str]:
                 "verdict"], body) + [""]
 
 
-# %% ../nbs/13_batch.ipynb #1d8b4186
+# %% ../nbs/13_batch.ipynb #e8e58a79
 def _figure_sections(exp: Experiment, rows: list[dict], report_dir: Path, figures: bool, results: Sequence,
                      warning: str | None) -> list[str]:
     "Per figure: a table of our means ± std per series, the drawing (PNG, SVG) and its caption."
@@ -1677,12 +1694,12 @@ def _figure_sections(exp: Experiment, rows: list[dict], report_dir: Path, figure
                       + ("The paper's values: hollow markers, dotted. " if drawn else "")
                       + (f"{fig.note} " if fig.note else "")
                       + ("Above each panel: the paper's claims at each setting, with our verdict. "
-                         if any(f.x == fig.x and f.series == fig.series and _compatible(f.where, fig.where)
-                                for f, _ in results) else ""), ""]
+                         if not drawn and any(f.x == fig.x and f.series == fig.series and _compatible(f.where, fig.where)
+                                              for f, _ in results) else ""), ""]
     return lines
 
 
-# %% ../nbs/13_batch.ipynb #c0b95957
+# %% ../nbs/13_batch.ipynb #6dbc3b0e
 def _records_section(ok: list[dict], failed: list[dict], unreadable: list) -> list[str]:
     "The unreadable records, the failed cells and the environments of the successful ones."
     lines = []
@@ -1701,7 +1718,76 @@ def _records_section(ok: list[dict], failed: list[dict], unreadable: list) -> li
     return lines
 
 
-# %% ../nbs/13_batch.ipynb #29cb9d62
+# %% ../nbs/13_batch.ipynb #8327c5f3
+def _circle_density(deg: float, centre: float, sigma: float) -> float:
+    "The wrapped normal density (per degree) at angle `deg` of a mode at `centre`, width `sigma` (degrees)."
+    return sum(math.exp(-0.5 * ((deg - centre + 360 * k) / sigma) ** 2) for k in (-1, 0, 1)) / (sigma * math.sqrt(2 * math.pi))
+
+
+def _draw_regions(ax, record: dict, target: int) -> None:
+    "One panel of Sawada Fig. 5: the class densities along the circle; per loss, bars where `target` is top-1 (dark) and in the top-2 (light), shaded by the share of seeds."
+    p, top2 = record["params"], record["metrics"]["regions"]["top2"]
+    n, sigma, d, ratio = p["n_classes"], p["sigma"], p["d"], p["minor_ratio"]
+    deg = [0.5 + a for a in range(360)]
+    peak = 0.0
+    for c in range(n):
+        dens = [(_circle_density(a, 360 / n * c, sigma) + (0 if d is None else ratio * _circle_density(a, 360 / n * c + d, sigma)))
+                / (1 if d is None else 1 + ratio) for a in deg]
+        peak = max(peak, *dens)
+        ax.plot(deg, dens, color="tab:red" if c == target else "0.7", lw=1.6 if c == target else 0.8, zorder=3 if c == target else 2,
+                label=f"class {target}" if c == target else ("other classes" if c == (1 if target == 0 else 0) else None))
+    for i, (loss, strings) in enumerate(reversed(list(top2.items()))):
+        first = [sum(s[2 * a] == str(target) for s in strings) / len(strings) for a in range(360)]
+        both = [sum(str(target) in s[2 * a:2 * a + 2] for s in strings) / len(strings) for a in range(360)]
+        y = peak * (1.1 + 0.2 * i)
+        for share, bottom, rgb in ((both, y, (0.55, 0.75, 1.0)), (first, y + 0.08 * peak, (0.05, 0.2, 0.6))):
+            ax.bar(deg, 0.08 * peak, bottom=bottom, width=1.0, color=[(*rgb, v) for v in share], linewidth=0)
+        ax.text(-4, y + 0.08 * peak, f"{loss} ({len(strings)})", ha="right", va="center", fontsize=7)
+    from matplotlib.patches import Patch
+    ax.set_xlim(0, 360); ax.set_xticks(range(0, 361, 60)); ax.set_yticks([])
+    ax.set_xlabel("angle on the circle (°)")
+    handles, _ = ax.get_legend_handles_labels()
+    ax.legend(handles=handles + [Patch(color=(0.05, 0.2, 0.6), label=f"class {target} top-1"),
+                                 Patch(color=(0.55, 0.75, 1.0), label=f"class {target} in the top-2")],
+              fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2,
+              title="lines: class densities; bars: share of seeds", title_fontsize=7)
+
+
+# %% ../nbs/13_batch.ipynb #41458bfc
+def sawada_fig5(records: list[dict],  # the successful records of circles_tradeoffs
+                report_dir: Path,  # where the figure goes
+                target: int = 2,  # the class whose predictions the bars show
+                ) -> list[str]:
+    "Sawada Fig. 5 (a: exp. 2, d = 90°; b: exp. 3, m = 8): where each loss predicts class `target` along the circle; the report's lines (none without such records)."
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    found = []
+    for tag, label, where in (("a", "exp. 2, d = 90°, no hidden layer", {"experiment": 2, "d": 90}),
+                              ("b", "exp. 3, d = 90°, m = 8 hidden units", {"experiment": 3, "m": 8})):
+        recs = [r for r in records if (r.get("metrics") or {}).get("regions")
+                and all((r.get("params") or {}).get(k) == v for k, v in where.items())]
+        if recs: found.append((tag, label, max(recs, key=_newness)))
+    if not found: return []
+    panels, axes = plt.subplots(1, len(found), figsize=(6.0 * len(found), 4.4), squeeze=False, layout="constrained")
+    for ax, (tag, label, rec) in zip(axes[0], found):
+        _draw_regions(ax, rec, target)
+        ax.set_title(f"({tag}) {label}", fontsize=9)
+    panels.suptitle(f"Sawada Fig. 5: where class {target} is predicted along the circle", fontsize=10)
+    panels.savefig(report_dir / "fig5.png", dpi=150)
+    panels.savefig(report_dir / "fig5.svg")
+    plt.close(panels)
+    return [f"## Sawada Fig. 5: predictions for class {target} along the circle", "",
+            f"![Sawada Fig. 5](fig5.png)", "",
+            f"Lines: the class densities along the circle (class {target}, centre {360 // found[0][2]['params']['n_classes'] * target}°, "
+            "in red, with its minor mode at +d). Bars, per loss (seeds in brackets): where class "
+            f"{target} is the top-1 prediction (dark) and where it is in the top-2 (light), shaded by the share of "
+            "our seeds; `bayes`: the Bayes classifier. Sawada (IV-D) on (a): the top-2 losses cover all the region "
+            "of the class in their top-2 while CE does not, and CE has the better top-1 prediction in a major mode; "
+            f"on (b) all losses cover it. Vector copy: [fig5.svg](fig5.svg).", ""]
+
+
+# %% ../nbs/13_batch.ipynb #5eab316c
 def report(experiment: str | Experiment,  # a catalogue name, or an entry
            out_dir="runs",  # the --out folder of the runs
            report_dir=None,  # where report.md and the figures go (default out_dir/experiment/report)
@@ -1737,7 +1823,9 @@ def report(experiment: str | Experiment,  # a catalogue name, or an entry
                   f"{c['untested']} untested (one seed), {c['not run']} not run (Welch's t-test over seeds, "
                   f"two-sided, level {level:g}).", ""]
     lines += _paper_section(exp, rows) + _findings_section(results, level) + \
-        _figure_sections(exp, rows, report_dir, figures, results, warning) + _records_section(ok, failed, unreadable)
+        _figure_sections(exp, rows, report_dir, figures, results, warning) + \
+        [line for name in (exp.drawings if figures else ()) for line in globals()[name](ok, report_dir)] + \
+        _records_section(ok, failed, unreadable)
     path = report_dir / "report.md"
     path.write_text("\n".join(lines))
     if unreadable:
