@@ -262,6 +262,32 @@ def test_report_counts_each_seed_once_and_ties_are_no_wins(tmp_path):
     assert "| d=30 | top1 | ce best | 80.00 ± 0.00 (3) | topk_transition: 80.00 ± 0.00 (3) | +0.00 | 0.00 (4.0) | 1.000 | within noise |" in md
 
 
+def test_figures_draw_the_papers_values_beside_ours(tmp_path):
+    exp = batch.CIFAR100_NOISE                # Berrada 2018 Tab. 1 with the standard deviations of its Tab. 9
+    points = batch.paper_points(exp.paper, exp.figures[0], "top5")
+    assert points["ce"]["Berrada 2018, Tab. 1"][0] == (0.0, pytest.approx(0.9434), pytest.approx(0.0009))
+    assert points["noised_bal"]["Garcin 2022, Tab. 4"][:2] == [(0.0, pytest.approx(0.9435), None),
+                                                               (0.1, pytest.approx(0.9203), None)]
+    rows = [{"loss": "ce", "noise_p": p, "seed": s, "top1": 0.5, "top5": 0.8 + 0.01 * s} for p in (0.0, 0.2) for s in (0, 1)]
+    path = batch.plot_figure(rows, exp.figures[0], tmp_path / "tab1.png", exp.paper)
+    width = int.from_bytes(path.read_bytes()[16:20], "big")                 # PNG header: 2 panels of 5 in at 150 dpi
+    # the legend names Berrada 2018, Tab. 1 for CE and L_{5,1} in each of the two panels
+    assert width == 1500 and path.with_suffix(".svg").read_text().count("Berrada 2018, Tab. 1 (± its std)") == 4
+
+
+def test_sawada_fig5_from_the_predictions_along_the_circle(tmp_path):
+    name, params = CIRCLES_TRADEOFFS.name, {"experiment": 2, "sigma": 10, "d": 90, "m": None, "minor_ratio": 0.5,
+                                            "n_classes": 6, "n_seeds": 2}
+    ring = "".join("20" if 100 <= a < 140 else "01" for a in range(360))      # class 2 top-1 from 100° to 140°
+    regions = {"angles_deg": [0.5, 359.5, 1.0], "top2": {"ce": [ring, ring], "bayes": [ring]}}
+    write_record(cell_dir(tmp_path, name, params) / RECORD, params,
+                 {"final": [{"loss": "ce", "seed": s, "top1": 0.5, "top2": 0.9} for s in (0, 1)], "regions": regions},
+                 experiment=name)
+    md = report(name, tmp_path).read_text()
+    assert "## Sawada Fig. 5: predictions for class 2 along the circle" in md and "![Sawada Fig. 5](fig5.png)" in md
+    assert (tmp_path / name / "report" / "fig5.svg").read_text().count("ce (2)") == 1
+
+
 def test_welch_test_matches_the_t_tables():
     assert abs(batch.t_two_sided(2.228, 10) - 0.05) < 2e-5 and abs(batch.t_two_sided(12.706, 1) - 0.05) < 2e-5
     test = batch.welch_test({"mean": 0.7, "std": 0.1, "n": 3}, {"mean": 0.5, "std": 0.0, "n": 3})

@@ -128,7 +128,7 @@ _SAWADA_NOTE = ("Sawada gives this figure as a plot without numbers (its bars ar
 CIRCLES_TRADEOFFS = Experiment(
     name="circles_tradeoffs",
     notebook="circles_tradeoffs.ipynb",
-    description="Sawada exp. 1-3 (Fig. 2-4): CE vs top-2 grouping vs top-2 transition on the circles",
+    description="Sawada exp. 1-3 (Fig. 2-5): CE vs top-2 grouping vs top-2 transition on the circles",
     presets={"smoke": {"experiment": 1, "sigma": [15, 25], "epochs": 50}, **_SAWADA,
              "paper": [_SAWADA["exp1"], _SAWADA["exp2"], _SAWADA["exp3"]]},
     group_by=("experiment", "sigma", "d", "m", "loss"),
@@ -1741,10 +1741,11 @@ def _draw_regions(ax, record: dict, target: int) -> None:
         both = [sum(str(target) in s[2 * a:2 * a + 2] for s in strings) / len(strings) for a in range(360)]
         y = peak * (1.1 + 0.2 * i)
         for share, bottom, rgb in ((both, y, (0.55, 0.75, 1.0)), (first, y + 0.08 * peak, (0.05, 0.2, 0.6))):
-            ax.bar(deg, 0.08 * peak, bottom=bottom, width=1.0, color=[(*rgb, v) for v in share], linewidth=0)
+            ax.imshow([[(*rgb, v) for v in share]], extent=(0, 360, bottom, bottom + 0.08 * peak), aspect="auto",
+                      interpolation="nearest")
         ax.text(-4, y + 0.08 * peak, f"{loss} ({len(strings)})", ha="right", va="center", fontsize=7)
     from matplotlib.patches import Patch
-    ax.set_xlim(0, 360); ax.set_xticks(range(0, 361, 60)); ax.set_yticks([])
+    ax.set_xlim(0, 360); ax.set_ylim(0, peak * (1.15 + 0.2 * len(top2))); ax.set_xticks(range(0, 361, 60)); ax.set_yticks([])
     ax.set_xlabel("angle on the circle (°)")
     handles, _ = ax.get_legend_handles_labels()
     ax.legend(handles=handles + [Patch(color=(0.05, 0.2, 0.6), label=f"class {target} top-1"),
