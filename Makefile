@@ -1,7 +1,7 @@
 # Developer tasks. `make test` is the test command of the README and of CI.
 PYTHON ?= python
 
-.PHONY: test sync nbtest pytest export clean readme run gpu-check
+.PHONY: test sync nbtest pytest export clean readme run outputs gpu-check
 
 test: sync nbtest pytest
 
@@ -22,6 +22,10 @@ clean:
 
 readme:
 	$(PYTHON) tools/build_readme.py
+
+outputs:  ## re-execute NB="nbs/a.ipynb nbs/b.ipynb" in place (slow cells keep their outputs; SLOW=--slow runs them), then clean
+	$(PYTHON) tools/refresh_outputs.py $(NB) $(SLOW)
+	nbdev_clean
 
 run:      ## the main job: Sawada's synthetic experiments 1-3, full paper grid on a CPU; records, notebooks and report in runs/
 	topk-nb run circles_tradeoffs --preset paper --jobs 2 --out runs

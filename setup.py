@@ -1,7 +1,10 @@
 """Packaging for topk_nb: every field comes from settings.ini, the nbdev project file."""
+import shutil
 from configparser import ConfigParser
+from pathlib import Path
 
 import setuptools
+from setuptools.command.build_py import build_py
 
 cfg = ConfigParser(delimiters=["="])
 cfg.read("settings.ini", encoding="utf-8")
@@ -11,6 +14,21 @@ licenses = {"apache2": "Apache-2.0"}   # SPDX identifiers
 statuses = ["1 - Planning", "2 - Pre-Alpha", "3 - Alpha", "4 - Beta", "5 - Production/Stable"]
 py_versions = ["3.10", "3.11", "3.12", "3.13", "3.14"]
 min_python = cfg["min_python"]
+
+
+
+class BuildWithExperiments(build_py):
+    "Build the package with the experiment notebooks (nbs/experiments/*.ipynb) as its data, in topk_nb/experiments/."
+
+    def run(self):
+        super().run()
+        if self.editable_mode:                     # an editable install reads them from nbs/experiments
+            return
+        target = Path(self.build_lib) / cfg["lib_path"] / "experiments"
+        target.mkdir(parents=True, exist_ok=True)
+        for notebook in sorted(Path(cfg["nbs_path"], "experiments").glob("*.ipynb")):
+            shutil.copy2(notebook, target / notebook.name)
+
 
 setuptools.setup(
     name=cfg["lib_name"],
@@ -39,4 +57,5 @@ setuptools.setup(
         "nbdev": [f"{cfg['lib_path']}={cfg['lib_path']}._modidx:d"],
     },
     zip_safe=False,
+    cmdclass={"build_py": BuildWithExperiments},
 )

@@ -184,3 +184,18 @@ def test_extreme_finite_scores_give_a_finite_loss_or_a_clear_error(name, magnitu
         return
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(x.grad).all(), (name, loss, x.grad)
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_label_smoothing_is_the_smoothed_target(name):
+    s, y = problem(8)
+    eps = 0.1
+    smooth = (1 - eps) * F.one_hot(y, N_CLASSES).double() + eps / N_CLASSES
+    crit = get_loss(name, label_smoothing=eps, reduction="none", **extra(name))
+    twin = get_loss(name, reduction="none", **extra(name))
+    out = crit(s, y)
+    assert out.shape == (6,) and torch.isfinite(out).all()
+    if not LOSSES[name].stochastic:          # the same draws cannot be replayed through two different roads
+        torch.testing.assert_close(out, twin(s, smooth))
+    if name == "ce":
+        torch.testing.assert_close(out, F.cross_entropy(s, y, label_smoothing=eps, reduction="none"))

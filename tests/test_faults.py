@@ -83,10 +83,11 @@ def processes_in(folder: Path) -> list[int]:
 
 
 def job_processes(folder: Path) -> list[int]:
-    "The live job processes (`python -m topk_nb.batch job SPEC`) started for `folder`."
+    "The live job processes (`python -c <launcher importing topk_nb.batch> job SPEC`) started for `folder`."
     def is_job(pid):
-        try: return b"topk_nb.batch\0job" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        try: cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError: return False
+        return b"topk_nb.batch" in cmdline and b"\0job\0" in cmdline
     return [pid for pid in processes_in(folder) if is_job(pid)]
 
 

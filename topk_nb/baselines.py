@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .core import (LossModule, check_finite, check_int, check_real, check_reduction, check_scores, check_target,
-                          check_loss_finite, flatten_classes, reduce_loss, sync_free)
+                          check_loss_finite, flatten_classes, loss_dtype, reduce_loss, sync_free)
 from .noised import margins_from_counts
 
 # %% auto #0
@@ -82,7 +82,7 @@ def cross_entropy(scores: torch.Tensor, target: torch.Tensor, label_smoothing: f
         s = working_scores(scores)
         loss = F.cross_entropy(s, labels if labels is not None else probs.to(s.dtype), reduction=reduction,
                                label_smoothing=label_smoothing)
-    return loss.to(scores.dtype)
+    return loss.to(loss_dtype(scores))
 
 # %% ../nbs/06_baselines.ipynb #b99f6a4f
 def focal_loss(scores: torch.Tensor, target: torch.Tensor, gamma: float = 2.0, reduction: str = "mean",
@@ -102,7 +102,7 @@ def focal_loss(scores: torch.Tensor, target: torch.Tensor, gamma: float = 2.0, r
             weight = probs.to(s.dtype)
         one_minus_q = (-torch.expm1(log_q)).clamp_min(torch.finfo(s.dtype).tiny)
         loss = -(weight * one_minus_q.pow(gamma) * log_q).sum(1)
-    return reduce_loss(loss, reduction).to(scores.dtype)
+    return reduce_loss(loss, reduction).to(loss_dtype(scores))
 
 # %% ../nbs/06_baselines.ipynb #b691383b
 def _ldam_hard(scores, labels, margins, scale, reduction="none"):
@@ -127,7 +127,7 @@ def ldam(scores: torch.Tensor, target: torch.Tensor, class_counts, max_m: float 
             loss = _ldam_hard(s, labels, margins, scale)
         else:
             loss = expected_loss(_ldam_hard, s, probs.to(s.dtype), max_support, margins=margins, scale=scale)
-    return reduce_loss(loss, reduction).to(scores.dtype)
+    return reduce_loss(loss, reduction).to(loss_dtype(scores))
 
 # %% ../nbs/06_baselines.ipynb #41426060
 def cvx_topk_hinge(scores: torch.Tensor, target: torch.Tensor, k: int = 5, alpha: float = 1.0,
@@ -146,7 +146,7 @@ def cvx_topk_hinge(scores: torch.Tensor, target: torch.Tensor, k: int = 5, alpha
     with torch.autocast(scores.device.type, enabled=False):
         s = working_scores(scores)
         loss = hard(s, labels) if labels is not None else expected_loss(hard, s, probs.to(s.dtype), max_support)
-    return reduce_loss(loss, reduction).to(scores.dtype)
+    return reduce_loss(loss, reduction).to(loss_dtype(scores))
 
 # %% ../nbs/06_baselines.ipynb #88683470
 def topk_group_mask(scores: torch.Tensor, probs: torch.Tensor, k: int) -> torch.Tensor:
@@ -196,7 +196,7 @@ def topk_grouping(scores: torch.Tensor, target: torch.Tensor, k: int = 5, reduct
         s = working_scores(scores)
         terms = _grouping_terms_labels(s, labels, k) if labels is not None else _grouping_terms(s, probs.to(s.dtype), k)
         loss = terms[0]
-    return reduce_loss(loss, reduction).to(scores.dtype)
+    return reduce_loss(loss, reduction).to(loss_dtype(scores))
 
 # %% ../nbs/06_baselines.ipynb #997cc248
 def topk_transition(scores: torch.Tensor, target: torch.Tensor, k: int = 5, detach_weight: bool = False,
@@ -210,7 +210,7 @@ def topk_transition(scores: torch.Tensor, target: torch.Tensor, k: int = 5, deta
         weight = log_q_group.exp()
         if detach_weight: weight = weight.detach()
         loss = ce + weight * (grouping - ce)
-    return reduce_loss(loss, reduction).to(scores.dtype)
+    return reduce_loss(loss, reduction).to(loss_dtype(scores))
 
 # %% ../nbs/06_baselines.ipynb #f920ab89
 class _NativeSoft(LossModule):
@@ -237,7 +237,7 @@ class CrossEntropy(LossModule):
 
     def forward(self, scores, target):
         check_scores(scores, "scores", ndim=None, min_classes=2, check=self.check_finite)
-        out_dtype = torch.float32 if torch.is_autocast_enabled(scores.device.type) else scores.dtype
+        out_dtype = loss_dtype(scores)
         s, t, _ = flatten_classes(scores, target)                         # validates the shapes
         if not t.is_floating_point():
             check_target(torch.where(t == self.ignore_index, 0, t), s.shape[1], s.shape[0])

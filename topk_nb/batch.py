@@ -109,9 +109,12 @@ def package_dir() -> Path:
 
 
 def experiments_dir() -> Path:
-    "`nbs/experiments` of the source tree (`$TOPK_NB_EXPERIMENTS` overrides)."
+    "The experiment notebooks: shipped in an installed package's `experiments/`, else `nbs/experiments` of the source tree (`$TOPK_NB_EXPERIMENTS` overrides)."
     env = os.environ.get("TOPK_NB_EXPERIMENTS")
-    return Path(env) if env else package_dir().parent / "nbs" / "experiments"
+    if env:
+        return Path(env)
+    shipped = package_dir() / "experiments"                 # a wheel carries the notebooks as package data
+    return shipped if shipped.is_dir() else package_dir().parent / "nbs" / "experiments"
 
 # %% ../nbs/13_batch.ipynb #66e3cb38
 _SAWADA_COMMON = dict(n_classes=6, k=2, n_per_class=300, n_test_per_class=300, epochs=1000, n_seeds=10, minor_ratio=0.5)
@@ -1209,6 +1212,14 @@ def _record_crash(experiment: Experiment, params: dict, directory: Path, code: i
         pass                                    # another runner owns it now: its outcome will be the record
 
 
+# The job's first statement asks to die with its parent (Linux), before the seconds that importing torch takes.
+_JOB_LAUNCHER = ("import signal, sys\n"
+                 "if sys.platform.startswith('linux'):\n"
+                 "    import ctypes; ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)\n"
+                 "from topk_nb.batch import main\n"
+                 "sys.exit(main(sys.argv[1:]))")
+
+
 def _launch(experiment: Experiment, params: dict, out_dir, device: str | None, timeout, wait: bool,
             since: list, preset: str | None = None) -> bool:
     "Run one cell in a job process; False if another process owns the cell (and `wait` is False)."
@@ -1219,7 +1230,7 @@ def _launch(experiment: Experiment, params: dict, out_dir, device: str | None, t
             "identity": identity}
     env = dict(os.environ)
     if device is not None: env["CUDA_VISIBLE_DEVICES"] = device     # one GPU per job; CPU workers inherit the setting
-    proc = subprocess.run([sys.executable, "-m", "topk_nb.batch", "job", json.dumps(spec)], env=env,
+    proc = subprocess.run([sys.executable, "-c", _JOB_LAUNCHER, "job", json.dumps(spec)], env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
     if proc.returncode == JOB_BUSY: return False
     if proc.returncode != 0:              # a failed cell has its record; a crashed job gets one here
@@ -1898,7 +1909,7 @@ def main(argv: Sequence[str] | None = None,  # the words after `topk-nb` (sys.ar
         return _job_main(args.spec)
     if args.command == "list":
         for e in EXPERIMENTS.values():
-            print(f"{e.name}: {e.description}\n  notebook: nbs/experiments/{e.notebook}\n  presets: {', '.join(e.presets)}")
+            print(f"{e.name}: {e.description}\n  notebook: {experiments_dir() / e.notebook}\n  presets: {', '.join(e.presets)}")
         return 0
     if args.command == "report":
         try:

@@ -18,11 +18,11 @@ import torch
 import torch.nn as nn
 
 # %% auto #0
-__all__ = ['FLOAT_DTYPES', 'REDUCTIONS', 'sync_free', 'force_sync_free', 'check_int', 'check_real', 'check_finite',
+__all__ = ['FLOAT_DTYPES', 'REDUCTIONS', 'sync_free', 'thread_flag', 'force_sync_free', 'check_int', 'check_real', 'check_finite',
            'check_scores', 'check_target', 'check_loss_input', 'check_reduction', 'reduce_loss',
            'scores_without_target', 'target_rank', 'topk_correct', 'topk_accuracy', 'macro_topk_accuracy', 'brute_esp',
            'brute_log_esp', 'workspace', 'time_fn', 'median_time', 'fwd_bwd', 'flatten_classes', 'LossModule',
-           'check_loss_finite']
+           'loss_dtype', 'check_loss_finite']
 
 # %% ../nbs/00_core.ipynb #576df6fa
 _SYNC_FREE = threading.local()
@@ -34,15 +34,21 @@ def sync_free(t: torch.Tensor) -> bool:
 
 
 @contextlib.contextmanager
-def force_sync_free(enabled: bool = True # run CPU tensors through the sync-free path too
-                    ):
-    "Context manager: CPU tensors take the sync-free path (fixed shapes, no read-back), as on a GPU."
-    before = getattr(_SYNC_FREE, "on", False)
-    _SYNC_FREE.on = bool(enabled)
+def thread_flag(store: threading.local, # holds the flag as its attribute `on`
+                enabled: bool = True):  # the value inside the block
+    "Context manager: set the thread-local flag `store.on` for the block, then restore it."
+    before = getattr(store, "on", False)
+    store.on = bool(enabled)
     try:
         yield
     finally:
-        _SYNC_FREE.on = before
+        store.on = before
+
+
+def force_sync_free(enabled: bool = True # run CPU tensors through the sync-free path too
+                    ):
+    "Context manager: CPU tensors take the sync-free path (fixed shapes, no read-back), as on a GPU."
+    return thread_flag(_SYNC_FREE, enabled)
 
 # %% ../nbs/00_core.ipynb #7530e4af
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -227,7 +233,7 @@ _WORKSPACE = threading.local()
 def workspace(shape: Sequence[int], dtype: torch.dtype = torch.float64, device: str | torch.device = "cpu") -> torch.Tensor:
     "Uninitialised scratch of `shape`: on the CPU a view of a per-thread buffer reused across calls, valid until the next call for `dtype`."
     device = torch.device(device)
-    if device.type != "cpu":
+    if device.type != "cpu" or torch.compiler.is_compiling():     # GPUs cache allocations; traced code gets its own
         return torch.empty(shape, dtype=dtype, device=device)
     numel, pool = math.prod(shape), _WORKSPACE.__dict__.setdefault("buffers", {})
     buf = pool.get(dtype)
@@ -310,6 +316,7 @@ class LossModule(nn.Module):
                  ignore_index: int = -100,           # samples with this target count for nothing
                  reduction: str = "mean",            # 'mean', 'sum' or 'none'
                  max_support: int | None = None,     # bound on the classes a probability target puts mass on
+                 label_smoothing: float = 0.0,       # class indices become (1 - eps) e_y + eps / n, as in F.cross_entropy
                  check_finite: bool | None = None):  # check the scores (None: on the host path only)
         super().__init__()
         if weight is not None:
@@ -319,6 +326,7 @@ class LossModule(nn.Module):
         self.register_buffer("weight", weight)
         self.ignore_index, self.reduction = check_int(ignore_index, "ignore_index"), check_reduction(reduction)
         self.max_support = None if max_support is None else check_int(max_support, "max_support", 1)
+        self.label_smoothing = check_real(label_smoothing, "label_smoothing", 0.0, 1.0)
         self.check_finite = check_finite
 
     def per_sample(self, scores: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -362,6 +370,11 @@ def _check_probabilities(probs: torch.Tensor, scores: torch.Tensor) -> torch.Ten
     return probs
 
 
+def loss_dtype(scores: torch.Tensor) -> torch.dtype:
+    "The dtype a loss returns: float32 under autocast (as F.cross_entropy), the scores' dtype otherwise."
+    return torch.float32 if torch.is_autocast_enabled(scores.device.type) else scores.dtype
+
+
 def check_loss_finite(loss: torch.Tensor,   # per-sample losses
                       scores: torch.Tensor, # the scores they came from, already checked finite
                       name: str,            # the loss, for the message
@@ -378,7 +391,7 @@ def check_loss_finite(loss: torch.Tensor,   # per-sample losses
 def _forward(self, scores: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     "The loss with nn.CrossEntropyLoss's conventions (see the section above)."
     s, t, shape = flatten_classes(scores, target)
-    out_dtype = torch.float32 if torch.is_autocast_enabled(s.device.type) else scores.dtype
+    out_dtype = loss_dtype(scores)
     with torch.autocast(s.device.type, enabled=False):
         s = s if s.dtype in (torch.float32, torch.float64) else s.float()   # (N, n), half computed in float32
         if t.is_floating_point():
@@ -388,7 +401,12 @@ def _forward(self, scores: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
             keep = t != self.ignore_index                                  # (N,)
             labels = torch.where(keep, t, 0)
             w = keep.to(s.dtype) if self.weight is None else keep * self.weight.to(s)[labels]
-            loss = torch.where(keep, self.per_sample(s, labels), 0.0) * w
+            if self.label_smoothing > 0:                                   # the smoothed target's expectation, weighted inside
+                eps, n = self.label_smoothing, s.shape[1]
+                smooth = torch.full_like(s, eps / n).scatter_add_(1, labels[:, None], torch.full_like(s[:, :1], 1 - eps))
+                loss = torch.where(keep, self.per_sample_soft(s, smooth), 0.0)
+            else:
+                loss = torch.where(keep, self.per_sample(s, labels), 0.0) * w
             total = w.sum()
     if self.reduction == "mean": loss = loss.sum() / total
     elif self.reduction == "sum": loss = loss.sum()

@@ -149,6 +149,11 @@ def head_esps(v: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     B, h = v.shape
     vals = v[:, None, :].repeat(1, h + 1, 1)                         # row i < h: entry i left out; row h: all
     vals[:, torch.arange(h), torch.arange(h)] = 0.0
+    if torch.compiler.is_compiling():                              # traced: the same recurrence, out of place
+        cur = F.pad(v.new_ones(B, h + 1, 1), (0, k))                 # (B, h+1, k+1): the polynomial 1
+        for col in vals.unsqueeze(-1).unbind(-2):
+            cur = torch.cat([cur[..., :1], torch.addcmul(cur[..., 1:], col, cur[..., :-1])], -1)
+        return cur[:, h], cur[:, :h, :k]
     bufs = v.new_zeros(2, B, h + 1, k + 1)
     bufs[..., 0] = 1.0
     hi, lo = bufs[..., 1:].unbind(0), bufs[..., :-1].unbind(0)

@@ -5,14 +5,13 @@
 # %% ../nbs/16_kernels.ipynb #78937b33
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import threading
 
 import torch
 
-from .core import check_int, check_real
+from .core import check_int, check_real, thread_flag
 
 try:                                           # triton ships with the CUDA builds of torch
     import triton
@@ -30,16 +29,10 @@ MAX_ROW = 8192            # classes a row may have for the one-block kernels (th
 MAX_KTH = 64              # the largest K of top_K the selection kernel unrolls to
 
 
-@contextlib.contextmanager
 def force_triton(enabled: bool = True # run the kernels on CPU tensors too (needs TRITON_INTERPRET=1)
                  ):
     "Context manager: the kernels also run on CPU tensors, through Triton's interpreter."
-    before = getattr(_FORCE, "on", False)
-    _FORCE.on = bool(enabled)
-    try:
-        yield
-    finally:
-        _FORCE.on = before
+    return thread_flag(_FORCE, enabled)
 
 
 def triton_ok(t: torch.Tensor, # the scores, classes along the last dimension

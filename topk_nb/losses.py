@@ -28,7 +28,7 @@ __all__ = ['LOSSES', 'TOPK_ERROR', 'LossEntry', 'get_loss', 'TopkMixture', 'loss
 
 # %% ../nbs/08_losses.ipynb #5552b80f
 _NOT_PARAMETERS = {"self", "reduction", "check_finite", "generator", "class_counts"}
-_CONVENTIONS = ("weight", "ignore_index", "reduction", "max_support", "check_finite")   # every module takes them
+_CONVENTIONS = ("weight", "ignore_index", "reduction", "max_support", "label_smoothing", "check_finite")   # every module takes them
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .core import LossModule, check_int, check_loss_input, check_real, check_reduction, reduce_loss, sync_free
+from .core import LossModule, check_int, check_loss_input, check_real, check_reduction, loss_dtype, reduce_loss, sync_free
 from .perturbed import draw_noise, sampled_topk_value, topk_value
 
 # %% auto #0
@@ -28,7 +28,7 @@ def cal_hinge(scores: torch.Tensor, target: torch.Tensor, k: int = 5, alpha: flo
 # %% ../nbs/05_noised.ipynb #7d4759eb
 def _noised_hinge(scores, target, k, epsilon, n_samples, margin, reduction, generator, noise):
     "(margin + top_{k+1,eps,B}(s) - s_y)_+ on validated inputs; `margin` is a number or a per-sample tensor."
-    out_dtype = scores.dtype
+    out_dtype = loss_dtype(scores)
     with torch.autocast(scores.device.type, enabled=False):
         s = scores if scores.dtype in (torch.float32, torch.float64) else scores.float()
         if epsilon == 0:

@@ -13,7 +13,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .core import (LossModule, check_int, check_loss_input, check_real, check_reduction, reduce_loss,
-                          scores_without_target)
+                          scores_without_target, sync_free, loss_dtype)
+from .esp import dc_tree, log_zero
 from .esp_backward import power_backward, power_forward, power_inputs, power_log_sigma, power_tolerances
 
 # %% auto #0
@@ -89,6 +90,40 @@ def hard_enough(scores: torch.Tensor, target: torch.Tensor, k: int, tau: float, 
     top, _, s_y = _top_others(scores.detach(), target, k)
     return _hard_mask(top, s_y, scores.shape[1], k, tau, alpha)
 
+# %% ../nbs/03_smooth_svm.ipynb #a9e7c2d1
+def _masked_forward(ctx, s, target, k, tau, alpha, top, idx, s_y, hard, loss, kth, gain):
+    "The sync-free forward: the power path on every row (B, n), the hinge kept on hard rows; (loss, hard or certified)."
+    h, scale = min(k + 1, top.shape[1]), 1.0 / (k * tau)
+    head = idx[:, :h]                                                         # (B, h)
+    c, v, t, e = power_inputs(s, top, head, target, scale)                   # e: (B, n) float64
+    sig, ok_s, state = power_forward(e, v, t, k, *power_tolerances(s.dtype))  # sig: (B, k+1)
+    z = alpha / tau + sig[:, k].log() - sig[:, k - 1].log() + (c[:, 0] - s_y.double()) * scale   # (B,), NaN on some hard rows
+    loss = torch.where(hard, loss, (tau * F.softplus(z)).to(s.dtype))
+    soft_ok = ok_s & ~hard                                                    # rows whose gradient is the power path's
+    ctx.save_for_backward(target, kth, gain, e, v, head, sig, soft_ok, torch.sigmoid(z), *state)
+    return loss, hard | ok_s
+
+
+def _masked_backward(ctx, grad):
+    "The sync-free backward: the hinge's two entries on hard rows plus the power path's gradient on certified soft rows, (B, n)."
+    target, kth, gain, e, v, head, sig, soft_ok, rho, *state = ctx.saved_tensors
+    k, rows = ctx.k, torch.arange(grad.shape[0], device=grad.device)
+    g = torch.where(soft_ok, grad.double() * rho / k, 0.0)                  # (B,), 0 where the row is hard or refused
+    out = torch.empty(e.shape, dtype=grad.dtype, device=grad.device)
+    power_backward(e, v, head, sig, soft_ok, state, torch.stack([-g, g], 1), k, out)
+    out.scatter_add_(1, target[:, None], -g[:, None].to(out.dtype))
+    g_hard = grad * gain                                                      # 0 on soft rows and where the hinge is flat
+    return out.index_put_((rows, kth), g_hard, accumulate=True).index_put_((rows, target), -g_hard, accumulate=True)
+
+
+def _tree_part(s, target, k, tau, alpha):
+    "Per-sample L_{k,tau} of every row by the exact log-space tree (autograd), for the rows the certificate refuses."
+    x = scores_without_target(s, target) / (k * tau)                          # (B, n-1)
+    log_sig = dc_tree(x, k, log_zero(x.dtype, k))[0][..., k - 1:k + 1]        # (B, 2): log sigma_{k-1}, log sigma_k
+    s_y = s.gather(1, target[:, None])[:, 0]
+    return tau * F.softplus(alpha / tau + log_sig[:, 1] - s_y / (k * tau) - log_sig[:, 0])
+
+
 # %% ../nbs/03_smooth_svm.ipynb #491dffe0
 class _SmoothTopkSVMFunction(torch.autograd.Function):
     "Per-sample L_{k,tau}: hard rows by the hinge, the others by certified power sums; which rows are certified; one gradient buffer."
@@ -101,9 +136,12 @@ class _SmoothTopkSVMFunction(torch.autograd.Function):
         hard = _hard_mask(top, s_y, n, k, tau, alpha) if hard_switch else torch.zeros_like(hinge, dtype=torch.bool)
         loss, ok = hinge.clamp_min(0.0), torch.ones_like(hard)
         ctx.mark_non_differentiable(ok)
-        soft = (~hard).nonzero()[:, 0]
-        ctx.k, ctx.n, ctx.every = k, n, soft.numel() == B
         kth, gain = idx[:, k - 1], (hard & (hinge > 0)).to(s.dtype) / k     # d hinge / d s_kth = -d hinge / d s_y
+        ctx.k, ctx.n, ctx.masked = k, n, sync_free(s)
+        if ctx.masked:                                               # fixed shapes: every row, hard ones masked
+            return _masked_forward(ctx, s, target, k, tau, alpha, top, idx, s_y, hard, loss, kth, gain)
+        soft = (~hard).nonzero()[:, 0]
+        ctx.every = soft.numel() == B
         if not soft.numel():
             ctx.save_for_backward(target, kth, gain)
             return loss, ok
@@ -120,6 +158,8 @@ class _SmoothTopkSVMFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad, _):
+        if ctx.masked:
+            return _masked_backward(ctx, grad), None, None, None, None, None
         target, kth, gain, *soft_state = ctx.saved_tensors
         B, n, k = grad.shape[0], ctx.n, ctx.k
         if ctx.every:                                                # every entry is written below
@@ -145,11 +185,13 @@ def smooth_topk_svm(scores: torch.Tensor, target: torch.Tensor, k: int = 5, tau:
     tau = check_real(tau, "tau", 0.0, lo_open=True)
     alpha = check_real(alpha, "alpha", 0.0)
     reduction = check_reduction(reduction)
-    out_dtype = scores.dtype
+    out_dtype = loss_dtype(scores)
     with torch.autocast(scores.device.type, enabled=False):
         s = scores if scores.dtype in (torch.float32, torch.float64) else scores.float()
         loss, ok = _SmoothTopkSVMFunction.apply(s, target, k, tau, alpha, hard_switch)
-        if not bool(ok.all()):                                       # rows the certificate refuses: the exact tree
+        if sync_free(s):                                             # no read-back: the tree on every row, kept where refused
+            loss = torch.where(ok, loss, _tree_part(s, target, k, tau, alpha))
+        elif not bool(ok.all()):                                     # rows the certificate refuses: the exact tree
             bad = (~ok).nonzero()[:, 0]
             loss = loss.index_put((bad,), _smooth_part(s[bad], target[bad], k, tau, alpha))
     return reduce_loss(loss, reduction).to(out_dtype)
