@@ -64,6 +64,46 @@ def test_paper_presets_are_the_papers_values():
     assert all(c["d"] == 90 for c in cells if c["experiment"] == 3)
 
 
+# the papers' sentences on how many runs each number averages
+PAPER_SEEDS = [
+    ("circles_tradeoffs", "paper", 10),        # Sawada IV-A: "averaged over ten runs with different random seeds"
+    ("cifar100_noise", "berrada", 3),          # Berrada 2018, §5.1: "averaged over three runs with different random seeds"
+    ("cifar100_noise", "garcin", 2),           # Garcin 2022, §4.4: "averaged over two runs with two different random seeds"
+    ("cifar100_transition", "paper", 10),      # Sawada, Tab. I: "averaged over 10 different trials"
+    ("imagenet_lt", "paper", 4),               # Garcin 2022 draft, §4.5.2: "four seeds, 95% confidence interval"
+    ("plantnet_imbalanced", "paper", 3),       # Garcin 2022 draft, §4.5.1 (Tab. 5): "three seeds, 95% confidence interval"
+]
+
+
+@pytest.mark.parametrize("name, preset, n", PAPER_SEEDS)
+def test_paper_presets_run_the_papers_seeds(name, preset, n):
+    exp = batch.EXPERIMENTS[name]
+    seeds = {}
+    for cell in expand_grid(exp.presets[preset]):
+        setting = json.dumps({k: v for k, v in cell.items() if k not in ("seed", exp.seeds_param)}, sort_keys=True)
+        seeds.setdefault(setting, []).append(cell[exp.seeds_param] if exp.seeds_param else cell["seed"])
+    expected = [n] if exp.seeds_param else list(range(n))
+    assert seeds and all(sorted(s) == expected for s in seeds.values()), (name, preset)
+
+
+def test_a_fine_tuning_preset_refuses_to_start_without_its_weights(tmp_path, capsys):
+    # Garcin 2022, §4.5: "We train a ResNet-50 (He et al., 2016) pre-trained on ImageNet"
+    with pytest.raises(ValueError, match="preset 'paper' of plantnet_imbalanced needs the parameter weights: Garcin "
+                                         "2022, §4.5 fine-tunes .* give it with --grid weights="):
+        batch.plan_grid("plantnet_imbalanced", "paper", data_root=tmp_path)
+    assert main(["run", "plantnet_imbalanced", "--preset", "paper", "--data-root", str(tmp_path), "--out",
+                 str(tmp_path / "runs")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "needs the parameter weights" in err and not (tmp_path / "runs").exists()
+    _, cells = batch.plan_grid("plantnet_imbalanced", "paper", {"weights": ["resnet50.pth"]}, data_root=tmp_path)
+    assert len(cells) == (5 * 4 + 3) * 3 and all(c["weights"] == "resnet50.pth" for c in cells)
+
+
+def test_training_runs_in_float32_unless_asked():
+    from topk_nb.train import TrainConfig    # none of the papers trains in reduced precision
+    assert TrainConfig().amp is False and TrainConfig(amp=True).amp is True
+
+
 def test_cell_paths_are_stable():
     assert cell_id({"a": 1, "b": [1, 2]}) == cell_id({"b": [1, 2], "a": 1})
     assert cell_id({"a": 1}) != cell_id({"a": 2}) and cell_id({"a": 1}) != cell_id({"a": "1"})
@@ -177,10 +217,15 @@ def test_report_on_fabricated_records(tmp_path):
     md = report(exp, tmp_path).read_text()
     assert "| Some 2020, Tab. 1 | ce, s=1 | top1 | 60.00 | 70.00 ± 10.00 | 3 | +10.00 |" in md
     assert "| Some 2020, Tab. 1 | g, s=3 | top1 | 60.00 | n/a | 0 | n/a |" in md
-    assert "| s=1 | top1 | best | +20.00 | g | yes |" in md and "| s=2 | top1 | best | -20.00 | g | **no** |" in md
+    # ce 20 points ahead with a spread of 10 over three seeds: Welch t = 3.46 on 2 df, p = 0.074, within noise
+    assert "| s=1 | top1 | ce best | 70.00 ± 10.00 (3) | g: 50.00 ± 0.00 (3) | +20.00 | 3.46 (2.0) | 0.074 | within noise |" in md
+    assert "| s=2 | top1 | ce best | 40.00 ± 0.00 (3) | g: 60.00 ± 0.00 (3) | -20.00 | -inf (4.0) | 0.000 | **contradicted** |" in md
+    assert "Findings: 0 hold, 1 within noise, 1 contradicted, 0 untested (one seed), 0 not run" in md
     assert "| 1 | 70.00 ± 10.00 | 50.00 ± 0.00 |" in md and "| 2 | 40.00 ± 0.00 | 60.00 ± 0.00 |" in md
     assert "2 successful records, 1 failed" in md and "ValueError: bad s" in md
     assert (tmp_path / "fab" / "report" / "f.png").stat().st_size > 1000
+    assert (tmp_path / "fab" / "report" / "f.svg").read_text().startswith("<?xml")
+    assert md.startswith("# fab: report\n\n> **Not comparable with the papers' numbers: 2 of 2 records ran no paper")
 
 
 def test_circles_report_on_fabricated_records(tmp_path):
@@ -192,11 +237,71 @@ def test_circles_report_on_fabricated_records(tmp_path):
         _fabricate(tmp_path, name, {"experiment": 2, "sigma": 10, "d": d, "n_seeds": 2}, rows)
     path = report(name, tmp_path)
     md = path.read_text()
-    assert "| d=30 | top2 | best | +3.00 | topk_transition | yes |" in md
-    assert "| d=60 | top2 | not_best | -6.00 | topk_transition | yes |" in md
-    assert "| d=75 | top2 | not_best | n/a | None | n/a |" in md        # not run: not judged
+    # two seeds without spread: any difference is beyond the noise
+    assert "| d=30 | top2 | ce best | 99.00 ± 0.00 (2) | topk_transition: 96.00 ± 0.00 (2) | +3.00 | inf (2.0) | 0.000 | holds |" in md
+    assert "| d=60 | top2 | ce not_best | 90.00 ± 0.00 (2) | topk_transition: 96.00 ± 0.00 (2) | -6.00 | inf (2.0) | 0.000 | holds |" in md
+    assert "| d=75 | top2 | ce not_best | n/a | n/a | n/a | n/a | n/a | not run |" in md        # not run: not judged
     assert "| 30 | 80.00 ± 0.00 |" in md and (path.parent / "fig3.png").is_file()
     assert not (path.parent / "fig2.png").exists()                      # no exp. 1 records, no figure
+
+
+def test_report_counts_each_seed_once_and_ties_are_no_wins(tmp_path):
+    name, base = CIRCLES_TRADEOFFS.name, {"experiment": 2, "sigma": 10, "d": 30, "m": None}
+
+    def rows(seeds, ce1, tr1):
+        return [{"loss": l, "seed": s, "top1": t1, "top2": 0.99} for s in seeds
+                for l, t1 in (("ce", ce1), ("topk_grouping", 0.5), ("topk_transition", tr1), ("bayes", 0.95))]
+    old = cell_dir(tmp_path, name, {**base, "n_seeds": 2}) / RECORD          # seeds 0, 1: CE far ahead
+    write_record(old, {**base, "n_seeds": 2}, {"final": rows((0, 1), 0.9, 0.6)}, experiment=name, seed=[0, 1])
+    os.utime(old, ns=(1, 1))                                                # older than the next one
+    _fabricate(tmp_path, name, {**base, "n_seeds": 3}, rows((0, 1, 2), 0.8, 0.8))   # seeds 0-2 again: a tie
+    md = report(name, tmp_path).read_text()
+    assert "Dropped 8 result rows (2 seeds of 1 records) that repeat the experiment, parameters and seed" in md
+    assert "| 30 | 80.00 ± 0.00 | 50.00 ± 0.00 | 80.00 ± 0.00 | 95.00 ± 0.00 |" in md   # three seeds, not five
+    # CE ties the transition loss exactly: not a win, however small the spread
+    assert "| d=30 | top1 | ce best | 80.00 ± 0.00 (3) | topk_transition: 80.00 ± 0.00 (3) | +0.00 | 0.00 (4.0) | 1.000 | within noise |" in md
+
+
+def test_figures_draw_the_papers_values_beside_ours(tmp_path):
+    exp = batch.CIFAR100_NOISE                # Berrada 2018 Tab. 1 with the standard deviations of its Tab. 9
+    points = batch.paper_points(exp.paper, exp.figures[0], "top5")
+    assert points["ce"]["Berrada 2018, Tab. 1"][0] == (0.0, pytest.approx(0.9434), pytest.approx(0.0009))
+    assert points["noised_bal"]["Garcin 2022, Tab. 4"][:2] == [(0.0, pytest.approx(0.9435), None),
+                                                               (0.1, pytest.approx(0.9203), None)]
+    rows = [{"loss": "ce", "noise_p": p, "seed": s, "top1": 0.5, "top5": 0.8 + 0.01 * s} for p in (0.0, 0.2) for s in (0, 1)]
+    path = batch.plot_figure(rows, exp.figures[0], tmp_path / "tab1.png", exp.paper)
+    width = int.from_bytes(path.read_bytes()[16:20], "big")                 # PNG header: 2 panels of 5 in at 150 dpi
+    # the legend names Berrada 2018, Tab. 1 for CE and L_{5,1} in each of the two panels
+    assert width == 1500 and path.with_suffix(".svg").read_text().count("Berrada 2018, Tab. 1 (± its std)") == 4
+
+
+def test_sawada_fig5_from_the_predictions_along_the_circle(tmp_path):
+    name, params = CIRCLES_TRADEOFFS.name, {"experiment": 2, "sigma": 10, "d": 90, "m": None, "minor_ratio": 0.5,
+                                            "n_classes": 6, "n_seeds": 2}
+    ring = "".join("20" if 100 <= a < 140 else "01" for a in range(360))      # class 2 top-1 from 100° to 140°
+    regions = {"angles_deg": [0.5, 359.5, 1.0], "top2": {"ce": [ring, ring], "bayes": [ring]}}
+    write_record(cell_dir(tmp_path, name, params) / RECORD, params,
+                 {"final": [{"loss": "ce", "seed": s, "top1": 0.5, "top2": 0.9} for s in (0, 1)], "regions": regions},
+                 experiment=name)
+    md = report(name, tmp_path).read_text()
+    assert "## Sawada Fig. 5: predictions for class 2 along the circle" in md and "![Sawada Fig. 5](fig5.png)" in md
+    assert (tmp_path / name / "report" / "fig5.svg").read_text().count("ce (2)") == 1
+
+
+def test_welch_test_matches_the_t_tables():
+    assert abs(batch.t_two_sided(2.228, 10) - 0.05) < 2e-5 and abs(batch.t_two_sided(12.706, 1) - 0.05) < 2e-5
+    test = batch.welch_test({"mean": 0.7, "std": 0.1, "n": 3}, {"mean": 0.5, "std": 0.0, "n": 3})
+    assert (round(test["t"], 4), round(test["df"], 6), round(test["p"], 4)) == (3.4641, 2.0, 0.0742)
+    assert batch.verdict({"mean": 0.5, "std": 0.0, "n": 1}, {"mean": 0.1, "std": 0.1, "n": 5}, "best") == ("untested", None)
+
+
+def test_records_carry_their_identity(tmp_path):
+    nb = fake_notebook(tmp_path / "fake.ipynb", WRITE)
+    exp = Experiment("fake", str(nb), "fake", presets={"p": {"x": [1, 2]}})
+    assert run_grid(exp, "p", out_dir=tmp_path / "runs", progress=False)["ok"] == 2
+    ids = sorted((r["identity"]["preset"], r["identity"]["cell"]["x"], r["identity"]["seed"])
+                 for r in load_records(tmp_path / "runs"))
+    assert ids == [("p", 1, 0), ("p", 2, 0)]
 
 
 def test_cli_list(capsys):

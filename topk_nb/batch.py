@@ -33,13 +33,15 @@ from tqdm import tqdm
 # %% auto #0
 __all__ = ['CIRCLES_TRADEOFFS', 'CIFAR100_NOISE', 'TEMPERATURE', 'NOISE_SCALE', 'IMAGENET_SUBSETS', 'PLANTNET_IMBALANCED',
            'IMAGENET_LT', 'CIFAR100_TRANSITION', 'STABILITY', 'LEVEL_SETS', 'SPEED', 'EXPERIMENTS', 'RECORD',
-           'EXECUTED', 'LOCK', 'JOB_BUSY', 'PaperValue', 'Finding', 'Figure', 'Experiment', 'package_dir',
-           'experiments_dir', 'get_experiment', 'parse_value', 'parse_grid', 'expand_grid', 'cell_id', 'cell_slug',
-           'cell_dir', 'git_commit', 'environment', 'atomic_write_json', 'write_record', 'RecordError',
-           'inspect_record', 'read_record', 'load_records', 'training_metrics', 'with_parameters_tag', 'CellBusy',
-           'claim_cell', 'record_stamp', 'notebook_final', 'cell_done', 'run_cell', 'die_with_parent', 'short_error',
-           'pending_cells', 'grid_summary', 'notebook_parameters', 'plan_grid', 'run_grid', 'record_rows', 'summarise',
-           'aggregate', 'fmt', 'check_finding', 'plot_figure', 'report', 'main']
+           'EXECUTED', 'LOCK', 'JOB_BUSY', 'NOT_IDENTITY', 'LEVEL', 'VERDICT_MARKS', 'PaperValue', 'Finding', 'Figure',
+           'Experiment', 'package_dir', 'experiments_dir', 'get_experiment', 'parse_value', 'parse_grid', 'expand_grid',
+           'cell_id', 'cell_slug', 'cell_dir', 'git_commit', 'environment', 'atomic_write_json', 'write_record',
+           'RecordError', 'inspect_record', 'read_record', 'load_records', 'training_metrics', 'with_parameters_tag',
+           'CellBusy', 'claim_cell', 'record_stamp', 'notebook_final', 'cell_done', 'run_cell', 'die_with_parent',
+           'short_error', 'pending_cells', 'grid_summary', 'notebook_parameters', 'plan_grid', 'run_grid',
+           'record_rows', 'summarise', 'aggregate', 'fmt', 'record_settings', 'unique_rows', 'beta_inc', 't_two_sided',
+           'welch_test', 'verdict', 'check_finding', 'paper_points', 'plot_figure', 'paper_cells', 'comparability',
+           'verdict_counts', 'sawada_fig5', 'report', 'main']
 
 # %% ../nbs/13_batch.ipynb #ebb2c7ba
 @dataclass(frozen=True)
@@ -50,6 +52,7 @@ class PaperValue:
     where: dict
     metric: str
     value: float
+    std: float | None = None      # the paper's standard deviation over its runs, where it gives one
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,7 @@ class Figure:
     x: str
     series: str = "loss"
     metrics: tuple = ("top1", "top2")
+    note: str = ""                # a sentence for the caption (how the paper draws it, what it gives)
 
 
 @dataclass
@@ -92,6 +96,8 @@ class Experiment:
     findings: tuple = ()
     seeds_param: str | None = None       # set: seeds are vectorised inside one run
     data_presets: tuple = ()             # presets that need real data: `--data-root` (the parameter `data_root`)
+    requires: dict = field(default_factory=dict)   # {preset: {parameter: why the paper needs it}}: refused without it
+    drawings: tuple = ()                 # names of functions `f(records, report_dir) -> report lines` of this module
 
     def notebook_path(self) -> Path:
         return experiments_dir() / self.notebook
@@ -118,16 +124,23 @@ _SAWADA = {
     "exp3": {**_SAWADA_COMMON, "experiment": 3, "sigma": 10, "d": 90, "m": [2, 4, 8, 16, 32]},
 }
 
+# Sawada IV-A: "The error-bar shows maximum and minimum accuracies in the trials"; the text gives no numbers.
+_SAWADA_NOTE = ("Sawada gives this figure as a plot without numbers (its bars are the min-max over ten trials), so "
+                "no paper value can be drawn.")
+
 CIRCLES_TRADEOFFS = Experiment(
     name="circles_tradeoffs",
     notebook="circles_tradeoffs.ipynb",
-    description="Sawada exp. 1-3 (Fig. 2-4): CE vs top-2 grouping vs top-2 transition on the circles",
+    description="Sawada exp. 1-3 (Fig. 2-5): CE vs top-2 grouping vs top-2 transition on the circles",
     presets={"smoke": {"experiment": 1, "sigma": [15, 25], "epochs": 50}, **_SAWADA,
              "paper": [_SAWADA["exp1"], _SAWADA["exp2"], _SAWADA["exp3"]]},
     group_by=("experiment", "sigma", "d", "m", "loss"),
-    figures=(Figure("fig2", "Sawada Fig. 2 (exp. 1): accuracy vs sigma", {"experiment": 1}, "sigma"),
-             Figure("fig3", "Sawada Fig. 3 (exp. 2): accuracy vs d (sigma = 10)", {"experiment": 2}, "d"),
-             Figure("fig4", "Sawada Fig. 4 (exp. 3): accuracy vs m (d = 90)", {"experiment": 3}, "m")),
+    figures=(Figure("fig2", "Sawada Fig. 2 (exp. 1): accuracy vs sigma", {"experiment": 1}, "sigma",
+                    note=_SAWADA_NOTE),
+             Figure("fig3", "Sawada Fig. 3 (exp. 2): accuracy vs d (sigma = 10)", {"experiment": 2}, "d",
+                    note=_SAWADA_NOTE),
+             Figure("fig4", "Sawada Fig. 4 (exp. 3): accuracy vs m (d = 90)", {"experiment": 3}, "m",
+                    note=_SAWADA_NOTE)),
     findings=(
         Finding("Sawada IV-A, Fig. 2b", "exp. 1: CE obtained almost the best top-1 accuracy of all losses",
                 {"experiment": 1}, "sigma", (10, 15, 20, 25, 30), "top1", "best", tol=0.01),
@@ -147,6 +160,7 @@ CIRCLES_TRADEOFFS = Experiment(
                 {"experiment": 3}, "m", (8, 16, 32), "top2", "best", tol=0.005),
     ),
     seeds_param="n_seeds",
+    drawings=("sawada_fig5",),
 )
 
 # %% ../nbs/13_batch.ipynb #ae0f3ecb
@@ -176,6 +190,9 @@ _CN_NOISE = {
 _CN_B1 = {  # Berrada 2018, Tab. 1 (%): noise -> (CE top-1, L51 top-1, CE top-5, L51 top-5)
     0.0: (76.68, 69.33, 94.34, 94.29), 0.2: (68.20, 71.30, 87.89, 90.59), 0.4: (61.18, 70.02, 83.04, 87.39),
     0.6: (52.50, 67.97, 79.59, 83.86), 0.8: (35.53, 55.85, 74.80, 79.32), 1.0: (14.06, 15.28, 67.70, 72.93)}
+_CN_B9 = {  # Berrada 2018, App. D.3, Tab. 9: the standard deviations of Tab. 1 (same order)
+    0.0: (0.38, 0.27, 0.09, 0.10), 0.2: (0.50, 0.79, 0.08, 0.08), 0.4: (0.97, 0.40, 0.38, 0.23),
+    0.6: (0.27, 0.51, 0.36, 0.39), 0.8: (0.79, 0.80, 0.15, 0.25), 1.0: (0.13, 0.39, 0.16, 0.25)}
 _CN_G4 = {  # Garcin 2022, Tab. 4 (top-5, %): noise -> (CE, smoothed hinge L_{5,1}, noised bal. 5, 0.2, 10)
     0.0: (94.24, 94.34, 94.35), 0.1: (90.39, 92.08, 92.03), 0.2: (87.67, 90.22, 90.68), 0.3: (85.93, 88.82, 89.58),
     0.4: (83.74, 87.40, 87.48)}
@@ -196,10 +213,11 @@ CIFAR100_NOISE = Experiment(
     figures=(Figure("tab1", "Berrada 2018 Tab. 1 / Garcin 2022 Tab. 4: test accuracy vs label noise p", {}, "noise_p",
                     metrics=("top1", "top5")),),
     paper=tuple(
-        [PaperValue("Berrada 2018, Tab. 1", f"p = {p}, {_CN_LABEL[loss]}", {"loss": loss, "noise_p": p}, metric, v / 100)
+        [PaperValue("Berrada 2018, Tab. 1", f"p = {p}, {_CN_LABEL[loss]}", {"loss": loss, "noise_p": p}, metric, v / 100,
+                    sd / 100)
          for p, vals in _CN_B1.items()
-         for loss, metric, v in (("ce", "top1", vals[0]), ("smooth_svm", "top1", vals[1]),
-                                 ("ce", "top5", vals[2]), ("smooth_svm", "top5", vals[3]))]
+         for (loss, metric), v, sd in zip((("ce", "top1"), ("smooth_svm", "top1"), ("ce", "top5"), ("smooth_svm", "top5")),
+                                          vals, _CN_B9[p])]
         + [PaperValue("Garcin 2022, Tab. 4", f"p = {p}, {_CN_LABEL[loss]}", {"loss": loss, "noise_p": p}, "top5", v / 100)
            for p, vals in _CN_G4.items() for loss, v in zip(("ce", "smooth_svm", "noised_bal"), vals)]
         + [PaperValue("Garcin 2022, App., Tab. 6", f"p = {p}, {_CN_LABEL[loss]}", {"loss": loss, "noise_p": p}, "top1",
@@ -410,7 +428,9 @@ IMAGENET_SUBSETS = Experiment(
 _PN_KS = [1, 3, 5, 10]   # Garcin 2022, §4.5: "for K in {1, 3, 5, 10}"
 # Garcin 2022, §4.5: "We train a ResNet-50 (He et al., 2016) pre-trained on ImageNet ... for 30 epochs ... learning
 # rate of 2·10^-3 ... batch size and weight decay are set to 32 and 1.10^-4" (topk_nb.train.PRESETS["garcin_plantnet"];
-# epochs/batch_size/lr None = the preset's). The ImageNet weights are a local file: add --grid weights=PATH.
+# epochs/batch_size/lr None = the preset's). The ImageNet weights are a local file: the paper preset refuses to run
+# without --grid weights=PATH (`requires`). Seeds: the final version does not say; the draft's Tab. 5 is "three seeds,
+# 95% confidence interval" (Garcin 2022 draft, §4.5.1).
 _PN_PAPER = dict(model="resnet50", image_size=224, resize=256, epochs=None, batch_size=None, lr=None,
               fake_train_counts=None,
               tau=0.1,            # "The smoothing parameter tau for [the smoothed hinge] is set to 0.1."
@@ -418,7 +438,8 @@ _PN_PAPER = dict(model="resnet50", image_size=224, resize=256, epochs=None, batc
               imbal_epsilon=0.01, imbal_samples=5,   # "For [noised imbal.], we set epsilon = 10^-2 and B = 5."
               ldam_scale=40.0, imbal_scale=60.0,     # "leading to 40 for LDAM and 60 for [noised imbal.]"
               # not given for Pl@ntNet-300K (ours): Tab. 4's epsilon = 0.2, B = 10; margin 1; focal gamma = 2
-              bal_epsilon=0.2, bal_samples=10, svm_alpha=1.0, focal_gamma=2.0)
+              bal_epsilon=0.2, bal_samples=10, svm_alpha=1.0, focal_gamma=2.0,
+              seed=[0, 1, 2])
 _PN_LOSSES = ["ce", "smooth_svm", "noised_bal", "focal", "ldam", "noised_imbal"]   # the columns of Tab. 5
 _PN_TAB5 = {  # Garcin 2022, Tab. 5: macro-average top-K test accuracy (%); None: "NA"
     1: [35.91, None, 35.44, 37.87, 40.54, 42.36], 3: [58.91, 50.41, 59.06, 59.96, 63.50, 64.77],
@@ -462,6 +483,8 @@ PLANTNET_IMBALANCED = Experiment(
                 reference="noised_bal", exclude=("focal", "ldam", "noised_imbal")),
     ),
     data_presets=("paper",),
+    requires={"paper": {"weights": "Garcin 2022, §4.5 fine-tunes \"a ResNet-50 (He et al., 2016) pre-trained on "
+                                   "ImageNet\": give the local file of its ImageNet weights"}},
 )
 
 # %% ../nbs/13_batch.ipynb #f12c26f9
@@ -485,8 +508,8 @@ IMAGENET_LT = Experiment(
                 "few-shot classes (the table's numbers are lost in our copy of the draft)",
     presets={
         "smoke": {"loss": ["ce", "noised_imbal"], "K": [1, 3], "epochs": 1, "many_shot": 8, "few_shot": 4},
-        # "The results on the test set (four seeds, 95% confidence interval) are reported in Table 6": --seeds 4
-        "paper": {**_LT_PAPER, "loss": _LT_LOSSES, "K": _LT_KS},
+        # "The results on the test set (four seeds, 95% confidence interval) are reported in Table 6": seeds 0-3
+        "paper": {**_LT_PAPER, "loss": _LT_LOSSES, "K": _LT_KS, "seed": [0, 1, 2, 3]},
     },
     group_by=("loss", "K"),
     figures=(Figure("tab6", "Garcin draft Tab. 6: top-K test accuracy vs K, overall and by shot group", {}, "K",
@@ -508,7 +531,8 @@ IMAGENET_LT = Experiment(
 _TR_PAPER = dict(epochs=None, batch_size=None, lr=None, val_size=5000, cutout_size=8, k=5, max_k=40,
               mixup_alpha=1.0,            # not given: Zhang et al. 2018's CIFAR value (ours)
               svm_tau=1.0, svm_alpha=1.0,  # not given: Berrada 2018's CIFAR-100 values (ours)
-              fake_n_train=None, fake_n_test=None)
+              fake_n_train=None, fake_n_test=None,
+              seed=list(range(10)))       # "All reported accuracies are averaged over 10 different trials" (Tab. I)
 _TR_MODELS = {"ResNet18": "cifar_resnet18", "DenseNet121": "cifar_densenet121"}   # "a ResNet18 model and DenseNet121 model"
 _TR_LOSSES = {"Cross entropy": "ce", "Smooth top-5 SVM": "smooth_svm", "Top-5 grouping": "topk_grouping",
            "Top-5 transition": "topk_transition"}
@@ -518,14 +542,19 @@ _TR_TAB1 = {  # Sawada, Tab. I: test accuracy (%), mean over 10 trials: (ResNet1
     "Smooth top-5 SVM": (67.31, 93.76, None, None, 73.55, 94.50, None, None),
     "Top-5 grouping": (59.99, 92.64, 57.66, 92.52, 58.69, 93.77, 56.68, 93.58),
     "Top-5 transition": (69.06, 93.62, 74.26, 94.07, 71.92, 94.38, 76.28, 95.18)}
+_TR_TAB1_STD = {  # Sawada, Tab. I: "values in braces are standard deviations" (same order)
+    "Cross entropy": (0.23, 0.16, 0.23, 0.13, 0.36, 0.15, 0.25, 0.15),
+    "Smooth top-5 SVM": (0.31, 0.12, None, None, 0.36, 0.19, None, None),
+    "Top-5 grouping": (0.47, 0.13, 0.52, 0.21, 0.19, 0.19, 0.94, 0.20),
+    "Top-5 transition": (0.30, 0.18, 0.23, 0.14, 0.26, 0.24, 0.28, 0.06)}
 _TR_COLUMNS = [(net, aug, m) for net in _TR_MODELS for aug in ("cutout", "mixup") for m in ("top1", "top5")]
 
 
-def _TR_pv(label, net, aug, metric, value):
+def _TR_pv(label, net, aug, metric, value, std):
     # "early-stopping by top-1 validation accuracy and by top-5 validation accuracy ... corresponding to the two
     # target metrics": the top-1 column comes from the runs selected on val_top1, the top-5 column from val_top5
     where = {"loss": _TR_LOSSES[label], "model": _TR_MODELS[net], "augment": aug, "select_metric": f"val_{metric}"}
-    return PaperValue("Sawada, Tab. I", f"{label}, {net} with {aug.capitalize()}", where, metric, value / 100)
+    return PaperValue("Sawada, Tab. I", f"{label}, {net} with {aug.capitalize()}", where, metric, value / 100, std / 100)
 
 
 def _TR_fig6(net, aug):
@@ -539,7 +568,7 @@ CIFAR100_TRANSITION = Experiment(
                 "CE vs smooth top-5 SVM vs top-5 grouping vs top-5 transition",
     presets={
         "smoke": {"loss": ["ce", "topk_transition"], "augment": ["cutout", "mixup"], "epochs": 1},
-        # "All reported accuracies are averaged over 10 different trials": --seeds 10
+        # "All reported accuracies are averaged over 10 different trials": seeds 0-9 (_TR_PAPER)
         "paper": [{**_TR_PAPER, "loss": ["ce", "topk_grouping", "topk_transition"], "model": list(_TR_MODELS.values()),
                    "augment": ["cutout", "mixup"], "select_metric": ["val_top1", "val_top5"]},
                   # "Smooth top-5 SVM loss cannot be directly applied to training on soft label like Mixup"
@@ -551,8 +580,8 @@ CIFAR100_TRANSITION = Experiment(
                     _TR_fig6("ResNet18", "mixup"), "k_eval", metrics=("acc_k",)),
              Figure("fig6_densenet_cutout", "Sawada §V-B: top-k test accuracy vs k (DenseNet121, Cutout, selected "
                     "on top-5)", _TR_fig6("DenseNet121", "cutout"), "k_eval", metrics=("acc_k",))),
-    paper=tuple(_TR_pv(label, net, aug, m, v) for label, row in _TR_TAB1.items()
-                for (net, aug, m), v in zip(_TR_COLUMNS, row) if v is not None),
+    paper=tuple(_TR_pv(label, net, aug, m, v, sd) for label, row in _TR_TAB1.items()
+                for (net, aug, m), v, sd in zip(_TR_COLUMNS, row, _TR_TAB1_STD[label]) if v is not None),
     findings=tuple(
         [Finding("Sawada §V-B, Tab. I", f"{net} with {aug.capitalize()}: CE performed the best in top-1 accuracy",
                  {"model": _TR_MODELS[net], "augment": aug, "select_metric": "val_top1"}, "select_metric", ("val_top1",),
@@ -1033,8 +1062,8 @@ def _finished_record(directory: Path, since: list | None) -> dict | None:
     return None
 
 
-def _execute(notebook, params: dict, directory: Path, experiment, timeout, log_output) -> dict:
-    "Run one attempt in a folder this process owns, publish its notebook and record; returns the record."
+def _execute(notebook, params: dict, directory: Path, experiment, timeout, log_output, identity=None) -> dict:
+    "Run one attempt in a folder this process owns, publish its notebook and record (with `identity` added); returns the record."
     import papermill as pm
     _clear_attempts(directory)
     attempt = f"{os.getpid()}-{secrets.token_hex(4)}"
@@ -1045,14 +1074,16 @@ def _execute(notebook, params: dict, directory: Path, experiment, timeout, log_o
                             parameters={**params, "record_path": str(record)},
                             kernel_name="python3", cwd=str(Path(notebook).parent), progress_bar=False,
                             log_output=log_output, execution_timeout=timeout)
-        if read_record(record) is None:
+        written = read_record(record)
+        if written is None:
             raise RuntimeError("the notebook ran but wrote no record to record_path")
+        if identity is not None: atomic_write_json(record, {**written, "identity": {**identity, "seed": written.get("seed")}})
     except BaseException as e:
         error = f"{type(e).__name__}: {e}"
         if not isinstance(e, Exception): error, interrupted = error + " (interrupted)", e
         write_record(record, params, experiment=experiment, status="failed", error=error[-4000:],
                      seed=params.get("seed"), wall_time_s=time.perf_counter() - start,
-                     traceback=traceback.format_exc()[-4000:])
+                     traceback=traceback.format_exc()[-4000:], **({"identity": identity} if identity else {}))
     _publish(directory, record, executed)
     if interrupted is not None: raise interrupted
     return read_record(directory / RECORD)
@@ -1075,6 +1106,7 @@ def run_cell(notebook,  # the experiment notebook
              wait: bool = False,  # when another process owns the cell, wait for it instead of raising CellBusy
              since: list | None = None,  # a record newer than this `record_stamp` is the result (with wait, default: now)
              log=None,  # a file for this process's output once it owns the cell (the job process's job.log)
+             identity: dict | None = None,  # what the record measured (experiment, preset, cell): added to the record
              ) -> dict:
     "Execute `notebook` for one grid cell into `directory` as its owner; returns the cell's record. A done cell is not run again."
     directory = Path(directory).resolve()         # the kernel runs in the notebook's folder
@@ -1083,7 +1115,7 @@ def run_cell(notebook,  # the experiment notebook
         done = _finished_record(directory, since)
         if done is not None: return done
         if log is not None: _log_to(Path(log))
-        return _execute(notebook, params, directory, experiment, timeout, log_output)
+        return _execute(notebook, params, directory, experiment, timeout, log_output, identity)
 
 # %% ../nbs/13_batch.ipynb #8322871a
 JOB_BUSY = 75          # exit status of a job whose cell another process owns (EX_TEMPFAIL)
@@ -1113,7 +1145,8 @@ def _job_main(spec_json: str) -> int:
     directory = Path(spec["directory"])
     try:
         rec = run_cell(spec["notebook"], spec["params"], directory, spec.get("experiment"), spec.get("timeout"),
-                       wait=spec.get("wait", False), since=spec.get("since"), log=directory / "job.log")
+                       wait=spec.get("wait", False), since=spec.get("since"), log=directory / "job.log",
+                       identity=spec.get("identity"))
     except CellBusy as e:
         print(e)
         return JOB_BUSY
@@ -1165,7 +1198,8 @@ def _signal_text(code: int) -> str:
     except ValueError: return f"was killed by signal {-code}"
 
 
-def _record_crash(experiment: Experiment, params: dict, directory: Path, code: int, output: str, since: list) -> None:
+def _record_crash(experiment: Experiment, params: dict, directory: Path, code: int, output: str, since: list,
+                  identity: dict | None = None) -> None:
     "A job process that died without a record: write a failed one, if this process can own the cell and nobody wrote a record since `since`."
     try:
         with claim_cell(directory):
@@ -1173,7 +1207,7 @@ def _record_crash(experiment: Experiment, params: dict, directory: Path, code: i
                 tail = " | ".join(line for line in output.splitlines()[-5:] if line.strip())
                 write_record(directory / RECORD, params, experiment=experiment.name, status="failed",
                              error=f"the job process {_signal_text(code)} without a record (see job.log)"
-                                   + (f"; its output: {tail}" if tail else ""))
+                                   + (f"; its output: {tail}" if tail else ""), **({"identity": identity} if identity else {}))
     except CellBusy:
         pass                                    # another runner owns it now: its outcome will be the record
 
@@ -1187,18 +1221,20 @@ _JOB_LAUNCHER = ("import signal, sys\n"
 
 
 def _launch(experiment: Experiment, params: dict, out_dir, device: str | None, timeout, wait: bool,
-            since: list) -> bool:
+            since: list, preset: str | None = None) -> bool:
     "Run one cell in a job process; False if another process owns the cell (and `wait` is False)."
     directory = cell_dir(out_dir, experiment, params)
+    identity = {"experiment": experiment.name, "preset": preset, "cell": params, "cell_id": cell_id(params)}
     spec = {"notebook": str(experiment.notebook_path()), "params": params, "directory": str(directory),
-            "experiment": experiment.name, "timeout": timeout, "wait": wait, "since": since, "parent": os.getpid()}
+            "experiment": experiment.name, "timeout": timeout, "wait": wait, "since": since, "parent": os.getpid(),
+            "identity": identity}
     env = dict(os.environ)
     if device is not None: env["CUDA_VISIBLE_DEVICES"] = device     # one GPU per job; CPU workers inherit the setting
     proc = subprocess.run([sys.executable, "-c", _JOB_LAUNCHER, "job", json.dumps(spec)], env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
     if proc.returncode == JOB_BUSY: return False
     if proc.returncode != 0:              # a failed cell has its record; a crashed job gets one here
-        _record_crash(experiment, params, directory, proc.returncode, proc.stdout, since)
+        _record_crash(experiment, params, directory, proc.returncode, proc.stdout, since, identity)
     return True
 
 # %% ../nbs/13_batch.ipynb #0349cf0a
@@ -1243,6 +1279,10 @@ def plan_grid(experiment: str | Experiment,  # a catalogue name, or the path of 
         grid = {**(grid or {}), "data_root": [str(Path(data_root).resolve())]}
     elif preset in exp.data_presets and "data_root" not in (grid or {}):
         raise ValueError(f"preset {preset!r} of {exp.name} trains on the real data set: give its folder with --data-root")
+    for key, why in exp.requires.get(preset, {}).items():
+        if all(v is None for v in (grid or {}).get(key, [None])):
+            raise ValueError(f"preset {preset!r} of {exp.name} needs the parameter {key}: {why}; "
+                             f"give it with --grid {key}=...")
     return exp, expand_grid(exp.presets.get(preset), grid, seeds, exp.seeds_param)
 
 
@@ -1276,9 +1316,9 @@ def run_grid(experiment: str | Experiment, preset: str | None = None, grid: dict
     since = {cell_id(c): record_stamp(cell_dir(out_dir, exp, c)) for c in todo}
     devices = [str(g) for g in gpus] if gpus else [None] * jobs
     with tqdm(total=len(todo), desc=exp.name, disable=not progress, unit="cell") as bar:
-        busy = _run_pool(todo, lambda c, d: _launch(exp, c, out_dir, d, timeout, False, since[cell_id(c)]),
+        busy = _run_pool(todo, lambda c, d: _launch(exp, c, out_dir, d, timeout, False, since[cell_id(c)], preset),
                          devices, bar)
-        _run_pool(busy, lambda c, d: _launch(exp, c, out_dir, d, timeout, True, since[cell_id(c)]), devices, bar)
+        _run_pool(busy, lambda c, d: _launch(exp, c, out_dir, d, timeout, True, since[cell_id(c)], preset), devices, bar)
     return grid_summary(exp, cells, out_dir, skipped=len(cells) - len(todo))
 
 # %% ../nbs/13_batch.ipynb #05734c7c
@@ -1298,7 +1338,8 @@ def summarise(values: Sequence[float]) -> dict:
     n = len(values)
     if n == 0: return {"mean": math.nan, "std": math.nan, "min": math.nan, "max": math.nan, "n": 0}
     mean = sum(values) / n
-    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else 0.0
+    same = min(values) == max(values)        # equal values: exactly no spread (the mean may be off by a rounding)
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 and not same else 0.0
     return {"mean": mean, "std": std, "min": min(values), "max": max(values), "n": n}
 
 
@@ -1319,24 +1360,45 @@ def fmt(s: dict, scale: float = 100.0) -> str:
     "`mean ± std` in percent (`n/a` when empty)."
     return "n/a" if not s["n"] else f"{scale * s['mean']:.2f} ± {scale * s['std']:.2f}"
 
+# %% ../nbs/13_batch.ipynb #2b7f68f8
+NOT_IDENTITY = ("record_path", "seed", "device", "num_workers", "progress", "log_every")   # how a cell ran, not what
+
+
+def record_settings(record: dict,  # a record (`load_records`)
+                    seeds_param: str | None = None,  # the experiment's parameter holding the number of seeds
+                    ) -> str:
+    "Canonical JSON of what a record measured: its grid cell's and its notebook's parameters, less the seeds and `NOT_IDENTITY`."
+    params = {**((record.get("identity") or {}).get("cell") or {}), **(record.get("params") or {})}
+    drop = set(NOT_IDENTITY) | {seeds_param}
+    return json.dumps({k: v for k, v in params.items() if k not in drop}, sort_keys=True, default=str)
+
+
+def _newness(record: dict) -> tuple:
+    "Sort key of a record's age: its `finished` time, then its file's modification time."
+    try: mtime = os.stat(record["path"]).st_mtime_ns
+    except (KeyError, OSError): mtime = 0
+    return (record.get("finished") or "", mtime)
+
+
+def unique_rows(records: list[dict],  # records of one experiment
+                seeds_param: str | None = None,  # the experiment's parameter holding the number of seeds
+                ) -> tuple[list[dict], dict]:
+    "The result rows of `records` with each identity (experiment, settings, seed) taken from its newest record; and counts of what was dropped."
+    tagged, owner = [], {}
+    for i, rec in enumerate(records):
+        name = rec.get("experiment") or (rec.get("identity") or {}).get("experiment")
+        base = (name, record_settings(rec, seeds_param))
+        fallback = None if isinstance(rec.get("seed"), list) else rec.get("seed")
+        for row in record_rows([rec]):
+            unit = base + (json.dumps(row.get("seed", fallback), default=str),)
+            tagged.append((unit, i, row))
+            if unit not in owner or _newness(rec) > _newness(records[owner[unit]]): owner[unit] = i
+    dropped = [(unit, i) for unit, i, _ in tagged if owner[unit] != i]
+    return ([row for unit, i, row in tagged if owner[unit] == i],
+            {"rows": len(dropped), "seeds": len(set(dropped)), "records": len({i for _, i in dropped})})
+
+
 # %% ../nbs/13_batch.ipynb #f02c0659
-def check_finding(rows: list[dict], f: Finding) -> list[dict]:
-    "At each `x` of the finding: the reference's mean minus the best competitor's mean, and whether the claim holds."
-    agg = aggregate(rows, [f.x, f.series], f.metric, f.where)
-    out = []
-    for x in f.xs:
-        ref = agg.get((x, f.reference))
-        others = {s: v for (xx, s), v in agg.items() if xx == x and s != f.reference and s not in f.exclude and v["n"]}
-        if ref is None or not ref["n"] or not others:
-            out.append({"x": x, "diff": None, "best_other": None, "holds": None})
-            continue
-        best = max(others, key=lambda s: others[s]["mean"])
-        diff = ref["mean"] - others[best]["mean"]
-        holds = diff >= -f.tol if f.relation == "best" else diff < 0
-        out.append({"x": x, "diff": diff, "best_other": best, "holds": holds})
-    return out
-
-
 def _table(header: list[str], body: list[list]) -> list[str]:
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + \
            ["| " + " | ".join(str(c) for c in row) + " |" for row in body]
@@ -1346,82 +1408,312 @@ def _order(values):
     return sorted(values, key=lambda v: (v is None, v if isinstance(v, (int, float)) else str(v)))
 
 
-def plot_figure(rows: list[dict], fig: Figure, path) -> Path | None:
-    "Draw `fig` (mean with min-max bars over seeds, one panel per metric) to the PNG `path`; None without data."
+# %% ../nbs/13_batch.ipynb #874589bd
+def _beta_fraction(a: float, b: float, x: float) -> float:
+    "The continued fraction of the incomplete beta function (modified Lentz), converging for x < (a + 1) / (a + b + 2)."
+    tiny, c, d = 1e-300, 1.0, 1.0 - (a + b) * x / (a + 1)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 500):
+        for num in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+                    -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
+            d = 1.0 + num * d; d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + num / c; c = c if abs(c) > tiny else tiny
+            h *= d * c
+        if abs(d * c - 1.0) < 1e-15: break
+    return h
+
+
+def beta_inc(a: float,  # > 0
+             b: float,  # > 0
+             x: float,  # in [0, 1]
+             ) -> float:
+    "The regularised incomplete beta function I_x(a, b) (standard library only)."
+    if x <= 0: return 0.0
+    if x >= 1: return 1.0
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
+    if x < (a + 1) / (a + b + 2): return front * _beta_fraction(a, b, x) / a
+    return 1.0 - front * _beta_fraction(b, a, 1.0 - x) / b
+
+
+def t_two_sided(t: float,  # a t statistic
+                df: float,  # degrees of freedom (> 0, need not be an integer)
+                ) -> float:
+    "P(|T| >= |t|) for Student's t distribution with `df` degrees of freedom."
+    if math.isinf(t): return 0.0
+    return beta_inc(df / 2, 0.5, df / (df + t * t))
+
+
+# %% ../nbs/13_batch.ipynb #68fa7078
+LEVEL = 0.05          # the significance level of the findings' tests (two-sided)
+
+
+def welch_test(a: dict,  # `summarise` of the first sample: mean, std, n
+               b: dict,  # `summarise` of the second sample
+               shift: float = 0.0,  # tests mean(a) - mean(b) + shift = 0
+               ) -> dict | None:
+    "Welch's t-test from two summaries: t, its degrees of freedom and the two-sided p-value; None when a sample has fewer than two values."
+    if a["n"] < 2 or b["n"] < 2: return None
+    va, vb = a["std"] ** 2 / a["n"], b["std"] ** 2 / b["n"]
+    diff = a["mean"] - b["mean"] + shift
+    if va + vb == 0:                                     # no spread at all: any difference is exact
+        return {"t": 0.0 if diff == 0 else math.copysign(math.inf, diff), "df": a["n"] + b["n"] - 2.0,
+                "p": 1.0 if diff == 0 else 0.0}
+    t = diff / math.sqrt(va + vb)
+    df = (va + vb) ** 2 / (va ** 2 / (a["n"] - 1) + vb ** 2 / (b["n"] - 1))
+    return {"t": t, "df": df, "p": t_two_sided(t, df)}
+
+
+def verdict(ref: dict,  # `summarise` of the reference series
+            other: dict,  # `summarise` of the competitor it is compared with
+            relation: str,  # "best": the claim is ref >= other - tol; "not_best": the claim is other > ref
+            tol: float = 0.0,  # "almost the best": how far below the competitor the reference may be
+            level: float = LEVEL,  # significance level
+            ) -> tuple[str, dict | None]:
+    "Whether the claim `relation` holds, is contradicted, or the difference is within the seeds' noise (Welch's t-test at `level`); 'untested' with one seed."
+    if relation not in ("best", "not_best"):
+        raise ValueError(f"relation must be 'best' or 'not_best', got {relation!r}")
+    test = welch_test(ref, other, tol) if relation == "best" else welch_test(other, ref)
+    if test is None: return "untested", None
+    if test["p"] >= level: return "within noise", test
+    return ("holds" if test["t"] > 0 else "contradicted"), test
+
+
+# %% ../nbs/13_batch.ipynb #c7ed7091
+def check_finding(rows: list[dict],  # tidy result rows (`unique_rows`)
+                  f: Finding,  # the claim
+                  level: float = LEVEL,  # significance level of the tests
+                  ) -> list[dict]:
+    "At each `x` of the finding: the reference and the best other series (by mean, over seeds), their difference, Welch's test and the verdict."
+    agg = aggregate(rows, [f.x, f.series], f.metric, f.where)
+    out = []
+    for x in f.xs:
+        ref = agg.get((x, f.reference))
+        others = {s: v for (xx, s), v in agg.items() if xx == x and s != f.reference and s not in f.exclude and v["n"]}
+        if ref is None or not ref["n"] or not others:
+            out.append({"x": x, "ref": ref, "other": None, "best_other": None, "diff": None, "test": None,
+                        "verdict": "not run"})
+            continue
+        best = max(others, key=lambda s: others[s]["mean"])
+        v, test = verdict(ref, others[best], f.relation, f.tol, level)
+        out.append({"x": x, "ref": ref, "other": others[best], "best_other": best,
+                    "diff": ref["mean"] - others[best]["mean"], "test": test, "verdict": v})
+    return out
+
+
+# %% ../nbs/13_batch.ipynb #37587ef4
+VERDICT_MARKS = {"holds": ("✓ holds", "tab:green"), "within noise": ("≈ noise", "0.35"),
+                 "contradicted": ("✗ contradicted", "tab:red"), "untested": ("? 1 seed", "0.35"), "not run": ("not run", "0.6")}
+
+
+def _compatible(where: dict, fig_where: dict) -> bool:
+    "Whether parameters `where` can be drawn in a figure restricted to `fig_where` (no shared key differs)."
+    return all(where.get(k, v) == v for k, v in fig_where.items())
+
+
+def paper_points(paper: Sequence[PaperValue],  # the catalogue's paper values
+                 fig: Figure,  # the figure
+                 metric: str,  # one panel's metric
+                 ) -> dict:
+    "`{series: {source: [(x, value, std or None), ...]}}`: the paper values one panel of `fig` can show (those that name its x and series)."
+    out: dict = {}
+    for pv in paper:
+        if pv.metric == metric and fig.x in pv.where and fig.series in pv.where and _compatible(pv.where, fig.where):
+            out.setdefault(pv.where[fig.series], {}).setdefault(pv.source, []).append((pv.where[fig.x], pv.value, pv.std))
+    return out
+
+
+def _x_axis(ax, xs: list) -> None:
+    "A log (or symlog, with 0) x axis when the values span more than a factor 16, ticks at the values when they are few."
+    nums = [x for x in xs if isinstance(x, (int, float)) and not isinstance(x, bool)]
+    pos = [x for x in nums if x > 0]
+    if len(nums) == len(xs) and pos and max(pos) / min(pos) >= 16:
+        if min(nums) > 0: ax.set_xscale("log")
+        else: ax.set_xscale("symlog", linthresh=min(pos))
+    if nums and len(set(nums)) <= 8:
+        ax.set_xticks(sorted(set(nums)), [f"{x:g}" for x in sorted(set(nums))])
+        ax.minorticks_off()
+
+
+# %% ../nbs/13_batch.ipynb #ec149aa2
+def _draw_panel(ax, agg: dict, points: dict, claims: list, colours: dict) -> str:
+    "Our series (mean ± std bars, offset a little each), the paper's values (hollow markers), else the paper's claims with our verdicts (above the panel); returns the legend title."
+    from matplotlib.transforms import ScaledTranslation
+    series = [s for s in colours if any(ss == s for _, ss in agg)]
+    ys = []
+    for j, s in enumerate(series):
+        xs = _order({x for x, ss in agg if ss == s})
+        mean, std = [100 * agg[(x, s)]["mean"] for x in xs], [100 * agg[(x, s)]["std"] for x in xs]
+        ys += [m - d for m, d in zip(mean, std)] + [m + d for m, d in zip(mean, std)]
+        ax.plot(xs + xs, ys[-2 * len(xs):], ls="none", alpha=0)      # the data limits: the offsets below are in points
+        shift = ax.transData + ScaledTranslation((j - (len(series) - 1) / 2) * 2.5 / 72, 0, ax.figure.dpi_scale_trans)
+        if s == "bayes":
+            ax.plot(xs, mean, ls="--", marker="_", ms=12, color="k", lw=1, label="Bayes classifier (ours)")
+        else:
+            ax.errorbar(xs, mean, yerr=std, color=colours[s], marker="o", ms=4, capsize=3, lw=1.2, transform=shift,
+                        label=f"{s} (ours)")
+    shapes = dict(zip(dict.fromkeys(src for sources in points.values() for src in sources), "sD^vP<>"))
+    for s, sources in points.items():
+        for source, pts in sources.items():
+            pts = sorted(pts, key=lambda p: _order([x for x, _, _ in pts]).index(p[0]))
+            err = [100 * (sd or 0.0) for _, _, sd in pts]
+            ys += [100 * v - e for (_, v, _), e in zip(pts, err)] + [100 * v + e for (_, v, _), e in zip(pts, err)]
+            ax.errorbar([x for x, _, _ in pts], [100 * v for _, v, _ in pts], yerr=err if any(err) else None, ls=":",
+                        marker=shapes[source], ms=6, mfc="none", mew=1.3, capsize=2, color=colours.get(s, "k"),
+                        label=f"{s}: {source}" + (" (± its std)" if any(err) else ""))
+    shown, marks = {x for x, _ in agg}, {}
+    for f, res in ([] if points else claims):           # where the paper gives numbers, they stand for its claims
+        for r in (r for r in res if r["x"] in shown):    # a claim about a setting we did not run: no mark
+            text, colour = VERDICT_MARKS[r["verdict"]]
+            marks.setdefault(r["x"], []).append((f"{f.reference} {'best' if f.relation == 'best' else 'not best'}\n{text}", colour))
+    for x, texts in marks.items():
+        ax.text(x, 1.01, "\n".join(t for t, _ in texts), color=texts[0][1] if len(texts) == 1 else "0.2", fontsize=6,
+                ha="center", va="bottom", transform=ax.get_xaxis_transform())
+    lo, hi = max(0.0, min(ys)), min(100.0, max(ys))       # accuracies and shares: bars beyond 0 or 100 % are cut
+    pad = 0.06 * (hi - lo) or 1.0
+    ax.set_ylim(lo - pad, hi + pad)
+    ax.margins(x=0.08)
+    ns = [agg[k]["n"] for k in agg]
+    n = f"{min(ns)}" if min(ns) == max(ns) else f"{min(ns)}–{max(ns)}"
+    return f"ours: mean ± 1 std over seeds (n = {n})" + ("; paper: hollow markers" if points else "")
+
+
+# %% ../nbs/13_batch.ipynb #ed15cc35
+def plot_figure(rows: list[dict],  # tidy result rows (`unique_rows`)
+                fig: Figure,  # the figure of the catalogue
+                path,  # the PNG to write; an SVG copy goes beside it
+                paper: Sequence[PaperValue] = (),  # the paper's numbers: those naming the figure's x and series are drawn
+                claims: Sequence = (),  # (Finding, check_finding results) pairs: drawn where they concern a panel
+                banner: str | None = None,  # a warning written under the title (numbers not comparable with the paper's)
+                ) -> Path | None:
+    "Draw `fig`, one panel per metric: our mean ± std over seeds, the paper's values and claims beside them; a 150 dpi PNG and an SVG. None without data."
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     aggs = {m: aggregate(rows, [fig.x, fig.series], m, fig.where) for m in fig.metrics}
     if not any(aggs.values()): return None
-    panels, ax_list = plt.subplots(1, len(fig.metrics), figsize=(4.2 * len(fig.metrics), 3.3), squeeze=False)
-    for ax, m in zip(ax_list[0], fig.metrics):
-        agg = aggs[m]
-        for j, series in enumerate(dict.fromkeys(s for _, s in agg)):    # first-seen order: as the notebook lists them
-            xs = _order({x for x, s in agg if s == series})
-            st = [agg[(x, series)] for x in xs]
-            mean = [100 * s["mean"] for s in st]
-            err = [[max(0.0, 100 * (s["mean"] - s["min"])) for s in st], [max(0.0, 100 * (s["max"] - s["mean"])) for s in st]]
-            style = dict(ls="--", color="k", marker="") if series == "bayes" else dict(marker="o", capsize=3)
-            shift = 0 if series == "bayes" else (j - 1) * 0.006 * (max(xs) - min(xs) if len(xs) > 1 else 0)
-            ax.errorbar([x + shift for x in xs], mean, yerr=None if series == "bayes" else err, label=str(series), **style)
-        ax.set_xlabel(fig.x); ax.set_ylabel(f"{m} accuracy (%)"); ax.grid(alpha=0.3)
-    ax_list[0][0].legend(fontsize=8)
-    panels.suptitle(fig.title, fontsize=10)
-    panels.tight_layout()
+    points = {m: paper_points(paper, fig, m) for m in fig.metrics}
+    names = [s for m in fig.metrics for _, s in aggs[m]] + [s for m in fig.metrics for s in points[m]]
+    colours = {s: f"C{i}" for i, s in enumerate(s for s in dict.fromkeys(names) if s != "bayes")}
+    colours.update({"bayes": "k"} if "bayes" in names else {})
+    panels, axes = plt.subplots(1, len(fig.metrics), figsize=(5.0 * len(fig.metrics), 4.6), squeeze=False,
+                                layout="constrained")
+    for ax, m in zip(axes[0], fig.metrics):
+        mine = [(f, r) for f, r in claims if f.metric == m and f.x == fig.x and f.series == fig.series
+                and _compatible(f.where, fig.where)]
+        title = _draw_panel(ax, aggs[m], points[m], mine, colours)
+        _x_axis(ax, _order({x for x, _ in aggs[m]} | {x for src in points[m].values() for p in src.values() for x, _, _ in p}))
+        ax.set_xlabel(fig.x); ax.set_ylabel(f"{m} (%)"); ax.grid(alpha=0.3)
+        ax.legend(fontsize=6.5, title=title, title_fontsize=6.5, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
+    panels.suptitle(fig.title + (f"\n{banner}" if banner else ""), fontsize=10, color="k" if not banner else "tab:red")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    panels.savefig(path, dpi=80)
+    panels.savefig(path, dpi=150)
+    panels.savefig(path.with_suffix(".svg"))
     plt.close(panels)
     return path
 
 
-def report(experiment: str | Experiment, out_dir="runs", report_dir=None, figures: bool = True) -> Path:
-    "Write the markdown report (and PNG figures) of an experiment's records under `out_dir`; returns its path, or raises RecordError naming the unreadable records after writing it."
-    exp = experiment if isinstance(experiment, Experiment) else get_experiment(experiment)
-    if not Path(out_dir).is_dir():
-        raise FileNotFoundError(f"out_dir {str(out_dir)!r} is not a directory: give the --out folder of the runs")
-    unreadable = []
-    records = load_records(out_dir, exp.name, status=None, unreadable=unreadable)
-    if not records and not unreadable:
-        raise ValueError(f"no records of {exp.name} under {Path(out_dir) / exp.name}: run the experiment first, "
-                         "or give the --out folder of its runs")
-    ok = [r for r in records if r.get("status") == "ok"]
-    failed = [r for r in records if r.get("status") != "ok"]
-    rows = record_rows(ok)
-    report_dir = Path(report_dir) if report_dir else Path(out_dir) / exp.name / "report"
-    report_dir.mkdir(parents=True, exist_ok=True)
-    lines = [f"# {exp.name}: report", "", exp.description, "",
-             f"{len(ok)} successful records, {len(failed)} failed, {len(unreadable)} unreadable, {len(rows)} result rows. "
-             "Accuracies in %, mean ± std over seeds (sample std); differences in percentage points.", ""]
-    if exp.paper:
-        lines += ["## The paper's numbers and ours", ""]
-        body = []
-        for pv in exp.paper:
-            s = aggregate(rows, [], pv.metric, pv.where).get((), summarise([]))
-            diff = "n/a" if not s["n"] else f"{100 * (s['mean'] - pv.value):+.2f}"
-            body.append([pv.source, pv.row, pv.metric, f"{100 * pv.value:.2f}", fmt(s), s["n"], diff])
-        lines += _table(["source", "row", "metric", "paper", "ours", "n", "ours − paper"], body) + [""]
-    if exp.findings:
-        lines += ["## The paper's findings, tested on our numbers", "",
-                  "`diff` = reference series minus the best other series (means over seeds).", ""]
-        body = []
-        for f in exp.findings:
-            for c in check_finding(rows, f):
-                holds = {True: "yes", False: "**no**", None: "n/a"}[c["holds"]]
-                diff = "n/a" if c["diff"] is None else f"{100 * c['diff']:+.2f}"
-                body.append([f.source, f.statement, f"{f.x}={c['x']}", f.metric, f.relation, diff, c["best_other"], holds])
-        lines += _table(["source", "claim", "at", "metric", f"{exp.findings[0].reference}", "diff", "best other",
-                         "holds"], body) + [""]
+# %% ../nbs/13_batch.ipynb #dbb7c422
+def paper_cells(exp: Experiment) -> list[dict]:
+    "The cells of every preset but `smoke`: the configurations whose numbers can stand beside the papers'."
+    return [c for name, p in exp.presets.items() if name != "smoke" for c in expand_grid(p)]
+
+
+def comparability(exp: Experiment,  # the catalogue entry
+                  records: list[dict],  # its successful records
+                  ) -> str | None:
+    "A warning when some records ran no paper configuration (smoke preset, notebook defaults) or fabricated data; None when all are comparable."
+    ignore = {"seed", "data_root", exp.seeds_param, *NOT_IDENTITY}
+    cells = [{k: v for k, v in c.items() if k not in ignore} for c in paper_cells(exp)]
+    def params(r): return {**((r.get("identity") or {}).get("cell") or {}), **(r.get("params") or {})}
+    other = [r for r in records if not any(all(params(r).get(k, "?") == v for k, v in c.items()) for c in cells)]
+    fake = [r for r in records if exp.data_presets and params(r).get("data_root") is None]
+    if not other and not fake: return None
+    why = []
+    if other: why.append(f"{len(other)} of {len(records)} records ran no paper configuration (the smoke preset, "
+                         "the notebook's defaults or other parameters)")
+    if fake: why.append(f"{len(fake)} of {len(records)} trained on fabricated data (no --data-root)")
+    return "Not comparable with the papers' numbers: " + "; ".join(why) + ". They show that the code runs, not what the papers found."
+
+
+# %% ../nbs/13_batch.ipynb #c75d1ba4
+def _paper_section(exp: Experiment, rows: list[dict]) -> list[str]:
+    "The table of the paper's numbers (± its standard deviation where it gives one) beside ours."
+    if not exp.paper: return []
+    body = []
+    for pv in exp.paper:
+        s = aggregate(rows, [], pv.metric, pv.where).get((), summarise([]))
+        diff = "n/a" if not s["n"] else f"{100 * (s['mean'] - pv.value):+.2f}"
+        paper = f"{100 * pv.value:.2f}" + ("" if pv.std is None else f" ± {100 * pv.std:.2f}")
+        body.append([pv.source, pv.row, pv.metric, paper, fmt(s), s["n"], diff])
+    return ["## The paper's numbers and ours", ""] + \
+        _table(["source", "row", "metric", "paper", "ours", "n", "ours − paper"], body) + [""]
+
+
+def verdict_counts(results: Sequence) -> dict:
+    "How many (finding, setting) pairs hold, are within noise, contradicted, untested (one seed) or not run."
+    counts = dict.fromkeys(VERDICT_MARKS, 0)
+    for _, res in results:
+        for r in res: counts[r["verdict"]] += 1
+    return counts
+
+
+def _findings_section(results: Sequence, level: float) -> list[str]:
+    "The table of the paper's claims, each tested at each setting on our seeds."
+    if not results: return []
+    body = []
+    for f, res in results:
+        for c in res:
+            t = c["test"]
+            body.append([f.source, f.statement, f"{f.x}={c['x']}", f.metric,
+                         f"{f.reference} {f.relation}" + (f" (tol {100 * f.tol:g})" if f.tol else ""),
+                         "n/a" if c["ref"] is None else f"{fmt(c['ref'])} ({c['ref']['n']})",
+                         "n/a" if c["other"] is None else f"{c['best_other']}: {fmt(c['other'])} ({c['other']['n']})",
+                         "n/a" if c["diff"] is None else f"{100 * c['diff']:+.2f}",
+                         "n/a" if t is None else f"{t['t']:.2f} ({t['df']:.1f})", "n/a" if t is None else f"{t['p']:.3f}",
+                         f"**{c['verdict']}**" if c["verdict"] == "contradicted" else c["verdict"]])
+    return ["## The paper's findings, tested on our numbers", "",
+            "At each setting, the claim's reference series against the best other series (by mean): `diff` is the "
+            "difference of their means over seeds (n in brackets). The test is Welch's t-test (unequal variances) "
+            "of the difference the claim asserts (reference − other + tol for *best*, other − reference for "
+            f"*not best*), two-sided at level {level:g}: **holds** when the claim's side is significant, "
+            "**contradicted** when the opposite side is, **within noise** otherwise (a tie is never a win); "
+            "*untested* with a single seed. Among many tests at this level, about one in "
+            f"{round(1 / level)} differences of pure noise is called significant.", ""] + \
+        _table(["source", "claim", "at", "metric", "claim", "reference", "best other", "diff", "Welch t (df)", "p",
+                "verdict"], body) + [""]
+
+
+# %% ../nbs/13_batch.ipynb #e8e58a79
+def _figure_sections(exp: Experiment, rows: list[dict], report_dir: Path, figures: bool, results: Sequence,
+                     warning: str | None) -> list[str]:
+    "Per figure: a table of our means ± std per series, the drawing (PNG, SVG) and its caption."
+    lines = []
     for fig in exp.figures:
         aggs = {m: aggregate(rows, [fig.x, fig.series], m, fig.where) for m in fig.metrics}
         if not any(aggs.values()): continue
         series = list(dict.fromkeys(s for agg in aggs.values() for _, s in agg))
         xs = _order({x for agg in aggs.values() for x, _ in agg})
-        lines += [f"## {fig.title}", ""]
         body = [[x] + [fmt(aggs[m].get((x, s), summarise([]))) for m in fig.metrics for s in series] for x in xs]
-        lines += _table([fig.x] + [f"{s} {m}" for m in fig.metrics for s in series], body) + [""]
-        if figures and plot_figure(rows, fig, report_dir / f"{fig.name}.png") is not None:
-            lines += [f"![{fig.title}]({fig.name}.png)", ""]
+        lines += [f"## {fig.title}", ""] + _table([fig.x] + [f"{s} {m}" for m in fig.metrics for s in series], body) + [""]
+        banner = "smoke run or fabricated data: not comparable with the paper" if warning else None
+        if figures and plot_figure(rows, fig, report_dir / f"{fig.name}.png", exp.paper, results, banner) is not None:
+            drawn = any(paper_points(exp.paper, fig, m) for m in fig.metrics)
+            lines += [f"![{fig.title}]({fig.name}.png)", "",
+                      f"Our mean ± 1 std over seeds (the tables' statistic); vector copy: [{fig.name}.svg]({fig.name}.svg). "
+                      + ("The paper's values: hollow markers, dotted. " if drawn else "")
+                      + (f"{fig.note} " if fig.note else "")
+                      + ("Above each panel: the paper's claims at each setting, with our verdict. "
+                         if not drawn and any(f.x == fig.x and f.series == fig.series and _compatible(f.where, fig.where)
+                                              for f, _ in results) else ""), ""]
+    return lines
+
+
+# %% ../nbs/13_batch.ipynb #6dbc3b0e
+def _records_section(ok: list[dict], failed: list[dict], unreadable: list) -> list[str]:
+    "The unreadable records, the failed cells and the environments of the successful ones."
+    lines = []
     if unreadable:
         lines += ["## Unreadable records", "", "Left out of everything above; `topk-nb run` runs their cells again.", ""] + \
                  _table(["record", "what is wrong"], [[str(p), what] for p, what in unreadable]) + [""]
@@ -1434,12 +1726,125 @@ def report(experiment: str | Experiment, out_dir="runs", report_dir=None, figure
         wall = sum(r.get("wall_time_s") or 0 for r in ok)
         lines += ["## Environment", "", f"Total wall time of the successful cells: {wall:.1f} s.", ""] + \
                  [f"- `{e}`" for e in envs] + [""]
+    return lines
+
+
+# %% ../nbs/13_batch.ipynb #8327c5f3
+def _circle_density(deg: float, centre: float, sigma: float) -> float:
+    "The wrapped normal density (per degree) at angle `deg` of a mode at `centre`, width `sigma` (degrees)."
+    return sum(math.exp(-0.5 * ((deg - centre + 360 * k) / sigma) ** 2) for k in (-1, 0, 1)) / (sigma * math.sqrt(2 * math.pi))
+
+
+def _draw_regions(ax, record: dict, target: int) -> None:
+    "One panel of Sawada Fig. 5: the class densities along the circle; per loss, bars where `target` is top-1 (dark) and in the top-2 (light), shaded by the share of seeds."
+    p, top2 = record["params"], record["metrics"]["regions"]["top2"]
+    n, sigma, d, ratio = p["n_classes"], p["sigma"], p["d"], p["minor_ratio"]
+    deg = [0.5 + a for a in range(360)]
+    peak = 0.0
+    for c in range(n):
+        dens = [(_circle_density(a, 360 / n * c, sigma) + (0 if d is None else ratio * _circle_density(a, 360 / n * c + d, sigma)))
+                / (1 if d is None else 1 + ratio) for a in deg]
+        peak = max(peak, *dens)
+        ax.plot(deg, dens, color="tab:red" if c == target else "0.7", lw=1.6 if c == target else 0.8, zorder=3 if c == target else 2,
+                label=f"class {target}" if c == target else ("other classes" if c == (1 if target == 0 else 0) else None))
+    for i, (loss, strings) in enumerate(reversed(list(top2.items()))):
+        first = [sum(s[2 * a] == str(target) for s in strings) / len(strings) for a in range(360)]
+        both = [sum(str(target) in s[2 * a:2 * a + 2] for s in strings) / len(strings) for a in range(360)]
+        y = peak * (1.1 + 0.2 * i)
+        for share, bottom, rgb in ((both, y, (0.55, 0.75, 1.0)), (first, y + 0.08 * peak, (0.05, 0.2, 0.6))):
+            ax.imshow([[(*rgb, v) for v in share]], extent=(0, 360, bottom, bottom + 0.08 * peak), aspect="auto",
+                      interpolation="nearest")
+        ax.text(-4, y + 0.08 * peak, f"{loss} ({len(strings)})", ha="right", va="center", fontsize=7)
+    from matplotlib.patches import Patch
+    ax.set_xlim(0, 360); ax.set_ylim(0, peak * (1.15 + 0.2 * len(top2))); ax.set_xticks(range(0, 361, 60)); ax.set_yticks([])
+    ax.set_xlabel("angle on the circle (°)")
+    handles, _ = ax.get_legend_handles_labels()
+    ax.legend(handles=handles + [Patch(color=(0.05, 0.2, 0.6), label=f"class {target} top-1"),
+                                 Patch(color=(0.55, 0.75, 1.0), label=f"class {target} in the top-2")],
+              fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2,
+              title="lines: class densities; bars: share of seeds", title_fontsize=7)
+
+
+# %% ../nbs/13_batch.ipynb #41458bfc
+def sawada_fig5(records: list[dict],  # the successful records of circles_tradeoffs
+                report_dir: Path,  # where the figure goes
+                target: int = 2,  # the class whose predictions the bars show
+                ) -> list[str]:
+    "Sawada Fig. 5 (a: exp. 2, d = 90°; b: exp. 3, m = 8): where each loss predicts class `target` along the circle; the report's lines (none without such records)."
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    found = []
+    for tag, label, where in (("a", "exp. 2, d = 90°, no hidden layer", {"experiment": 2, "d": 90}),
+                              ("b", "exp. 3, d = 90°, m = 8 hidden units", {"experiment": 3, "m": 8})):
+        recs = [r for r in records if (r.get("metrics") or {}).get("regions")
+                and all((r.get("params") or {}).get(k) == v for k, v in where.items())]
+        if recs: found.append((tag, label, max(recs, key=_newness)))
+    if not found: return []
+    panels, axes = plt.subplots(1, len(found), figsize=(6.0 * len(found), 4.4), squeeze=False, layout="constrained")
+    for ax, (tag, label, rec) in zip(axes[0], found):
+        _draw_regions(ax, rec, target)
+        ax.set_title(f"({tag}) {label}", fontsize=9)
+    panels.suptitle(f"Sawada Fig. 5: where class {target} is predicted along the circle", fontsize=10)
+    panels.savefig(report_dir / "fig5.png", dpi=150)
+    panels.savefig(report_dir / "fig5.svg")
+    plt.close(panels)
+    return [f"## Sawada Fig. 5: predictions for class {target} along the circle", "",
+            f"![Sawada Fig. 5](fig5.png)", "",
+            f"Lines: the class densities along the circle (class {target}, centre {360 // found[0][2]['params']['n_classes'] * target}°, "
+            "in red, with its minor mode at +d). Bars, per loss (seeds in brackets): where class "
+            f"{target} is the top-1 prediction (dark) and where it is in the top-2 (light), shaded by the share of "
+            "our seeds; `bayes`: the Bayes classifier. Sawada (IV-D) on (a): the top-2 losses cover all the region "
+            "of the class in their top-2 while CE does not, and CE has the better top-1 prediction in a major mode; "
+            f"on (b) all losses cover it. Vector copy: [fig5.svg](fig5.svg).", ""]
+
+
+# %% ../nbs/13_batch.ipynb #5eab316c
+def report(experiment: str | Experiment,  # a catalogue name, or an entry
+           out_dir="runs",  # the --out folder of the runs
+           report_dir=None,  # where report.md and the figures go (default out_dir/experiment/report)
+           figures: bool = True,  # draw the figures
+           level: float = LEVEL,  # significance level of the findings' tests
+           ) -> Path:
+    "Write the markdown report (and figures) of an experiment's records under `out_dir`; returns its path, or raises RecordError naming the unreadable records after writing it."
+    exp = experiment if isinstance(experiment, Experiment) else get_experiment(experiment)
+    if not Path(out_dir).is_dir():
+        raise FileNotFoundError(f"out_dir {str(out_dir)!r} is not a directory: give the --out folder of the runs")
+    unreadable = []
+    records = load_records(out_dir, exp.name, status=None, unreadable=unreadable)
+    if not records and not unreadable:
+        raise ValueError(f"no records of {exp.name} under {Path(out_dir) / exp.name}: run the experiment first, "
+                         "or give the --out folder of its runs")
+    ok = [r for r in records if r.get("status") == "ok"]
+    failed = [r for r in records if r.get("status") != "ok"]
+    rows, dropped = unique_rows(ok, exp.seeds_param)
+    warning = comparability(exp, ok) if ok else None
+    results = [(f, check_finding(rows, f, level)) for f in exp.findings]
+    report_dir = Path(report_dir) if report_dir else Path(out_dir) / exp.name / "report"
+    report_dir.mkdir(parents=True, exist_ok=True)
+    lines = [f"# {exp.name}: report", ""] + ([f"> **{warning}**", ""] if warning else []) + [exp.description, "",
+             f"{len(ok)} successful records, {len(failed)} failed, {len(unreadable)} unreadable, {len(rows)} result rows. "
+             "Accuracies in %, mean ± std over seeds (sample std); differences in percentage points.", ""]
+    if dropped["rows"]:
+        lines += [f"Dropped {dropped['rows']} result rows ({dropped['seeds']} seeds of {dropped['records']} records) "
+                  "that repeat the experiment, parameters and seed of a newer record: each seed counts once, from its "
+                  "newest record.", ""]
+    if results:
+        c = verdict_counts(results)
+        lines += [f"Findings: {c['holds']} hold, {c['within noise']} within noise, {c['contradicted']} contradicted, "
+                  f"{c['untested']} untested (one seed), {c['not run']} not run (Welch's t-test over seeds, "
+                  f"two-sided, level {level:g}).", ""]
+    lines += _paper_section(exp, rows) + _findings_section(results, level) + \
+        _figure_sections(exp, rows, report_dir, figures, results, warning) + \
+        [line for name in (exp.drawings if figures else ()) for line in globals()[name](ok, report_dir)] + \
+        _records_section(ok, failed, unreadable)
     path = report_dir / "report.md"
     path.write_text("\n".join(lines))
     if unreadable:
         raise RecordError(f"{len(unreadable)} unreadable record(s), left out of the report {path}: "
                           + "; ".join(f"{p}: {what}" for p, what in unreadable))
     return path
+
 
 # %% ../nbs/13_batch.ipynb #f0d7430d
 class _Parser(argparse.ArgumentParser):

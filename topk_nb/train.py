@@ -106,7 +106,7 @@ class TrainConfig:
     mixup_alpha: float = 0.0
     drop_last: bool = False
     device: str = "auto"
-    amp: bool | None = None
+    amp: bool | None = False
     amp_dtype: str = "bfloat16"
     channels_last: bool | None = None
     sync_batchnorm: bool = True
