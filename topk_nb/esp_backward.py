@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import torch.nn.functional as F
@@ -17,8 +18,9 @@ from .esp import _check_esp_input, dc_tree, esp_summation, log_poly_mul, log_zer
 __all__ = ['UNIT_ROUNDOFF_64', 'TINY_64', 'POWER_FWD_TOL', 'POWER_GRAD_TOL', 'POWER_FWD_TOL_64', 'POWER_GRAD_TOL_64',
            'LOG_SIGMA_METHODS', 'esp_grad_alg2', 'esp_grad_recursion', 'default_order', 'esp_grad_stabilised',
            'leave_one_out_log_esp', 'esp_grad_leave_one_out', 'power_tolerances', 'poly_mul_lin', 'newton_esp',
-           'head_esps', 'head_leave_one_out', 'head_size', 'power_inputs', 'power_forward', 'power_backward',
-           'PowerLogSigma', 'power_log_sigma', 'LogSigmaFunction', 'log_sigma', 'grad_error', 'grad_target']
+           'head_esps', 'head_leave_one_out', 'head_size', 'power_shift', 'power_inputs', 'power_forward',
+           'power_backward', 'PowerLogSigma', 'power_log_sigma', 'LogSigmaFunction', 'log_sigma', 'grad_error',
+           'grad_target']
 
 # %% ../nbs/02_esp_backward.ipynb #89094acf
 def esp_grad_alg2(e: torch.Tensor, k: int) -> torch.Tensor:
@@ -171,12 +173,19 @@ def head_size(m: int, k: int) -> int:
     return m if m <= 4 * (k + 1) else min(k + 1, m)
 
 
+def power_shift(m: int, k: int) -> float:
+    "How far below 1 (in log) the largest of m values goes so that no sigma_j, j <= k, can overflow: max(0, (log C(m, k) - 500) / k)."
+    if k < 1 or k > m: return 0.0
+    log_binom = math.lgamma(m + 1) - math.lgamma(k + 1) - math.lgamma(m - k + 1)
+    return max(0.0, (log_binom - 500.0) / k)
+
+
 def power_inputs(x: torch.Tensor, top: torch.Tensor, head: torch.Tensor, exclude: torch.Tensor | None = None,
-                 scale: float = 1.0) -> tuple[torch.Tensor, ...]:
-    "For the rows of exp(scale * x), in float64 and shifted by the largest value top[:, 0]: the shift, head values, largest tail value, tail values (head and `exclude` entries 0)."
-    h = head.shape[1]
-    c = top[:, :1].double()                                          # the largest value: e <= 1
-    v = ((top[:, :h].double() - c) * scale).exp()                    # head values, v[:, 0] = 1
+                 scale: float = 1.0, k: int = 0) -> tuple[torch.Tensor, ...]:
+    "For the rows of exp(scale * x), in float64 and shifted by the largest value top[:, 0] (and power_shift): the shift, head values, largest tail value, tail values (head and `exclude` entries 0)."
+    h, m = head.shape[1], x.shape[1] - (exclude is not None)
+    c = top[:, :1].double() + power_shift(m, k) / scale              # e <= exp(-power_shift) <= 1
+    v = ((top[:, :h].double() - c) * scale).exp()                    # head values (B, h)
     t = ((top[:, h].double() - c[:, 0]) * scale).exp() if top.shape[1] > h else c.new_zeros(len(c))
     drop = head if exclude is None else torch.cat([head, exclude[:, None]], 1)
     e = x.to(torch.float64, copy=True).sub_(c)
@@ -240,7 +249,7 @@ class PowerLogSigma(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, k, top, head, exclude):
-        c, v, t, e = power_inputs(x, top, head, exclude)
+        c, v, t, e = power_inputs(x, top, head, exclude, k=k)
         sig, ok, state = power_forward(e, v, t, k, *power_tolerances(x.dtype))
         out = sig[:, k - 1:k + 1].log() + c * torch.tensor([k - 1, k], dtype=c.dtype, device=c.device)
         ctx.save_for_backward(e, v, head, sig, ok, *state)

@@ -96,7 +96,7 @@ def _masked_forward(ctx, s, target, k, tau, alpha, top, idx, s_y, hard, loss, kt
     "The sync-free forward: the power path on every row (B, n), the hinge kept on hard rows; (loss, hard or certified)."
     h, scale = head_size(s.shape[1] - 1, k), 1.0 / (k * tau)
     head = idx[:, :h]                                                         # (B, h)
-    c, v, t, e = power_inputs(s, top, head, target, scale)                   # e: (B, n) float64
+    c, v, t, e = power_inputs(s, top, head, target, scale, k)               # e: (B, n) float64
     sig, ok_s, state = power_forward(e, v, t, k, *power_tolerances(s.dtype))  # sig: (B, k+1)
     z = alpha / tau + sig[:, k].log() - sig[:, k - 1].log() + (c[:, 0] - s_y.double()) * scale   # (B,), NaN on some hard rows
     loss = torch.where(hard, loss, (tau * F.softplus(z)).to(s.dtype))
@@ -149,7 +149,7 @@ class _SmoothTopkSVMFunction(torch.autograd.Function):
         s_s, y_s, top_s, idx_s = (s, target, top, idx) if ctx.every else (s[soft], target[soft], top[soft], idx[soft])
         h, scale = head_size(n - 1, k), 1.0 / (k * tau)
         head = idx_s[:, :h]
-        c, v, t, e = power_inputs(s_s, top_s, head, y_s, scale)      # x = s / (k tau), shifted by its largest other
+        c, v, t, e = power_inputs(s_s, top_s, head, y_s, scale, k)    # x = s / (k tau), shifted by its largest other
         sig, ok_s, state = power_forward(e, v, t, k, *power_tolerances(s.dtype))
         z = alpha / tau + sig[:, k].log() - sig[:, k - 1].log() + (c[:, 0] - s_y[soft].double()) * scale   # b - a, eq. (10)
         loss[soft], ok[soft] = (tau * F.softplus(z)).to(s.dtype), ok_s
