@@ -168,7 +168,8 @@ def test_float32_power_path_against_float64_tree(k, tau, scale):
     (60, 50, 1.0, 1.0, True), (120, 50, 0.1, 1.0, True), (200, 49, 1.0, 5.0, True),     # the whole row in the head
     (1000, 50, 1.0, 1.0, True), (3000, 100, 1.0, 1.0, True),                             # head of k+1 and a long tail
     (20000, 100, 1.0, 1.0, True),                                      # sigma_k beyond float64 unless shifted
-    (1000, 100, 1.0, 1.0, None)])                                                        # certified or not, exact
+    (1000, 100, 1.0, 1.0, True), (1000, 100, 0.1, 1.0, True),                             # Newton's bound within 1e-6
+    (1000, 200, 1.0, 1.0, None)])                                                        # certified or not, exact
 def test_large_k_against_float64_tree(n, k, tau, scale, certified):
     # large k (up to 100, k close to n): the float32 loss and gradient against the float64 log-space tree
     s32, y = random_scores(12, 8, n, scale, torch.float32)
