@@ -18,8 +18,8 @@ from .esp import dc_tree, log_zero
 from .esp_backward import head_size, power_backward, power_forward, power_inputs, power_log_sigma, power_tolerances
 
 # %% auto #0
-__all__ = ['topk_hinge', 'subset_sums_bruteforce', 'smooth_topk_svm_bruteforce', 'hard_enough', 'smooth_topk_svm',
-           'SmoothTopkSVM', 'TopkHinge']
+__all__ = ['smooth_topk_svm', 'SmoothTopkSVM', 'topk_hinge', 'subset_sums_bruteforce', 'smooth_topk_svm_bruteforce',
+           'hard_enough', 'smooth_svm', 'SmoothSVM', 'TopkHinge']
 
 # %% ../nbs/03_smooth_svm.ipynb #6240521f
 def topk_hinge(scores: torch.Tensor, target: torch.Tensor, k: int = 5, alpha: float = 1.0,
@@ -179,7 +179,7 @@ class _SmoothTopkSVMFunction(torch.autograd.Function):
         return out, None, None, None, None, None
 
 
-def smooth_topk_svm(scores: torch.Tensor, target: torch.Tensor, k: int = 5, tau: float = 1.0, alpha: float = 1.0,
+def smooth_svm(scores: torch.Tensor, target: torch.Tensor, k: int = 5, tau: float = 1.0, alpha: float = 1.0,
                     reduction: str = "mean", hard_switch: bool = True, check_finite: bool | None = None) -> torch.Tensor:
     "Smooth top-k SVM loss L_{k,tau} (Berrada 2018, eq. 9-10) with margin alpha."
     scores, target, k = check_loss_input(scores, target, k, check_finite)
@@ -196,7 +196,7 @@ def smooth_topk_svm(scores: torch.Tensor, target: torch.Tensor, k: int = 5, tau:
             bad = (~ok).nonzero()[:, 0]
             loss = loss.index_put((bad,), _smooth_part(s[bad], target[bad], k, tau, alpha))
     return reduce_loss(loss, reduction).to(out_dtype)
-class SmoothTopkSVM(LossModule):
+class SmoothSVM(LossModule):
     "Smooth top-k SVM loss L_{k,tau} (Berrada 2018, eq. 10) as a module, a drop-in for nn.CrossEntropyLoss."
     example = "k=5, tau=1.0"
 
@@ -211,7 +211,7 @@ class SmoothTopkSVM(LossModule):
         self.alpha, self.hard_switch = check_real(alpha, "alpha", 0.0), hard_switch
 
     def per_sample(self, scores, labels):
-        return smooth_topk_svm(scores, labels, self.k, self.tau, self.alpha, "none", self.hard_switch, self.check_finite)
+        return smooth_svm(scores, labels, self.k, self.tau, self.alpha, "none", self.hard_switch, self.check_finite)
 
     def extra_repr(self) -> str:
         return f"k={self.k}, tau={self.tau}, alpha={self.alpha}, reduction={self.reduction!r}"
@@ -233,3 +233,10 @@ class TopkHinge(LossModule):
 
     def extra_repr(self) -> str:
         return f"k={self.k}, alpha={self.alpha}, reduction={self.reduction!r}"
+
+
+smooth_topk_svm = smooth_svm    # the earlier name, kept
+
+
+SmoothTopkSVM = SmoothSVM    # the earlier name, kept
+
