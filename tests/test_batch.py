@@ -408,3 +408,26 @@ def test_sawada_candidates_99_paper_values_and_finding(tmp_path):
     # CE needs 8 more candidates than the transition loss (the grouping loss, 41, is not the claim's competitor)
     assert ("| select_metric=val_top5 | candidates_99 (candidates) | ce best | 33.00 ± 1.41 (2) | topk_transition: "
             "25.00 ± 1.41 (2) | +8.00 | 5.66 (2.0) | 0.030 | holds |") in md
+
+
+# --- level sets: Garcin 2022 Fig. 4 (B) and Fig. 5 (ε) sweeps --------------------------------------------------
+def test_level_set_sweeps_draw_and_judge(tmp_path):
+    exp = batch.LEVEL_SETS
+    assert exp.presets["fig4"]["sweep_samples"] == [[1, 3, 10, 50]] and exp.presets["fig5"]["sweep_epsilons"]
+    params = {"k": 1, "panels": ["cal_hinge"], "resolution": 10, "replications": 20, "sweep_samples": [1, 50],
+              "sweep_epsilons": [0.01, 10.0]}
+    for seed in (0, 1, 2):                                  # three seeds, as the presets: two leave one df
+        rec = batch.run_cell(exp.notebook_path(), {**params, "seed": seed}, tmp_path / "runs" / exp.name / f"s{seed}",
+                             experiment=exp.name)
+        assert rec["status"] == "ok", rec.get("error")
+        assert sorted(rec["metrics"]["sweep_figures"]) == ["fig4", "fig5"]
+        assert (tmp_path / "runs" / exp.name / f"s{seed}" / "level_sets_fig5_K1.png").is_file()
+    md = report(exp, tmp_path / "runs").read_text()
+    # ε = 10 (reference of the first claim) is farther from the calibrated hinge than ε = 0.01, and B = 1 noisier than 50
+    assert "| k=1 | gap_cal_hinge (loss) | 10.0 best |" in md and "| k=1 | mc_error (loss) | 1 best |" in md
+    lines = [l for l in md.splitlines() if "| k=1 | gap_cal_hinge" in l or "| k=1 | mc_error" in l]
+    assert len(lines) == 3 and all(l.endswith("| holds |") for l in lines), lines
+    assert "| k=2 | mc_error (loss) | 1 best | n/a |" in md                        # K = 2 not run
+    # the main panels' claim does not see the sweep rows (only cal_hinge ran: no competitor, not run)
+    assert "| k=1 | zero_share | smooth_svm not_best | n/a |" in md
+    assert (tmp_path / "runs" / exp.name / "report" / "fig4.svg").read_text().count("mc_error (loss)") == 1

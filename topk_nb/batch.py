@@ -730,6 +730,15 @@ _LS_FIGURE = {"radius": 2.0, "replications": 100, "resolution": 60}
 _LS_PANELS = ("topk_error", "ce", "focal", "ldam", "topk_hinge", "cvx_hinge", "cal_hinge", "smooth_svm", "smooth_svm(tau: 0.1)",
            "noised_bal", "noised_bal(epsilon: 1.0, n_samples: 50)", "noised_imbal", "topk_grouping", "topk_transition")
 
+# Garcin 2022, Fig. 4: "Impact of the sampling parameter B on the loss l^{K,1,B}_Noised bal." and Fig. 5: "Impact of
+# the smoothing parameter ε on the loss l^{K,ε,50}_Noised bal." (top part K = 1, bottom part K = 2). The values of B and
+# ε in the panels are not printed: ours. One draw of the noise per sweep panel (averaging draws would hide B); three
+# seeds, so that the findings can be tested.
+_LS_SWEEP = {**_LS_FIGURE, "k": [1, 2], "panels": [["cal_hinge"]], "sweep_replications": 1, "seed": [0, 1, 2]}
+_LS_BS = [1, 3, 10, 50]
+_LS_EPSILONS = [0.01, 0.1, 1.0, 10.0]
+_LS_MAIN = {"sweep": None}        # the panels of Fig. 1 / Fig. 6, not the sweeps' rows
+
 LEVEL_SETS = Experiment(
     name="level_sets",
     notebook="level_sets.ipynb",
@@ -740,13 +749,23 @@ LEVEL_SETS = Experiment(
         "fig1": {**_LS_FIGURE, "k": 2},     # Fig. 1: "L = 3 classes, K = 2"
         "fig6": {**_LS_FIGURE, "k": 1},     # Fig. 6: "L = 3 classes, K = 1"
         "paper": {**_LS_FIGURE, "k": [1, 2]},
+        "fig4": {**_LS_SWEEP, "sweep_samples": [_LS_BS]},          # Fig. 4: B at ε = 1
+        "fig5": {**_LS_SWEEP, "sweep_epsilons": [_LS_EPSILONS]},   # Fig. 5: ε at B = 50
     },
     group_by=("k", "resolution", "replications"),
     figures=(
-        Figure("zero_set", "Share of the simplex where the loss is zero (%)", {}, "k", series="panel",
+        Figure("zero_set", "Share of the simplex where the loss is zero (%)", _LS_MAIN, "k", series="panel",
                metrics=("zero_share",)),
-        Figure("top_corner", "Loss at the top corner s = (0, 0, 2), true class ahead by 2 (x100)", {}, "k",
+        Figure("top_corner", "Loss at the top corner s = (0, 0, 2), true class ahead by 2 (x100)", _LS_MAIN, "k",
                series="panel", metrics=("value_top",)),
+        Figure("fig4", "Garcin 2022 Fig. 4 (ε = 1): Monte-Carlo error of one draw of the noised balanced loss vs B",
+               {"sweep": "n_samples"}, "n_samples", series="k", metrics=("mc_error",), unit="loss",
+               note="The paper's Fig. 4 is level-set drawings without numbers; ours are level_sets_fig4_K*.png beside "
+                    "the records."),
+        Figure("fig5", "Garcin 2022 Fig. 5 (B = 50): largest distance of the noised balanced loss to the calibrated "
+               "hinge vs ε", {"sweep": "epsilon"}, "epsilon", series="k", metrics=("gap_cal_hinge",), unit="loss",
+               note="The paper's Fig. 5 is level-set drawings without numbers; ours are level_sets_fig5_K*.png beside "
+                    "the records."),
     ),
     paper=(
         # Garcin 2022, §3.4 on Fig. 1a (K = 2): "It has 0 error when s_2 is larger than the smallest coordinate of s
@@ -762,8 +781,23 @@ LEVEL_SETS = Experiment(
         # where all coordinates are non-zero" -- so Berrada's smoothed hinge has no flat zero region, the noised one has.
         Finding("Garcin 2022, §3.4 (Fig. 1f-1i)",
                 "Berrada's smoothed hinge (gradient never zero) has a smaller zero region than the noised balanced hinge",
-                {}, "k", (1, 2), "zero_share", "not_best", reference="smooth_svm", series="panel",
+                _LS_MAIN, "k", (1, 2), "zero_share", "not_best", reference="smooth_svm", series="panel",
                 exclude=tuple(p for p in _LS_PANELS if p not in ("smooth_svm", "noised_bal"))),
+        # Garcin 2022, Prop. 3.5, eq. (22): "|top_{K,ε}(s) − top_K(s)| <= ε·C_{K,L}" -- the noised loss tends to the
+        # calibrated hinge as ε -> 0, which Fig. 5 ("Impact of the smoothing parameter ε") shows.
+        Finding("Garcin 2022, Fig. 5 and eq. (22)", "the noised balanced loss approaches the calibrated hinge as ε "
+                "decreases (|top_{K,ε}(s) − top_K(s)| <= ε·C_{K,L}): the largest ε is the farthest from it",
+                {"sweep": "epsilon"}, "k", (1, 2), "gap_cal_hinge", "best", reference=_LS_EPSILONS[-1],
+                series="epsilon", unit="loss"),
+        Finding("Garcin 2022, Fig. 5 and eq. (22)", "... and the smallest ε is the nearest to the calibrated hinge",
+                {"sweep": "epsilon"}, "k", (1, 2), "gap_cal_hinge", "not_best", reference=_LS_EPSILONS[0],
+                series="epsilon", unit="loss"),
+        # Fig. 4: "Impact of the sampling parameter B"; Fig. 1 caption: "we have averaged the level sets over 100
+        # replications to avoid meshing artifacts" -- a single draw with few samples B is noisy.
+        Finding("Garcin 2022, Fig. 4 and Fig. 1 caption", "the level sets of one draw are noisy for few samples B (the "
+                "paper averages 100 replications 'to avoid meshing artifacts'): B = 1 has the largest Monte-Carlo error",
+                {"sweep": "n_samples"}, "k", (1, 2), "mc_error", "best", reference=_LS_BS[0], series="n_samples",
+                unit="loss"),
     ),
 )
 
