@@ -34,14 +34,14 @@ from tqdm import tqdm
 __all__ = ['CIRCLES_TRADEOFFS', 'CIFAR100_NOISE', 'TEMPERATURE', 'NOISE_SCALE', 'IMAGENET_SUBSETS', 'PLANTNET_IMBALANCED',
            'IMAGENET_LT', 'CIFAR100_TRANSITION', 'STABILITY', 'LEVEL_SETS', 'SPEED', 'EXPERIMENTS', 'RECORD',
            'EXECUTED', 'LOCK', 'JOB_BUSY', 'NOT_IDENTITY', 'LEVEL', 'VERDICT_MARKS', 'PaperValue', 'Finding', 'Figure',
-           'Experiment', 'package_dir', 'experiments_dir', 'get_experiment', 'parse_value', 'parse_grid', 'expand_grid',
-           'cell_id', 'cell_slug', 'cell_dir', 'git_commit', 'environment', 'atomic_write_json', 'write_record',
-           'RecordError', 'inspect_record', 'read_record', 'load_records', 'training_metrics', 'with_parameters_tag',
-           'CellBusy', 'claim_cell', 'record_stamp', 'notebook_final', 'cell_done', 'run_cell', 'die_with_parent',
-           'short_error', 'pending_cells', 'grid_summary', 'notebook_parameters', 'plan_grid', 'run_grid',
-           'record_rows', 'summarise', 'aggregate', 'fmt', 'record_settings', 'unique_rows', 'beta_inc', 't_two_sided',
-           'welch_test', 'verdict', 'check_finding', 'paper_points', 'plot_figure', 'paper_cells', 'comparability',
-           'verdict_counts', 'sawada_fig5', 'report', 'main']
+           'unit_scale', 'Experiment', 'package_dir', 'experiments_dir', 'get_experiment', 'parse_value', 'parse_grid',
+           'expand_grid', 'cell_id', 'cell_slug', 'cell_dir', 'git_commit', 'environment', 'atomic_write_json',
+           'write_record', 'RecordError', 'inspect_record', 'read_record', 'load_records', 'training_metrics',
+           'with_parameters_tag', 'CellBusy', 'claim_cell', 'record_stamp', 'notebook_final', 'cell_done', 'run_cell',
+           'die_with_parent', 'short_error', 'pending_cells', 'grid_summary', 'notebook_parameters', 'plan_grid',
+           'run_grid', 'record_rows', 'summarise', 'aggregate', 'fmt', 'record_settings', 'unique_rows', 'beta_inc',
+           't_two_sided', 'welch_test', 'verdict', 'check_finding', 'paper_points', 'plot_figure', 'paper_cells',
+           'comparability', 'verdict_counts', 'sawada_fig5', 'report', 'main']
 
 # %% ../nbs/13_batch.ipynb #ebb2c7ba
 @dataclass(frozen=True)
@@ -53,6 +53,7 @@ class PaperValue:
     metric: str
     value: float
     std: float | None = None      # the paper's standard deviation over its runs, where it gives one
+    unit: str = "%"               # "%": a fraction shown in percent; else the metric's own unit (ms, s, classes), shown as is
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ class Finding:
     series: str = "loss"
     exclude: tuple = ("bayes",)   # series that are references, not competitors
     tol: float = 0.0
+    unit: str = "%"               # as PaperValue.unit: how the report shows the metric
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,12 @@ class Figure:
     series: str = "loss"
     metrics: tuple = ("top1", "top2")
     note: str = ""                # a sentence for the caption (how the paper draws it, what it gives)
+    unit: str = "%"               # as PaperValue.unit; a time axis spanning a factor 16 or more is logarithmic
+
+
+def unit_scale(unit: str) -> float:
+    "The factor the report applies to a metric in `unit`: 100 for a fraction shown in percent, else 1."
+    return 100.0 if unit == "%" else 1.0
 
 
 @dataclass
@@ -561,6 +569,14 @@ def _TR_fig6(net, aug):
     return {"model": _TR_MODELS[net], "augment": aug, "select_metric": "val_top5"}
 
 
+# Sawada §V-B: "When focusing on fixed target accuracy, the top-5 transition loss can realize 99 % with number of
+# prediction candidates k = 25 saving 8 compared with CE"; abstract: "a ResNet18 model trained with our loss reaches 99%
+# accuracy with k=25 candidates, which is a smaller candidate number than that of CE by 8" (CE: 25 + 8 = 33). The
+# augmentation and the early-stopping metric are not named: each augmentation is compared, on the runs selected on
+# top-5 (the top-5 target, as Fig. 6). The notebook records `candidates_99` (max_k + 1 when not reached by k = max_k).
+_TR_CAND99 = {"topk_transition": ("Top-5 transition", 25.0), "ce": ("Cross entropy", 33.0)}
+
+
 CIFAR100_TRANSITION = Experiment(
     name="cifar100_transition",
     notebook="cifar100_transition.ipynb",
@@ -581,7 +597,11 @@ CIFAR100_TRANSITION = Experiment(
              Figure("fig6_densenet_cutout", "Sawada §V-B: top-k test accuracy vs k (DenseNet121, Cutout, selected "
                     "on top-5)", _TR_fig6("DenseNet121", "cutout"), "k_eval", metrics=("acc_k",))),
     paper=tuple(_TR_pv(label, net, aug, m, v, sd) for label, row in _TR_TAB1.items()
-                for (net, aug, m), v, sd in zip(_TR_COLUMNS, row, _TR_TAB1_STD[label]) if v is not None),
+                for (net, aug, m), v, sd in zip(_TR_COLUMNS, row, _TR_TAB1_STD[label]) if v is not None)
+          + tuple(PaperValue("Sawada §V-B and abstract", f"{label}, ResNet18 (augmentation not named; ours: "
+                             f"{aug.capitalize()}), 99 % top-k accuracy", {"loss": loss, **_TR_fig6("ResNet18", aug)},
+                             "candidates_99", k, unit="candidates")
+                  for aug in ("cutout", "mixup") for loss, (label, k) in _TR_CAND99.items()),
     findings=tuple(
         [Finding("Sawada §V-B, Tab. I", f"{net} with {aug.capitalize()}: CE performed the best in top-1 accuracy",
                  {"model": _TR_MODELS[net], "augment": aug, "select_metric": "val_top1"}, "select_metric", ("val_top1",),
@@ -611,7 +631,12 @@ CIFAR100_TRANSITION = Experiment(
                    exclude=("topk_transition", "smooth_svm"))]
         + [Finding("Sawada §V-B", f"{net} with {aug.capitalize()}: the top-5 transition loss gave consistently better "
                    "performance for k > 10 than other losses", _TR_fig6(net, aug), "k_eval", tuple(range(11, 41)), "acc_k",
-                   "best", reference="topk_transition") for net in _TR_MODELS for aug in ("cutout", "mixup")]),
+                   "best", reference="topk_transition") for net in _TR_MODELS for aug in ("cutout", "mixup")]
+        + [Finding("Sawada §V-B and abstract", f"ResNet18 (augmentation not named; ours: {aug.capitalize()}): the top-5 "
+                   "transition loss reaches 99 % with k = 25 candidates, a smaller candidate number than that of CE by "
+                   "8: CE needs more candidates", _TR_fig6("ResNet18", aug), "select_metric", ("val_top5",),
+                   "candidates_99", "best", reference="ce", exclude=("topk_grouping", "smooth_svm"), unit="candidates")
+           for aug in ("cutout", "mixup")]),
     data_presets=("paper",),
 )
 
@@ -705,6 +730,15 @@ _LS_FIGURE = {"radius": 2.0, "replications": 100, "resolution": 60}
 _LS_PANELS = ("topk_error", "ce", "focal", "ldam", "topk_hinge", "cvx_hinge", "cal_hinge", "smooth_svm", "smooth_svm(tau: 0.1)",
            "noised_bal", "noised_bal(epsilon: 1.0, n_samples: 50)", "noised_imbal", "topk_grouping", "topk_transition")
 
+# Garcin 2022, Fig. 4: "Impact of the sampling parameter B on the loss l^{K,1,B}_Noised bal." and Fig. 5: "Impact of
+# the smoothing parameter ε on the loss l^{K,ε,50}_Noised bal." (top part K = 1, bottom part K = 2). The values of B and
+# ε in the panels are not printed: ours. One draw of the noise per sweep panel (averaging draws would hide B); three
+# seeds, so that the findings can be tested.
+_LS_SWEEP = {**_LS_FIGURE, "k": [1, 2], "panels": [["cal_hinge"]], "sweep_replications": 1, "seed": [0, 1, 2]}
+_LS_BS = [1, 3, 10, 50]
+_LS_EPSILONS = [0.01, 0.1, 1.0, 10.0]
+_LS_MAIN = {"sweep": None}        # the panels of Fig. 1 / Fig. 6, not the sweeps' rows
+
 LEVEL_SETS = Experiment(
     name="level_sets",
     notebook="level_sets.ipynb",
@@ -715,13 +749,23 @@ LEVEL_SETS = Experiment(
         "fig1": {**_LS_FIGURE, "k": 2},     # Fig. 1: "L = 3 classes, K = 2"
         "fig6": {**_LS_FIGURE, "k": 1},     # Fig. 6: "L = 3 classes, K = 1"
         "paper": {**_LS_FIGURE, "k": [1, 2]},
+        "fig4": {**_LS_SWEEP, "sweep_samples": [_LS_BS]},          # Fig. 4: B at ε = 1
+        "fig5": {**_LS_SWEEP, "sweep_epsilons": [_LS_EPSILONS]},   # Fig. 5: ε at B = 50
     },
     group_by=("k", "resolution", "replications"),
     figures=(
-        Figure("zero_set", "Share of the simplex where the loss is zero (%)", {}, "k", series="panel",
+        Figure("zero_set", "Share of the simplex where the loss is zero (%)", _LS_MAIN, "k", series="panel",
                metrics=("zero_share",)),
-        Figure("top_corner", "Loss at the top corner s = (0, 0, 2), true class ahead by 2 (x100)", {}, "k",
+        Figure("top_corner", "Loss at the top corner s = (0, 0, 2), true class ahead by 2 (x100)", _LS_MAIN, "k",
                series="panel", metrics=("value_top",)),
+        Figure("fig4", "Garcin 2022 Fig. 4 (ε = 1): Monte-Carlo error of one draw of the noised balanced loss vs B",
+               {"sweep": "n_samples"}, "n_samples", series="k", metrics=("mc_error",), unit="loss",
+               note="The paper's Fig. 4 is level-set drawings without numbers; ours are level_sets_fig4_K*.png beside "
+                    "the records."),
+        Figure("fig5", "Garcin 2022 Fig. 5 (B = 50): largest distance of the noised balanced loss to the calibrated "
+               "hinge vs ε", {"sweep": "epsilon"}, "epsilon", series="k", metrics=("gap_cal_hinge",), unit="loss",
+               note="The paper's Fig. 5 is level-set drawings without numbers; ours are level_sets_fig5_K*.png beside "
+                    "the records."),
     ),
     paper=(
         # Garcin 2022, §3.4 on Fig. 1a (K = 2): "It has 0 error when s_2 is larger than the smallest coordinate of s
@@ -737,12 +781,44 @@ LEVEL_SETS = Experiment(
         # where all coordinates are non-zero" -- so Berrada's smoothed hinge has no flat zero region, the noised one has.
         Finding("Garcin 2022, §3.4 (Fig. 1f-1i)",
                 "Berrada's smoothed hinge (gradient never zero) has a smaller zero region than the noised balanced hinge",
-                {}, "k", (1, 2), "zero_share", "not_best", reference="smooth_svm", series="panel",
+                _LS_MAIN, "k", (1, 2), "zero_share", "not_best", reference="smooth_svm", series="panel",
                 exclude=tuple(p for p in _LS_PANELS if p not in ("smooth_svm", "noised_bal"))),
+        # Garcin 2022, Prop. 3.5, eq. (22): "|top_{K,ε}(s) − top_K(s)| <= ε·C_{K,L}" -- the noised loss tends to the
+        # calibrated hinge as ε -> 0, which Fig. 5 ("Impact of the smoothing parameter ε") shows.
+        Finding("Garcin 2022, Fig. 5 and eq. (22)", "the noised balanced loss approaches the calibrated hinge as ε "
+                "decreases (|top_{K,ε}(s) − top_K(s)| <= ε·C_{K,L}): the largest ε is the farthest from it",
+                {"sweep": "epsilon"}, "k", (1, 2), "gap_cal_hinge", "best", reference=_LS_EPSILONS[-1],
+                series="epsilon", unit="loss"),
+        Finding("Garcin 2022, Fig. 5 and eq. (22)", "... and the smallest ε is the nearest to the calibrated hinge",
+                {"sweep": "epsilon"}, "k", (1, 2), "gap_cal_hinge", "not_best", reference=_LS_EPSILONS[0],
+                series="epsilon", unit="loss"),
+        # Fig. 4: "Impact of the sampling parameter B"; Fig. 1 caption: "we have averaged the level sets over 100
+        # replications to avoid meshing artifacts" -- a single draw with few samples B is noisy.
+        Finding("Garcin 2022, Fig. 4 and Fig. 1 caption", "the level sets of one draw are noisy for few samples B (the "
+                "paper averages 100 replications 'to avoid meshing artifacts'): B = 1 has the largest Monte-Carlo error",
+                {"sweep": "n_samples"}, "k", (1, 2), "mc_error", "best", reference=_LS_BS[0], series="n_samples",
+                unit="loss"),
     ),
 )
 
 # %% ../nbs/13_batch.ipynb #8582792a
+# Berrada 2018, App. B.3.2: "on a GPU (Nvidia Titan Xp) ... k = 5, a batch size of 256 and a varying value of n. The
+# following timings are given in seconds, and are computed as the average of 50 runs." Our rows are medians in ms.
+_SP_NS = (100, 1000, 10_000, 100_000)
+_SP_TAB3 = {"SA": ("summation (Alg. 3)", (0.006, 0.062, 0.627, 6.258)),             # Tab. 3 (s), forward pass
+         "DC": ("divide and conquer (Alg. 1)", (0.011, 0.018, 0.024, 0.146))}
+_SP_TAB4 = {"DC (AD)": ("autograd", (0.093, 0.139, 0.194, 0.287)),                  # Tab. 4 (s), backward pass
+         "DC (CB)": ("alg2", (0.007, 0.006, 0.020, 0.171))}                       # CB: "Custom Algorithm ... Algorithm 2"
+_SP_WHERE = {"k": 5, "batch": 256}
+# Garcin 2022, §4.3 on Fig. 3 (DenseNet 40-40, CIFAR-100): "For standard training values, i.e., K = 5, B = 3, the
+# average epoch time is 65s for [CE], 68s for [noised bal.] (+4.6% w.r.t. [CE]) and 81s for [smoothed hinge] (+24.6%
+# w.r.t. [CE]) ... Thus, for K = 10, the average epoch time for [smoothed hinge] is 90s versus 60s for [noised bal.]
+# with B = 3." The figure's other points are not printed.
+_SP_FIG3 = [(5, "ce", 65.0, None), (5, "noised_bal (B=3)", 68.0, 0.046), (5, "smooth_svm", 81.0, 0.246),
+         (10, "smooth_svm", 90.0, None), (10, "noised_bal (B=3)", 60.0, None)]
+_SP_EPOCH = {"part": "epoch", "model": "densenet40_40"}
+_SP_FIG3_NOTE = "Garcin 2022 prints five points of Fig. 3 in its text (§4.3); the curves themselves have no printed values."
+
 SPEED = Experiment(
     name="speed",
     notebook="speed.ipynb",
@@ -757,6 +833,54 @@ SPEED = Experiment(
                   "epoch_ks": [[1, 2, 3, 5, 10]], "epoch_steps": 20, "epoch_model": "densenet40_40", "losses": None}   # None: every registry loss,
     },
     group_by=("part", "loss", "variant", "n", "k"),
+    figures=(
+        Figure("tab3", "Berrada 2018 Tab. 3: forward time vs n (k = 5, B = 256)", {"part": "forward", **_SP_WHERE}, "n",
+               series="variant", metrics=("ms",), unit="ms"),
+        Figure("tab4", "Berrada 2018 Tab. 4: backward time alone vs n (k = 5, B = 256)",
+               {"part": "backward", **_SP_WHERE}, "n", series="variant", metrics=("ms",), unit="ms"),
+        Figure("tab4_forward_backward", "Forward + backward time of each log_sigma path vs n (k = 5, B = 256)",
+               {"part": "forward_backward", **_SP_WHERE}, "n", series="variant", metrics=("ms",), unit="ms",
+               note="Berrada 2018 times the backward alone (Tab. 4); this figure has no paper values."),
+        Figure("fig3", "Garcin 2022 Fig. 3: epoch time vs K (DenseNet 40-40, batch 64)", _SP_EPOCH, "k",
+               series="variant", metrics=("epoch_s",), unit="s", note=_SP_FIG3_NOTE),
+        Figure("fig3_overhead", "Garcin 2022 §4.3: epoch time over cross-entropy's, minus 1 (%)", _SP_EPOCH, "k",
+               series="variant", metrics=("overhead",), note=_SP_FIG3_NOTE),
+    ),
+    paper=tuple(
+        [PaperValue("Berrada 2018, Tab. 3", f"{label}, n = {n:,}", {"part": "forward", "variant": v, "n": n, **_SP_WHERE},
+                    "ms", 1e3 * s, unit="ms")
+         for label, (v, secs) in _SP_TAB3.items() for n, s in zip(_SP_NS, secs)]
+        + [PaperValue("Berrada 2018, Tab. 4", f"{label}, n = {n:,}", {"part": "backward", "variant": v, "n": n, **_SP_WHERE},
+                      "ms", 1e3 * s, unit="ms")
+           for label, (v, secs) in _SP_TAB4.items() for n, s in zip(_SP_NS, secs)]
+        + [PaperValue("Garcin 2022, §4.3 (Fig. 3)", f"K = {K}, {v}", {**_SP_EPOCH, "variant": v, "k": K}, "epoch_s", s,
+                      unit="s") for K, v, s, _ in _SP_FIG3]
+        + [PaperValue("Garcin 2022, §4.3 (Fig. 3)", f"K = {K}, {v}: +{100 * o:g}% w.r.t. CE",
+                      {**_SP_EPOCH, "variant": v, "k": K}, "overhead", o) for K, v, _, o in _SP_FIG3 if o is not None]),
+    findings=(
+        Finding("Berrada 2018, App. B.3.2, Tab. 3", "at n = 100 the summation algorithm is the faster (0.006 s against "
+                "0.011 s): DC takes the longer", {"part": "forward", **_SP_WHERE}, "n", (100,), "ms", "best",
+                reference="divide and conquer (Alg. 1)", series="variant", unit="ms"),
+        Finding("Berrada 2018, App. B.3.2, Tab. 3", "DC offers nearly logarithmic scaling with n, the runtime of SA "
+                "scales linearly with n: from n = 1,000 SA takes the longer (3.4x DC at 1,000, 43x at 100,000)",
+                {"part": "forward", **_SP_WHERE}, "n", (1000, 10_000, 100_000), "ms", "best",
+                reference="summation (Alg. 3)", series="variant", unit="ms"),
+        Finding("Berrada 2018, App. B.3.2, Tab. 4", "Our Custom Backward (CB) is faster than Automatic Differentiation "
+                "(AD): the backward of autograd takes the longer", {"part": "backward", **_SP_WHERE}, "n", _SP_NS, "ms",
+                "best", reference="autograd", series="variant", exclude=("power", "leave_one_out"), unit="ms"),
+        Finding("Garcin 2022, §4.3, Fig. 3", "K = 5, B = 3: the smoothed hinge's epoch (81 s, +24.6%) is longer than "
+                "the noised balanced loss's (68 s, +4.6%) and CE's (65 s)", _SP_EPOCH, "k", (5,), "epoch_s", "best",
+                reference="smooth_svm", series="variant", exclude=("noised_bal (B=1)", "noised_bal (B=10)"), unit="s"),
+        Finding("Garcin 2022, §4.3, Fig. 3", "K = 5, B = 3: the noised balanced loss's epoch is longer than CE's "
+                "(68 s against 65 s, +4.6%)", _SP_EPOCH, "k", (5,), "epoch_s", "best", reference="noised_bal (B=3)",
+                series="variant", exclude=("smooth_svm", "noised_bal (B=1)", "noised_bal (B=10)"), unit="s"),
+        Finding("Garcin 2022, §4.3, Fig. 3", "for K = 10, the average epoch time for the smoothed hinge is 90 s versus "
+                "60 s for the noised balanced loss with B = 3", _SP_EPOCH, "k", (10,), "epoch_s", "best",
+                reference="smooth_svm", series="variant", exclude=("noised_bal (B=1)", "noised_bal (B=10)"), unit="s"),
+        Finding("Garcin 2022, §4.3, Fig. 3", "the average epoch duration of the smoothed hinge seems to scale linearly "
+                "in K: its K = 10 epoch is the longest of its K", _SP_EPOCH, "variant", ("smooth_svm",), "epoch_s",
+                "best", reference=10, series="k", unit="s"),
+    ),
 )
 
 # %% ../nbs/13_batch.ipynb #836117c3
@@ -1536,14 +1660,14 @@ def _x_axis(ax, xs: list) -> None:
 
 
 # %% ../nbs/13_batch.ipynb #ec149aa2
-def _draw_panel(ax, agg: dict, points: dict, claims: list, colours: dict) -> str:
+def _draw_panel(ax, agg: dict, points: dict, claims: list, colours: dict, unit: str = "%") -> str:
     "Our series (mean ± std bars, offset a little each), the paper's values (hollow markers), else the paper's claims with our verdicts (above the panel); returns the legend title."
     from matplotlib.transforms import ScaledTranslation
     series = [s for s in colours if any(ss == s for _, ss in agg)]
-    ys = []
+    sc, ys = unit_scale(unit), []
     for j, s in enumerate(series):
         xs = _order({x for x, ss in agg if ss == s})
-        mean, std = [100 * agg[(x, s)]["mean"] for x in xs], [100 * agg[(x, s)]["std"] for x in xs]
+        mean, std = [sc * agg[(x, s)]["mean"] for x in xs], [sc * agg[(x, s)]["std"] for x in xs]
         ys += [m - d for m, d in zip(mean, std)] + [m + d for m, d in zip(mean, std)]
         ax.plot(xs + xs, ys[-2 * len(xs):], ls="none", alpha=0)      # the data limits: the offsets below are in points
         shift = ax.transData + ScaledTranslation((j - (len(series) - 1) / 2) * 2.5 / 72, 0, ax.figure.dpi_scale_trans)
@@ -1556,9 +1680,9 @@ def _draw_panel(ax, agg: dict, points: dict, claims: list, colours: dict) -> str
     for s, sources in points.items():
         for source, pts in sources.items():
             pts = sorted(pts, key=lambda p: _order([x for x, _, _ in pts]).index(p[0]))
-            err = [100 * (sd or 0.0) for _, _, sd in pts]
-            ys += [100 * v - e for (_, v, _), e in zip(pts, err)] + [100 * v + e for (_, v, _), e in zip(pts, err)]
-            ax.errorbar([x for x, _, _ in pts], [100 * v for _, v, _ in pts], yerr=err if any(err) else None, ls=":",
+            err = [sc * (sd or 0.0) for _, _, sd in pts]
+            ys += [sc * v - e for (_, v, _), e in zip(pts, err)] + [sc * v + e for (_, v, _), e in zip(pts, err)]
+            ax.errorbar([x for x, _, _ in pts], [sc * v for _, v, _ in pts], yerr=err if any(err) else None, ls=":",
                         marker=shapes[source], ms=6, mfc="none", mew=1.3, capsize=2, color=colours.get(s, "k"),
                         label=f"{s}: {source}" + (" (± its std)" if any(err) else ""))
     shown, marks = {x for x, _ in agg}, {}
@@ -1569,9 +1693,14 @@ def _draw_panel(ax, agg: dict, points: dict, claims: list, colours: dict) -> str
     for x, texts in marks.items():
         ax.text(x, 1.01, "\n".join(t for t, _ in texts), color=texts[0][1] if len(texts) == 1 else "0.2", fontsize=6,
                 ha="center", va="bottom", transform=ax.get_xaxis_transform())
-    lo, hi = max(0.0, min(ys)), min(100.0, max(ys))       # accuracies and shares: bars beyond 0 or 100 % are cut
-    pad = 0.06 * (hi - lo) or 1.0
-    ax.set_ylim(lo - pad, hi + pad)
+    positive = [v for v in ys if v > 0]
+    if unit != "%" and positive and max(positive) / min(positive) >= 16:
+        ax.set_yscale("log")                              # times over orders of magnitude (Berrada Tab. 3-4)
+        ax.set_ylim(min(positive) / 1.3, max(positive) * 1.3)
+    else:
+        lo, hi = (max(0.0, min(ys)), min(100.0, max(ys))) if unit == "%" else (min(ys), max(ys))   # % bars cut at 0, 100
+        pad = 0.06 * (hi - lo) or 1.0
+        ax.set_ylim(lo - pad, hi + pad)
     ax.margins(x=0.08)
     ns = [agg[k]["n"] for k in agg]
     n = f"{min(ns)}" if min(ns) == max(ns) else f"{min(ns)}–{max(ns)}"
@@ -1601,9 +1730,9 @@ def plot_figure(rows: list[dict],  # tidy result rows (`unique_rows`)
     for ax, m in zip(axes[0], fig.metrics):
         mine = [(f, r) for f, r in claims if f.metric == m and f.x == fig.x and f.series == fig.series
                 and _compatible(f.where, fig.where)]
-        title = _draw_panel(ax, aggs[m], points[m], mine, colours)
+        title = _draw_panel(ax, aggs[m], points[m], mine, colours, fig.unit)
         _x_axis(ax, _order({x for x, _ in aggs[m]} | {x for src in points[m].values() for p in src.values() for x, _, _ in p}))
-        ax.set_xlabel(fig.x); ax.set_ylabel(f"{m} (%)"); ax.grid(alpha=0.3)
+        ax.set_xlabel(fig.x); ax.set_ylabel(f"{m} ({fig.unit})"); ax.grid(alpha=0.3)
         ax.legend(fontsize=6.5, title=title, title_fontsize=6.5, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
     panels.suptitle(fig.title + (f"\n{banner}" if banner else ""), fontsize=10, color="k" if not banner else "tab:red")
     path = Path(path)
@@ -1644,9 +1773,11 @@ def _paper_section(exp: Experiment, rows: list[dict]) -> list[str]:
     body = []
     for pv in exp.paper:
         s = aggregate(rows, [], pv.metric, pv.where).get((), summarise([]))
-        diff = "n/a" if not s["n"] else f"{100 * (s['mean'] - pv.value):+.2f}"
-        paper = f"{100 * pv.value:.2f}" + ("" if pv.std is None else f" ± {100 * pv.std:.2f}")
-        body.append([pv.source, pv.row, pv.metric, paper, fmt(s), s["n"], diff])
+        sc = unit_scale(pv.unit)
+        diff = "n/a" if not s["n"] else f"{sc * (s['mean'] - pv.value):+.2f}"
+        paper = f"{sc * pv.value:.2f}" + ("" if pv.std is None else f" ± {sc * pv.std:.2f}")
+        metric = pv.metric if pv.unit == "%" else f"{pv.metric} ({pv.unit})"
+        body.append([pv.source, pv.row, metric, paper, fmt(s, sc), s["n"], diff])
     return ["## The paper's numbers and ours", ""] + \
         _table(["source", "row", "metric", "paper", "ours", "n", "ours − paper"], body) + [""]
 
@@ -1665,12 +1796,12 @@ def _findings_section(results: Sequence, level: float) -> list[str]:
     body = []
     for f, res in results:
         for c in res:
-            t = c["test"]
-            body.append([f.source, f.statement, f"{f.x}={c['x']}", f.metric,
-                         f"{f.reference} {f.relation}" + (f" (tol {100 * f.tol:g})" if f.tol else ""),
-                         "n/a" if c["ref"] is None else f"{fmt(c['ref'])} ({c['ref']['n']})",
-                         "n/a" if c["other"] is None else f"{c['best_other']}: {fmt(c['other'])} ({c['other']['n']})",
-                         "n/a" if c["diff"] is None else f"{100 * c['diff']:+.2f}",
+            t, sc = c["test"], unit_scale(f.unit)
+            body.append([f.source, f.statement, f"{f.x}={c['x']}", f.metric if f.unit == "%" else f"{f.metric} ({f.unit})",
+                         f"{f.reference} {f.relation}" + (f" (tol {sc * f.tol:g})" if f.tol else ""),
+                         "n/a" if c["ref"] is None else f"{fmt(c['ref'], sc)} ({c['ref']['n']})",
+                         "n/a" if c["other"] is None else f"{c['best_other']}: {fmt(c['other'], sc)} ({c['other']['n']})",
+                         "n/a" if c["diff"] is None else f"{sc * c['diff']:+.2f}",
                          "n/a" if t is None else f"{t['t']:.2f} ({t['df']:.1f})", "n/a" if t is None else f"{t['p']:.3f}",
                          f"**{c['verdict']}**" if c["verdict"] == "contradicted" else c["verdict"]])
     return ["## The paper's findings, tested on our numbers", "",
@@ -1695,7 +1826,8 @@ def _figure_sections(exp: Experiment, rows: list[dict], report_dir: Path, figure
         if not any(aggs.values()): continue
         series = list(dict.fromkeys(s for agg in aggs.values() for _, s in agg))
         xs = _order({x for agg in aggs.values() for x, _ in agg})
-        body = [[x] + [fmt(aggs[m].get((x, s), summarise([]))) for m in fig.metrics for s in series] for x in xs]
+        body = [[x] + [fmt(aggs[m].get((x, s), summarise([])), unit_scale(fig.unit)) for m in fig.metrics for s in series]
+                for x in xs]
         lines += [f"## {fig.title}", ""] + _table([fig.x] + [f"{s} {m}" for m in fig.metrics for s in series], body) + [""]
         banner = "smoke run or fabricated data: not comparable with the paper" if warning else None
         if figures and plot_figure(rows, fig, report_dir / f"{fig.name}.png", exp.paper, results, banner) is not None:
