@@ -126,6 +126,46 @@ def _tree_part(s, target, k, tau, alpha):
 
 
 # %% ../nbs/03_smooth_svm.ipynb #491dffe0
+def _host_forward(ctx, s, target, k, tau, alpha, top, idx, s_y, hard, loss, ok, kth, gain):
+    "The host forward: the power path on the soft rows only (selected by reading the hard mask back); (loss, certified)."
+    B, n = s.shape
+    soft = (~hard).nonzero()[:, 0]                                            # (S,) the soft rows
+    ctx.every = soft.numel() == B
+    if not soft.numel():
+        ctx.save_for_backward(target, kth, gain)
+        return loss, ok
+    s_s, y_s, top_s, idx_s = (s, target, top, idx) if ctx.every else (s[soft], target[soft], top[soft], idx[soft])
+    h, scale = head_size(n - 1, k), 1.0 / (k * tau)
+    head = idx_s[:, :h]                                                       # (S, h)
+    c, v, t, e = power_inputs(s_s, top_s, head, y_s, scale, k)               # e: (S, n) float64, x = s / (k tau), shifted
+    sig, ok_s, state = power_forward(e, v, t, k, *power_tolerances(s.dtype))  # sig: (S, k+1)
+    z = alpha / tau + sig[:, k].log() - sig[:, k - 1].log() + (c[:, 0] - s_y[soft].double()) * scale   # b - a, eq. (10)
+    loss[soft], ok[soft] = (tau * F.softplus(z)).to(s.dtype), ok_s
+    ctx.save_for_backward(target, kth, gain, soft, e, v, head, sig, ok_s, torch.sigmoid(z), *state)
+    return loss, ok
+
+
+def _host_backward(ctx, grad):
+    "The host backward: the hinge's two entries on hard rows plus the power path's gradient on the soft rows, (B, n)."
+    target, kth, gain, *soft_state = ctx.saved_tensors
+    B, n, k = grad.shape[0], ctx.n, ctx.k
+    if ctx.every:                                                             # every entry is written below
+        out = torch.empty((B, n), dtype=grad.dtype, device=grad.device)
+    else:
+        rows, g_hard = torch.arange(B, device=grad.device), grad * gain       # 0 on soft rows and where the hinge is flat
+        out = torch.zeros((B, n), dtype=grad.dtype, device=grad.device)
+        out.index_put_((rows, kth), g_hard, accumulate=True).index_put_((rows, target), -g_hard, accumulate=True)
+    if soft_state:
+        soft, e, v, head, sig, ok_s, rho, *state = soft_state
+        g = torch.where(ok_s, grad[soft].double() * rho / k, 0.0)             # dL/d log sigma_k = -dL/d log sigma_{k-1}, times dx/ds
+        part = out if ctx.every else torch.empty(e.shape, dtype=grad.dtype, device=grad.device)   # (S, n)
+        power_backward(e, v, head, sig, ok_s, state, torch.stack([-g, g], 1), k, part)
+        part.scatter_add_(1, target[soft, None], -g[:, None].to(part.dtype))
+        if not ctx.every: out.index_copy_(0, soft, part)
+    return out
+
+
+# %% ../nbs/03_smooth_svm.ipynb #850e8522
 class _SmoothTopkSVMFunction(torch.autograd.Function):
     "Per-sample L_{k,tau}: hard rows by the hinge, the others by certified power sums; which rows are certified; one gradient buffer."
 
@@ -141,46 +181,25 @@ class _SmoothTopkSVMFunction(torch.autograd.Function):
         ctx.k, ctx.n, ctx.masked = k, n, sync_free(s)
         if ctx.masked:                                               # fixed shapes: every row, hard ones masked
             return _masked_forward(ctx, s, target, k, tau, alpha, top, idx, s_y, hard, loss, kth, gain)
-        soft = (~hard).nonzero()[:, 0]
-        ctx.every = soft.numel() == B
-        if not soft.numel():
-            ctx.save_for_backward(target, kth, gain)
-            return loss, ok
-        s_s, y_s, top_s, idx_s = (s, target, top, idx) if ctx.every else (s[soft], target[soft], top[soft], idx[soft])
-        h, scale = head_size(n - 1, k), 1.0 / (k * tau)
-        head = idx_s[:, :h]
-        c, v, t, e = power_inputs(s_s, top_s, head, y_s, scale, k)    # x = s / (k tau), shifted by its largest other
-        sig, ok_s, state = power_forward(e, v, t, k, *power_tolerances(s.dtype))
-        z = alpha / tau + sig[:, k].log() - sig[:, k - 1].log() + (c[:, 0] - s_y[soft].double()) * scale   # b - a, eq. (10)
-        loss[soft], ok[soft] = (tau * F.softplus(z)).to(s.dtype), ok_s
-        ctx.save_for_backward(target, kth, gain, soft, e, v, head, sig, ok_s, torch.sigmoid(z), *state)
-        return loss, ok
+        return _host_forward(ctx, s, target, k, tau, alpha, top, idx, s_y, hard, loss, ok, kth, gain)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad, _):
-        if ctx.masked:
-            return _masked_backward(ctx, grad), None, None, None, None, None
-        target, kth, gain, *soft_state = ctx.saved_tensors
-        B, n, k = grad.shape[0], ctx.n, ctx.k
-        if ctx.every:                                                # every entry is written below
-            out = torch.empty((B, n), dtype=grad.dtype, device=grad.device)
-        else:
-            rows, g_hard = torch.arange(B, device=grad.device), grad * gain   # 0 on soft rows and where the hinge is flat
-            out = torch.zeros((B, n), dtype=grad.dtype, device=grad.device)
-            out.index_put_((rows, kth), g_hard, accumulate=True).index_put_((rows, target), -g_hard, accumulate=True)
-        if soft_state:
-            soft, e, v, head, sig, ok_s, rho, *state = soft_state
-            g = torch.where(ok_s, grad[soft].double() * rho / k, 0.0)   # dL/d log sigma_k = -dL/d log sigma_{k-1}, times dx/ds
-            part = out if ctx.every else torch.empty(e.shape, dtype=grad.dtype, device=grad.device)
-            power_backward(e, v, head, sig, ok_s, state, torch.stack([-g, g], 1), k, part)
-            part.scatter_add_(1, target[soft, None], -g[:, None].to(part.dtype))
-            if not ctx.every: out.index_copy_(0, soft, part)
+        out = _masked_backward(ctx, grad) if ctx.masked else _host_backward(ctx, grad)
         return out, None, None, None, None, None
 
 
-def smooth_svm(scores: torch.Tensor, target: torch.Tensor, k: int = 5, tau: float = 1.0, alpha: float = 1.0,
-                    reduction: str = "mean", hard_switch: bool = True, check_finite: bool | None = None) -> torch.Tensor:
+# %% ../nbs/03_smooth_svm.ipynb #c5907072
+def smooth_svm(scores: torch.Tensor,             # (B, n) scores
+               target: torch.Tensor,             # (B,) class indices
+               k: int = 5,                       # the k of top-k
+               tau: float = 1.0,                 # temperature: tau -> 0 gives the top-k hinge
+               alpha: float = 1.0,               # margin
+               reduction: str = "mean",          # "mean", "sum" or "none"
+               hard_switch: bool = True,         # rows where the smooth loss equals the hinge to rounding take the hinge
+               check_finite: bool | None = None, # check the scores are finite (None: on the host path only)
+               ) -> torch.Tensor:
     "Smooth top-k SVM loss L_{k,tau} (Berrada 2018, eq. 9-10) with margin alpha."
     scores, target, k = check_loss_input(scores, target, k, check_finite)
     tau = check_real(tau, "tau", 0.0, lo_open=True)
@@ -189,13 +208,19 @@ def smooth_svm(scores: torch.Tensor, target: torch.Tensor, k: int = 5, tau: floa
     out_dtype = loss_dtype(scores)
     with torch.autocast(scores.device.type, enabled=False):
         s = scores if scores.dtype in (torch.float32, torch.float64) else scores.float()
-        loss, ok = _SmoothTopkSVMFunction.apply(s, target, k, tau, alpha, hard_switch)
+        loss, ok = _SmoothTopkSVMFunction.apply(s, target, k, tau, alpha, hard_switch)   # (B,), (B,)
         if sync_free(s):                                             # no read-back: the tree on every row, kept where refused
             loss = torch.where(ok, loss, _tree_part(s, target, k, tau, alpha))
         elif not bool(ok.all()):                                     # rows the certificate refuses: the exact tree
             bad = (~ok).nonzero()[:, 0]
             loss = loss.index_put((bad,), _smooth_part(s[bad], target[bad], k, tau, alpha))
     return reduce_loss(loss, reduction).to(out_dtype)
+
+
+smooth_topk_svm = smooth_svm    # the earlier name, kept
+
+
+# %% ../nbs/03_smooth_svm.ipynb #9f2f81b1
 class SmoothSVM(LossModule):
     "Smooth top-k SVM loss L_{k,tau} (Berrada 2018, eq. 10) as a module, a drop-in for nn.CrossEntropyLoss."
     example = "k=5, tau=1.0"
@@ -217,6 +242,10 @@ class SmoothSVM(LossModule):
         return f"k={self.k}, tau={self.tau}, alpha={self.alpha}, reduction={self.reduction!r}"
 
 
+SmoothTopkSVM = SmoothSVM    # the earlier name, kept
+
+
+# %% ../nbs/03_smooth_svm.ipynb #ae044957
 class TopkHinge(LossModule):
     "Top-k hinge loss (non-smooth, Berrada 2018 eq. 8) as a module."
     example = "k=5"
@@ -233,10 +262,4 @@ class TopkHinge(LossModule):
 
     def extra_repr(self) -> str:
         return f"k={self.k}, alpha={self.alpha}, reduction={self.reduction!r}"
-
-
-smooth_topk_svm = smooth_svm    # the earlier name, kept
-
-
-SmoothTopkSVM = SmoothSVM    # the earlier name, kept
 
