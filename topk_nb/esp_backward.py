@@ -99,6 +99,7 @@ def power_tolerances(dtype: torch.dtype) -> tuple[float, float]:
     return (POWER_FWD_TOL_64, POWER_GRAD_TOL_64) if dtype == torch.float64 else (POWER_FWD_TOL, POWER_GRAD_TOL)
 
 
+# %% ../nbs/02_esp_backward.ipynb #83deb7e2
 def poly_mul_lin(p: torch.Tensor, q: torch.Tensor, d: int) -> torch.Tensor:
     "Coefficients 0..d-1 of the products of polynomials p (..., a) and q (..., b) in standard space (broadcast)."
     a, b = p.shape[-1], q.shape[-1]
@@ -108,6 +109,7 @@ def poly_mul_lin(p: torch.Tensor, q: torch.Tensor, d: int) -> torch.Tensor:
     return out[..., :d]
 
 
+# %% ../nbs/02_esp_backward.ipynb #370d4152
 @functools.lru_cache(maxsize=None)
 def _lags(m: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     "For (m+1) x (m+1) matrices: the lags j - i clamped at 0, and where j > i (cached: made outside inference mode)."
@@ -117,12 +119,14 @@ def _lags(m: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         return lag.clamp(min=0), lag > 0
 
 
+# %% ../nbs/02_esp_backward.ipynb #d040d8f2
 def _lower_toeplitz(c: torch.Tensor) -> torch.Tensor:
     "The strictly lower triangular Toeplitz matrices M[j, i] = c_{j-i} (j > i) of the vectors c_1..c_m (..., m)."
     lag, below = _lags(c.shape[-1], c.device)
     return F.pad(c, (1, 0))[..., lag] * below
 
 
+# %% ../nbs/02_esp_backward.ipynb #c658dc2e
 @functools.lru_cache(maxsize=None)
 def _newton_constants(k: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     "diag(max(j, 1)), the signs (-1)^(j-i), and the unit vector e_0, for j, i = 0..k (cached: made outside inference mode)."
@@ -133,6 +137,7 @@ def _newton_constants(k: int, dtype: torch.dtype, device: torch.device) -> tuple
         return torch.diag(j.clamp(min=1).to(dtype)), (1.0 - 2.0 * ((j[:, None] - j) % 2)).to(dtype), first
 
 
+# %% ../nbs/02_esp_backward.ipynb #918f2bb7
 def newton_esp(power_sums: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     "sigma_0..k from the power sums p_1..p_k (..., k) by Newton's identities, and a bound on each absolute error."
     k = power_sums.shape[-1]
@@ -146,6 +151,7 @@ def newton_esp(power_sums: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Te
     return sig[..., 0], err[..., 0]
 
 
+# %% ../nbs/02_esp_backward.ipynb #eb9afc4b
 def head_esps(v: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     "sigma_0..k of the head values v (B, h), and sigma_0..k-1 of each prefix v_0..v_{i-1}, (B, h, k): positive terms only."
     cur = F.pad(v.new_ones(v.shape[0], 1), (0, k))                   # (B, k+1): the polynomial 1
@@ -156,6 +162,7 @@ def head_esps(v: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return cur, torch.stack(prefixes, 1)
 
 
+# %% ../nbs/02_esp_backward.ipynb #5a6c0442
 def head_leave_one_out(prefixes: torch.Tensor, v: torch.Tensor, sig_t: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     "sigma_{k-2} and sigma_{k-1} of the row without head entry i, (B, h) each: prefix(i) times (suffix(i) times the tail)."
     cur, suffixes = sig_t[:, :k].flip(-1), []                         # (B, k), degrees k-1..0: the tail, empty suffix
@@ -168,11 +175,13 @@ def head_leave_one_out(prefixes: torch.Tensor, v: torch.Tensor, sig_t: torch.Ten
     return below, top
 
 
+# %% ../nbs/02_esp_backward.ipynb #a43880df
 def head_size(m: int, k: int) -> int:
     "How many of a row's m values the head takes: the k+1 largest, or all of them where the tail would be short (m <= 4(k+1))."
     return m if m <= 4 * (k + 1) else min(k + 1, m)
 
 
+# %% ../nbs/02_esp_backward.ipynb #fcf989c0
 def power_shift(m: int, k: int) -> float:
     "How far below 1 (in log) the largest of m values goes so that no sigma_j, j <= k, can overflow: max(0, (log C(m, k) - 500) / k)."
     if k < 1 or k > m: return 0.0
@@ -180,6 +189,7 @@ def power_shift(m: int, k: int) -> float:
     return max(0.0, (log_binom - 500.0) / k)
 
 
+# %% ../nbs/02_esp_backward.ipynb #4db3a165
 def power_inputs(x: torch.Tensor, top: torch.Tensor, head: torch.Tensor, exclude: torch.Tensor | None = None,
                  scale: float = 1.0, k: int = 0) -> tuple[torch.Tensor, ...]:
     "For the rows of exp(scale * x), in float64 and shifted by the largest value top[:, 0] (and power_shift): the shift, head values, largest tail value, tail values (head and `exclude` entries 0)."
@@ -193,6 +203,7 @@ def power_inputs(x: torch.Tensor, top: torch.Tensor, head: torch.Tensor, exclude
     return c, v, t, e.exp_().scatter_(1, drop, 0.0)
 
 
+# %% ../nbs/02_esp_backward.ipynb #20475d24
 def power_forward(e: torch.Tensor, v: torch.Tensor, t: torch.Tensor, k: int, fwd_tol: float, grad_tol: float):
     "sigma_0..k (B, k+1) of the values [v, e] (head v, tail e, float64, e <= t <= v), which rows are certified, and the backward's state."
     n = e.shape[1]
@@ -220,6 +231,7 @@ def power_forward(e: torch.Tensor, v: torch.Tensor, t: torch.Tensor, k: int, fwd
     return sig, ok, (sig_t, prefixes)
 
 
+# %% ../nbs/02_esp_backward.ipynb #9fa93975
 def power_backward(e: torch.Tensor, v: torch.Tensor, head: torch.Tensor, sig: torch.Tensor, ok: torch.Tensor, state,
                    weight: torch.Tensor, k: int, out: torch.Tensor) -> torch.Tensor:
     "Writes d(w_0 log sigma_{k-1} + w_1 log sigma_k)/dx (x = log of [v, e]) into `out` (B, n), head entries at `head`; 0 on rows not `ok`."
@@ -244,6 +256,7 @@ def power_backward(e: torch.Tensor, v: torch.Tensor, head: torch.Tensor, sig: to
     return out.scatter_add_(1, head, (v * gh).to(out.dtype))
 
 
+# %% ../nbs/02_esp_backward.ipynb #9ac64105
 class PowerLogSigma(torch.autograd.Function):
     "(log sigma_{k-1}, log sigma_k) of exp(x) without the `exclude` entries, by power sums; and which rows are certified."
 
@@ -263,6 +276,7 @@ class PowerLogSigma(torch.autograd.Function):
         e, v, head, sig, ok, *state = ctx.saved_tensors
         out = torch.empty(e.shape, dtype=grad.dtype, device=e.device)
         return power_backward(e, v, head, sig, ok, state, grad.double(), ctx.k, out), None, None, None, None
+
 
 # %% ../nbs/02_esp_backward.ipynb #57923421
 def power_log_sigma(x: torch.Tensor, k: int, exclude: torch.Tensor | None = None, top: torch.Tensor | None = None,
