@@ -178,8 +178,8 @@ def environment() -> dict:
 
 # %% ../nbs/13_batch.ipynb #4da905a3
 def atomic_write_json(path, obj) -> Path:
-    "Write `obj` as JSON to `path` atomically (the training loop's `atomic_write`: never a partial file)."
-    from topk_nb.train import atomic_write               # lazy: `topk-nb list` and `report` need no torch import
+    "Write `obj` as JSON to `path` atomically (`topk_nb.files.atomic_write`: never a partial file)."
+    from topk_nb.files import atomic_write
     return atomic_write(path, lambda f: json.dump(obj, f, indent=1, default=_json_default), "w")
 
 # %% ../nbs/13_batch.ipynb #13ccb866
