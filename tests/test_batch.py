@@ -1,4 +1,5 @@
 "Tests of topk_nb.batch: grid expansion, resume after kill -9, failure isolation, GPU assignment, the report."
+import importlib
 import json
 import os
 import signal
@@ -11,8 +12,10 @@ import nbformat
 import pytest
 
 from topk_nb import batch
-from topk_nb.batch import (CIRCLES_TRADEOFFS, RECORD, Experiment, Figure, Finding, PaperValue, cell_dir, cell_id,
+from topk_nb.batch import (RECORD, Experiment, Figure, Finding, PaperValue, cell_dir, cell_id,
                            expand_grid, load_records, main, parse_grid, read_record, report, run_grid, write_record)
+
+CIRCLES_TRADEOFFS = batch.EXPERIMENTS["circles_tradeoffs"]
 
 
 def fake_notebook(path, body: str, tagged: bool = True) -> Path:
@@ -263,7 +266,7 @@ def test_report_counts_each_seed_once_and_ties_are_no_wins(tmp_path):
 
 
 def test_figures_draw_the_papers_values_beside_ours(tmp_path):
-    exp = batch.CIFAR100_NOISE                # Berrada 2018 Tab. 1 with the standard deviations of its Tab. 9
+    exp = batch.EXPERIMENTS["cifar100_noise"]                # Berrada 2018 Tab. 1 with the standard deviations of its Tab. 9
     points = batch.paper_points(exp.paper, exp.figures[0], "top5")
     assert points["ce"]["Berrada 2018, Tab. 1"][0] == (0.0, pytest.approx(0.9434), pytest.approx(0.0009))
     assert points["noised_bal"]["Garcin 2022, Tab. 4"][:2] == [(0.0, pytest.approx(0.9435), None),
@@ -316,7 +319,7 @@ def _paper(exp, source):
 
 
 def test_speed_paper_values_are_the_tables():
-    tab3, tab4 = _paper(batch.SPEED, "Berrada 2018, Tab. 3"), _paper(batch.SPEED, "Berrada 2018, Tab. 4")
+    tab3, tab4 = _paper(batch.EXPERIMENTS["speed"], "Berrada 2018, Tab. 3"), _paper(batch.EXPERIMENTS["speed"], "Berrada 2018, Tab. 4")
     assert {r: round(pv.value, 6) for (r, _), pv in tab3.items()} == {
         "SA, n = 100": 6.0, "SA, n = 1,000": 62.0, "SA, n = 10,000": 627.0, "SA, n = 100,000": 6258.0,
         "DC, n = 100": 11.0, "DC, n = 1,000": 18.0, "DC, n = 10,000": 24.0, "DC, n = 100,000": 146.0}
@@ -326,7 +329,7 @@ def test_speed_paper_values_are_the_tables():
         "DC (CB), n = 100,000": 171.0}
     assert all(pv.unit == "ms" and pv.where["part"] == "forward" for pv in tab3.values())
     assert all(pv.where["part"] == "backward" for pv in tab4.values())        # the backward alone, not forward+backward
-    fig3 = _paper(batch.SPEED, "Garcin 2022, §4.3 (Fig. 3)")
+    fig3 = _paper(batch.EXPERIMENTS["speed"], "Garcin 2022, §4.3 (Fig. 3)")
     assert {(pv.where["k"], pv.where["variant"], pv.metric): pv.value for pv in fig3.values()} == {
         (5, "ce", "epoch_s"): 65.0, (5, "noised_bal (B=3)", "epoch_s"): 68.0, (5, "smooth_svm", "epoch_s"): 81.0,
         (10, "smooth_svm", "epoch_s"): 90.0, (10, "noised_bal (B=3)", "epoch_s"): 60.0,
@@ -337,13 +340,13 @@ def test_speed_paper_values_name_rows_the_bench_writes():
     from topk_nb.bench import epoch_times, esp_speed
     rows = esp_speed(ns=(100,), k=5, batch=256, repeats=1)
     assert {r["part"] for r in rows} == {"forward", "backward", "forward_backward"}
-    for pv in batch.SPEED.paper:
+    for pv in batch.EXPERIMENTS["speed"].paper:
         if pv.where["part"] != "epoch" and pv.where["n"] == 100:        # each value of Tab. 3-4 at n = 100: one row
             assert sum(batch._matches(r, pv.where) for r in rows) == 1, pv
     configs = [{"loss": "ce"}, {"loss": "smooth_svm", "k": 5}, {"loss": "noised_bal", "k": 5, "n_samples": 3}]
     epoch = epoch_times(configs, model="densenet_tiny", batch=4, rounds=1, n_train=8)
     epoch = [{**r, "model": "densenet40_40"} for r in epoch]             # the paper's model, timed as a tiny one
-    for pv in batch.SPEED.paper:
+    for pv in batch.EXPERIMENTS["speed"].paper:
         if pv.where["part"] == "epoch" and pv.where["k"] == 5:
             assert sum(batch._matches(r, pv.where) for r in epoch) == 1 and pv.metric in epoch[0], pv
 
@@ -391,7 +394,7 @@ def test_speed_report_judges_the_findings_and_draws_the_tables(tmp_path):
 
 # --- Sawada: 99 % top-k accuracy with 8 fewer candidates than CE ----------------------------------------------
 def test_sawada_candidates_99_paper_values_and_finding(tmp_path):
-    exp = batch.CIFAR100_TRANSITION
+    exp = batch.EXPERIMENTS["cifar100_transition"]
     pvs = [pv for pv in exp.paper if pv.metric == "candidates_99"]
     assert {(pv.where["loss"], pv.where["augment"], pv.value) for pv in pvs} == {
         ("topk_transition", "cutout", 25.0), ("ce", "cutout", 33.0), ("topk_transition", "mixup", 25.0),
@@ -412,7 +415,7 @@ def test_sawada_candidates_99_paper_values_and_finding(tmp_path):
 
 # --- level sets: Garcin 2022 Fig. 4 (B) and Fig. 5 (ε) sweeps --------------------------------------------------
 def test_level_set_sweeps_draw_and_judge(tmp_path):
-    exp = batch.LEVEL_SETS
+    exp = batch.EXPERIMENTS["level_sets"]
     assert exp.presets["fig4"]["sweep_samples"] == [[1, 3, 10, 50]] and exp.presets["fig5"]["sweep_epsilons"]
     params = {"k": 1, "panels": ["cal_hinge"], "resolution": 10, "replications": 20, "sweep_samples": [1, 50],
               "sweep_epsilons": [0.01, 10.0]}
@@ -431,3 +434,49 @@ def test_level_set_sweeps_draw_and_judge(tmp_path):
     # the main panels' claim does not see the sweep rows (only cal_hinge ran: no competitor, not run)
     assert "| k=1 | zero_share | smooth_svm not_best | n/a |" in md
     assert (tmp_path / "runs" / exp.name / "report" / "fig4.svg").read_text().count("mc_error (loss)") == 1
+
+
+# --- the catalogue is the experiments' notebooks ---------------------------------------------------------------
+def test_the_catalogue_is_one_entry_per_experiment_notebook():
+    notebooks = Path(__file__).resolve().parent.parent / "nbs" / "experiments"
+    assert sorted(batch.EXPERIMENTS) == sorted(p.stem for p in notebooks.glob("*.ipynb"))
+    for name, exp in batch.EXPERIMENTS.items():
+        assert exp.notebook == f"{name}.ipynb" and exp.notebook_path().is_file()
+        assert importlib.import_module(f"topk_nb.experiments.{name}").ENTRY is exp
+
+
+def test_a_new_experiment_module_is_discovered(tmp_path, monkeypatch):
+    pkg = tmp_path / "more_experiments"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "tiny.py").write_text("from topk_nb.catalogue import Experiment, Finding\n"
+                                 "ENTRY = Experiment('tiny', 'tiny.ipynb', 'a tiny experiment', presets={'smoke': {'x': 2}},\n"
+                                 "                   findings=(Finding('Some 2020, Fig. 1', 'a claim', {}, 'x', (2,), 'y', 'best'),))\n")
+    (pkg / "helpers.py").write_text("SHARED = 1\n")               # a module without an entry is left out
+    monkeypatch.syspath_prepend(str(tmp_path))
+    found = batch.discover_experiments("more_experiments")
+    assert list(found) == ["tiny"] and found["tiny"].presets == {"smoke": {"x": 2}}
+    (pkg / "misnamed.py").write_text("from topk_nb.catalogue import Experiment\nENTRY = Experiment('other', 'o.ipynb', 'o')\n")
+    with pytest.raises(ValueError, match="must be an Experiment named 'misnamed'"):
+        batch.discover_experiments("more_experiments")
+
+
+@pytest.mark.parametrize("name", sorted(batch.EXPERIMENTS))
+def test_every_preset_sets_only_notebook_parameters(name):
+    exp = batch.EXPERIMENTS[name]
+    for preset in exp.presets:
+        batch.check_parameters(exp, preset)
+
+
+def test_a_preset_key_that_is_no_parameter_fails_before_anything_runs(tmp_path, capsys):
+    nb = fake_notebook(tmp_path / "fake.ipynb", WRITE)
+    typo = Experiment("typo", str(nb), "a typo", presets={"smoke": [{"x": 1}, {"xx": [1, 2]}]})
+    with pytest.raises(ValueError) as err:
+        run_grid(typo, "smoke", out_dir=tmp_path / "runs", progress=False)
+    assert str(err.value) == ("preset 'smoke' of typo sets 'xx', which is not a parameter of fake.ipynb; "
+                              "its parameters: seed, x")
+    assert not (tmp_path / "runs").exists()
+    assert main(["run", str(nb), "--grid", "y=1", "--out", str(tmp_path / "runs")]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "topk-nb run: error: --grid y=...: 'y' is not a parameter of fake.ipynb; its parameters: seed, x"]
+    assert not (tmp_path / "runs").exists()
