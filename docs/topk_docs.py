@@ -69,23 +69,39 @@ def experiment_notebooks() -> list[Path]:
     return sorted((NBS / "experiments").glob("*.ipynb"))
 
 
+def all_notebooks() -> list[Path]:
+    return [*chapters(), *experiment_notebooks()]
+
+
 def modules() -> list[str]:
     "The package's modules that nbdev exports, in the order of their chapters."
     index = importlib.import_module(f"{LIB}._modidx").d
     return sorted(index["syms"], key=lambda m: _module_chapter(m) or m)
 
 
+def doc_name(notebook: str) -> str:
+    "The page of a notebook given relative to `nbs/` (`experiments/level_sets.ipynb` -> `experiments/level_sets`)."
+    path = Path(notebook)
+    return (path.parent / page_name(path)).as_posix()
+
+
+def _notebook_of(header: str, module_file: Path) -> str:
+    "A cell header's notebook (relative to the module file) as a path relative to `nbs/`."
+    return (module_file.parent / header).resolve().relative_to(NBS.resolve()).as_posix()
+
+
 def _module_chapter(module: str) -> str | None:
-    "The notebook file name that a module is exported from (its first cell header)."
+    "The notebook, relative to `nbs/`, that a module is exported from (its first cell header)."
     path = ROOT / (module.replace(".", "/") + ".py")
     match = CELL_HEADER.search(path.read_text(encoding="utf-8")) if path.is_file() else None
-    return Path(match.group(1)).name if match else None
+    return _notebook_of(match.group(1), path) if match else None
 
 
 def symbol_cells() -> dict[str, tuple[str, str]]:
-    "{'topk_nb.mod.name': (notebook file name, cell id)} for every top-level name an exported cell defines."
+    "{'topk_nb.mod.name': (notebook relative to nbs/, cell id)} for every top-level name an exported cell defines."
     found = {}
-    for path in sorted((ROOT / LIB).glob("*.py")):
+    for path in sorted((ROOT / LIB).rglob("*.py")):
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
         parts = CELL_HEADER.split(path.read_text(encoding="utf-8"))
         for notebook, cell_id, code in zip(parts[1::3], parts[2::3], parts[3::3]):
             if not cell_id:
@@ -104,7 +120,7 @@ def symbol_cells() -> dict[str, tuple[str, str]]:
                 else:
                     names = []
                 for name in names:
-                    found.setdefault(f"{LIB}.{path.stem}.{name}", (Path(notebook).name, cell_id))
+                    found.setdefault(f"{module}.{name}", (_notebook_of(notebook, path), cell_id))
     return found
 
 
@@ -135,7 +151,7 @@ class Site:
 
     def __init__(self):
         self.links = chapter_links()
-        sections = {page_name(p): section_ids(p) for p in chapters()}
+        sections = {doc_name(p.relative_to(NBS).as_posix()): section_ids(p) for p in all_notebooks()}
         for name, (page, anchor) in self.links.items():
             if anchor in sections.get(page, ()):            # a section of the chapter has that id already
                 self.links[name] = (page, f"sym-{anchor}")
@@ -146,7 +162,7 @@ class Site:
             if name not in cells:
                 continue
             notebook, cell_id = cells[name]
-            if page_name(Path(notebook)) != page:
+            if doc_name(notebook) != page:
                 continue
             short = name.rsplit(".", 1)[1]
             self.names[(page, short)] = name
@@ -214,7 +230,8 @@ class Site:
         rubric with an id of its own), nbdev's `[source](url){attributes}` line as HTML with a link to the API
         entry. Returns the cell and whether the anchor was used."""
         full = self.names.get((page, name))
-        api = f' · <a href="reference/{full.rsplit(".", 1)[0]}.html#{full}">API</a>' if full else ""
+        up = "../" * page.count("/")
+        api = f' · <a href="{up}reference/{full.rsplit(".", 1)[0]}.html#{full}">API</a>' if full else ""
         outputs, used = [], False
         for output in cell.get("outputs", []):
             markdown = output.get("data", {}).get("text/markdown")
@@ -286,7 +303,7 @@ def api_index_page() -> str:
         mod = importlib.import_module(module)
         summary = (mod.__doc__ or "").strip().split("\n")[0]
         chapter = _module_chapter(module)
-        link = f"{{doc}}`../{page_name(Path(chapter))}`" if chapter else ""
+        link = f"{{doc}}`../{doc_name(chapter)}`" if chapter else ""
         rows.append(f"| {{doc}}`{module} <{module}>` | {summary} | {link} |")
     toc = "\n".join(modules())
     return f"""# API reference
@@ -316,7 +333,7 @@ def api_module_page(module: str) -> str:
     chapter = _module_chapter(module)
     lines = [module, "=" * len(module), "", f".. automodule:: {module}", "   :no-members:", ""]
     if chapter:
-        lines += [f"Derived in the chapter :doc:`../{page_name(Path(chapter))}` (``nbs/{chapter}``).", ""]
+        lines += [f"Derived in the notebook :doc:`../{doc_name(chapter)}` (``nbs/{chapter}``).", ""]
     if routines:
         lines += [".. list-table::", "   :widths: 30 70", ""]
         for name in routines:
@@ -517,7 +534,7 @@ def check_html(outdir: Path):
 
 
 def setup(app):
-    CHAPTER_TITLES.update({page_name(p): notebook_title(p) for p in chapters()})
+    CHAPTER_TITLES.update({doc_name(p.relative_to(NBS).as_posix()): notebook_title(p) for p in all_notebooks()})
     app.connect("builder-inited", on_builder_inited)
     app.connect("source-read", on_source_read)
     app.connect("autodoc-process-docstring", on_process_docstring)

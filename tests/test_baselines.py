@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
-from topk_nb.baselines import (CrossEntropy, CvxTopkHinge, FocalLoss, LDAMLoss, TopkGrouping, TopkTransition,
-                               cross_entropy, cvx_topk_hinge, expected_loss, focal_loss, ldam, split_target,
+from topk_nb.baselines import (CE, CvxHinge, Focal, LDAM, TopkGrouping, TopkTransition,
+                               ce, cvx_hinge, expected_loss, focal, ldam, split_target,
                                topk_group_mask, topk_grouping, topk_transition)
 from topk_nb.core import target_rank
 from topk_nb.svm import topk_hinge
@@ -25,10 +25,10 @@ def problem(seed, batch, n, scale=3.0):
 def test_cross_entropy_direct_formula_and_label_smoothing():
     s, y, t = problem(0, 7, 6)
     log_q = torch.log(torch.softmax(s, 1))
-    torch.testing.assert_close(cross_entropy(s, y, reduction="none"), -log_q[torch.arange(7), y])
-    torch.testing.assert_close(cross_entropy(s, t, reduction="none"), -(t * log_q).sum(1))
+    torch.testing.assert_close(ce(s, y, reduction="none"), -log_q[torch.arange(7), y])
+    torch.testing.assert_close(ce(s, t, reduction="none"), -(t * log_q).sum(1))
     smooth = 0.9 * F.one_hot(y, 6).double() + 0.1 / 6
-    torch.testing.assert_close(cross_entropy(s, y, 0.1, reduction="none"), -(smooth * log_q).sum(1))
+    torch.testing.assert_close(ce(s, y, 0.1, reduction="none"), -(smooth * log_q).sum(1))
 
 
 @pytest.mark.parametrize("gamma", [0.0, 0.5, 1.0, 2.0, 5.0])
@@ -36,15 +36,15 @@ def test_focal_direct_formula(gamma):
     s, y, t = problem(1, 9, 5)
     q = torch.softmax(s, 1)
     q_y = q[torch.arange(9), y]
-    torch.testing.assert_close(focal_loss(s, y, gamma, reduction="none"), -(1 - q_y) ** gamma * q_y.log())
-    torch.testing.assert_close(focal_loss(s, t, gamma, reduction="none"), -(t * (1 - q) ** gamma * q.log()).sum(1))
+    torch.testing.assert_close(focal(s, y, gamma, reduction="none"), -(1 - q_y) ** gamma * q_y.log())
+    torch.testing.assert_close(focal(s, t, gamma, reduction="none"), -(t * (1 - q) ** gamma * q.log()).sum(1))
 
 
 def test_focal_gradient_finite_for_confident_samples():
     x = torch.tensor([[60.0, 0.0, -3.0], [0.0, 0.0, 0.0]], requires_grad=True)
-    focal_loss(x, torch.tensor([0, 1]), gamma=0.25).backward()
+    focal(x, torch.tensor([0, 1]), gamma=0.25).backward()
     assert torch.isfinite(x.grad).all()
-    assert torch.autograd.gradcheck(lambda z: focal_loss(z, torch.tensor([0, 2]), 0.5),
+    assert torch.autograd.gradcheck(lambda z: focal(z, torch.tensor([0, 2]), 0.5),
                                     (torch.randn(2, 4, dtype=torch.float64, requires_grad=True),))
 
 
@@ -71,7 +71,7 @@ def test_cvx_hinge_against_subsets_and_bounds(seed, n, data):
     a = s + 1 - F.one_hot(y, n).double()
     best = torch.stack([a[:, list(A)].mean(1) for A in itertools.combinations(range(n), k)], 1).max(1).values
     expected = F.relu(best - s[torch.arange(6), y])
-    cvx = cvx_topk_hinge(s, y, k, reduction="none")
+    cvx = cvx_hinge(s, y, k, reduction="none")
     torch.testing.assert_close(cvx, expected)
     assert (cvx >= k * topk_hinge(s, y, k, alpha=1 / k, reduction="none") - 1e-12).all()
     assert (cvx >= (target_rank(s, y) >= k).double() - 1e-12).all()
@@ -97,9 +97,9 @@ def test_grouping_and_transition_against_reference(seed, n, data, integer_scores
     for target in (t, F.one_hot(y, n).double()):
         ref = grouping_reference(s, target, k)
         torch.testing.assert_close(topk_grouping(s, target, k, reduction="none"), ref)
-        ce = cross_entropy(s, target, reduction="none")
+        ce_s = ce(s, target, reduction="none")
         w = torch.softmax(s, 1).topk(k, 1).values.sum(1)
-        torch.testing.assert_close(topk_transition(s, target, k, reduction="none"), (1 - w) * ce + w * ref)
+        torch.testing.assert_close(topk_transition(s, target, k, reduction="none"), (1 - w) * ce_s + w * ref)
     torch.testing.assert_close(topk_grouping(s, y, k, reduction="none"),
                                topk_grouping(s, F.one_hot(y, n).double(), k, reduction="none"))
 
@@ -123,16 +123,16 @@ def test_transition_between_grouping_and_ce():
     for k in (1, 3, 9):
         tr = topk_transition(s, t, k, reduction="none")
         assert (topk_grouping(s, t, k, reduction="none") <= tr + 1e-12).all()
-        assert (tr <= cross_entropy(s, t, reduction="none") + 1e-12).all()
-    torch.testing.assert_close(topk_transition(s, t, 1), cross_entropy(s, t))
+        assert (tr <= ce(s, t, reduction="none") + 1e-12).all()
+    torch.testing.assert_close(topk_transition(s, t, 1), ce(s, t))
 
 
 def test_gradchecks_away_from_ties():
     s, y, t = problem(5, 4, 6)
     x = s.clone().requires_grad_()
     for fn in (lambda z: topk_grouping(z, t, 2), lambda z: topk_transition(z, y, 3),
-               lambda z: focal_loss(z, t, 2.0),
-               lambda z: ldam(z, y, [5, 4, 3, 2, 1, 1], scale=2.0), lambda z: cvx_topk_hinge(z, y, 2)):
+               lambda z: focal(z, t, 2.0),
+               lambda z: ldam(z, y, [5, 4, 3, 2, 1, 1], scale=2.0), lambda z: cvx_hinge(z, y, 2)):
         assert torch.autograd.gradcheck(fn, (x,))
 
 
@@ -140,7 +140,7 @@ def test_detached_weight_gradient_is_the_weighted_mix():
     s, y, _ = problem(9, 5, 7)
     grads = []
     for fn in (lambda z: topk_transition(z, y, 3, detach_weight=True), lambda z: topk_grouping(z, y, 3),
-               lambda z: cross_entropy(z, y)):
+               lambda z: ce(z, y)):
         x = s.clone().requires_grad_()
         fn(x).backward()
         grads.append(x.grad)
@@ -162,7 +162,7 @@ def test_split_target_and_expected_loss_errors():
         expected_loss(lambda a, b, reduction: a.sum(1), s, t, max_support=2)
 
 
-@pytest.mark.parametrize("crit", [CrossEntropy(), FocalLoss(), LDAMLoss(class_counts=[3, 2, 1, 1, 1]), CvxTopkHinge(k=2),
+@pytest.mark.parametrize("crit", [CE(), Focal(), LDAM(class_counts=[3, 2, 1, 1, 1]), CvxHinge(k=2),
                                   TopkGrouping(k=2), TopkTransition(k=2)], ids=lambda c: type(c).__name__)
 def test_module_conventions_and_bad_input(crit):
     s, y, t = problem(7, 6, 5)
@@ -187,11 +187,11 @@ def test_parameter_errors():
     with pytest.raises(ValueError, match="k must be"):
         topk_grouping(s, y, 4)
     with pytest.raises(ValueError, match="k must be"):
-        cvx_topk_hinge(s, y, 0)
+        cvx_hinge(s, y, 0)
     with pytest.raises(ValueError, match="gamma"):
-        focal_loss(s, y, -1.0)
+        focal(s, y, -1.0)
     with pytest.raises(ValueError, match="label_smoothing"):
-        cross_entropy(s, y, 1.5)
+        ce(s, y, 1.5)
     with pytest.raises(ValueError, match="one entry per class"):
         ldam(s, y, [1, 2, 3])
     with pytest.raises(ValueError, match="scale"):

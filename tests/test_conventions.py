@@ -87,7 +87,7 @@ def test_cross_entropy_module_is_nn_cross_entropy():
     y[0, 1, 2] = 7 - 8                                   # ignore_index=-1 below
     w = torch.rand(5, generator=g) + 0.5
     for reduction in ("mean", "sum", "none"):
-        ours = topk_nb.CrossEntropy(weight=w, ignore_index=-1, label_smoothing=0.1, reduction=reduction)(s, y)
+        ours = topk_nb.CE(weight=w, ignore_index=-1, label_smoothing=0.1, reduction=reduction)(s, y)
         ref = nn.CrossEntropyLoss(weight=w, ignore_index=-1, label_smoothing=0.1, reduction=reduction)(s, y)
         torch.testing.assert_close(ours, ref)
 
@@ -132,8 +132,8 @@ def test_float32_result_under_autocast(name):
 
 
 def test_top_level_api():
-    from topk_nb import LOSSES as top_losses, SmoothTopkSVM, get_loss as top_get_loss, macro_topk_accuracy, topk_accuracy
-    assert top_losses is LOSSES and top_get_loss is get_loss and SmoothTopkSVM is LOSSES["smooth_svm"].module
+    from topk_nb import LOSSES as top_losses, SmoothSVM, get_loss as top_get_loss, macro_topk_accuracy, topk_accuracy
+    assert top_losses is LOSSES and top_get_loss is get_loss and SmoothSVM is LOSSES["smooth_svm"].module
     assert callable(topk_accuracy) and callable(macro_topk_accuracy)
 
 
@@ -151,7 +151,7 @@ def test_noised_imbalanced_matches_pytopk_on_the_same_noise(k, epsilon, scale):
     theirs = pytopk.ImbalNoisedTopK(k=k, epsilon=epsilon, max_m=0.2, cls_num_list=counts.numpy(), scale=scale,
                                     n_sample=draws)
     ref = pytopk.functional.imbal_noised_topk_loss(s, y, k, theirs.m_list, epsilon, theirs._noised_topk, Z, scale)
-    ours = topk_nb.NoisedImbalTopK(class_counts=counts, k=k, epsilon=epsilon, max_m=0.2, scale=scale, n_samples=draws)
+    ours = topk_nb.NoisedImbal(class_counts=counts, k=k, epsilon=epsilon, max_m=0.2, scale=scale, n_samples=draws)
     torch.testing.assert_close(ours(s, y, noise=Z.permute(2, 0, 1)), ref, rtol=1e-5, atol=1e-5)
 
 
@@ -161,12 +161,12 @@ def test_noised_balanced_matches_pytopk_on_the_same_noise(k, epsilon):
     s, y = 3 * torch.randn(32, 15, generator=g), torch.randint(0, 15, (32,), generator=g)
     Z = torch.randn(32, 15, 6, generator=g)
     ref = pytopk.functional.bal_noised_topk_loss(s, y, k, epsilon, pytopk.noised_topk._noised_topk, Z)
-    ours = topk_nb.NoisedBalTopK(k=k, epsilon=epsilon, n_samples=6)
+    ours = topk_nb.NoisedBal(k=k, epsilon=epsilon, n_samples=6)
     torch.testing.assert_close(ours(s, y, noise=Z.permute(2, 0, 1)), ref, rtol=1e-5, atol=1e-5)
 
 
 def test_default_scale_is_the_authors():
-    assert topk_nb.NoisedImbalTopK(class_counts=COUNTS).scale == 50.0
+    assert topk_nb.NoisedImbal(class_counts=COUNTS).scale == 50.0
 
 
 @pytest.mark.parametrize("name", list(LOSSES))

@@ -21,11 +21,13 @@ def test_page_names_are_nbdevs():
     assert topk_docs.page_name(Path("nbs/06_baselines.ipynb")) == "baselines"
     assert topk_docs.page_name(Path("nbs/index.ipynb")) == "index"
     assert topk_docs.page_name(Path("nbs/experiments/level_sets.ipynb")) == "level_sets"
+    assert topk_docs.doc_name("experiments/level_sets.ipynb") == "experiments/level_sets"
 
 
 def test_every_exported_function_and_class_has_a_chapter_anchor():
     site = topk_docs.Site()
-    assert site.link("topk_nb.svm.smooth_topk_svm") == ("smooth_svm", "smooth_topk_svm")
+    assert site.link("topk_nb.svm.smooth_svm") == ("smooth_svm", "smooth_svm")
+    assert site.link("topk_nb.experiments.level_sets.ENTRY") is None            # constants: no chapter link
     missing = [name for name in site.links if site.link(name) is None]
     assert not missing, missing
 
@@ -57,13 +59,13 @@ def test_front_page_gets_the_site_toctree():
 
 
 def test_docments_become_param_fields_after_the_chapter_link():
-    from topk_nb.svm import SmoothTopkSVM
+    from topk_nb.svm import SmoothSVM
     app = SimpleNamespace(topk_site=topk_docs.Site())
     lines = ["Smooth top-k SVM loss."]
-    topk_docs.on_process_docstring(app, "class", "topk_nb.svm.SmoothTopkSVM", SmoothTopkSVM, {}, lines)
-    assert lines[2].startswith("Defined in the chapter `") and "<../smooth_svm.html#smoothtopksvm>`__" in lines[2]
+    topk_docs.on_process_docstring(app, "class", "topk_nb.svm.SmoothSVM", SmoothSVM, {}, lines)
+    assert lines[2].startswith("Defined in the chapter `") and "<../smooth_svm.html#smoothsvm>`__" in lines[2]
     assert ":param k: the k of top-k" in lines and ":type k: int" in lines
-    assert ("smooth_svm", "smoothtopksvm") in app.topk_site.linked
+    assert ("smooth_svm", "smoothsvm") in app.topk_site.linked
 
 
 def test_markdown_docstrings_are_escaped_for_rst():

@@ -1,9 +1,7 @@
 "Tests specific to the stability and level_sets experiments: the level-set functions of topk_nb.losses against direct formulas, the overflow rule the stability notebook checks, and the catalogue entries against the notebooks' parameters."
-import ast
 import math
 from pathlib import Path
 
-import nbformat
 import pytest
 import torch
 
@@ -145,22 +143,18 @@ def test_summation_overflows_iff_largest_term_exceeds_the_range(dtype):
             assert overflow == (peak > log_fmax), (tau, peak)
 
 
-# --- the catalogue entries (once integrated into topk_nb.batch) ------------------------------------------------
+# --- the catalogue entries ----------------------------------------------------------------------------------------
 def notebook_parameters(path: Path) -> set[str]:
-    nb = nbformat.read(str(path), as_version=4)
-    cell = next(c for c in nb.cells if "parameters" in c.metadata.get("tags", []))
-    return {t.id for node in ast.parse(cell.source).body if isinstance(node, ast.Assign) for t in node.targets}
+    return set(batch.notebook_parameters(path))
 
 
 ROW_KEYS = {"stability": {"part", "variant", "algorithm", "method", "dtype", "tau"},
-            "level_sets": {"panel", "loss", "k"}}
+            "level_sets": {"panel", "loss", "k", "sweep", "epsilon", "n_samples"}}   # the sweeps' rows carry their own
 
 
 @pytest.mark.parametrize("name", ["stability", "level_sets"])
 def test_catalogue_entry_matches_the_notebook(name):
-    exp = getattr(batch, name.upper(), None)
-    if exp is None:
-        pytest.skip(f"{name.upper()} is not in the catalogue yet")
+    exp = batch.EXPERIMENTS[name]
     params = notebook_parameters(EXPERIMENTS / exp.notebook)
     for preset, grid in exp.presets.items():
         for cell in batch.expand_grid(grid):

@@ -21,10 +21,7 @@ def _cells(name: str):
 
 def parameters(name: str) -> dict:
     "The defaults of a notebook's `parameters` cell."
-    cell = next(c for c in _cells(name) if "parameters" in c.metadata.get("tags", []))
-    ns: dict = {}
-    exec(cell.source, ns)
-    return {k: v for k, v in ns.items() if not k.startswith("__")}
+    return batch.notebook_parameters(NOTEBOOKS / f"{name}.ipynb")
 
 
 def definitions(name: str, **extra) -> dict:
@@ -143,10 +140,7 @@ ROW_KEYS = {"loss"}                                                      # set b
 
 
 def entry(name: str):
-    exp = batch.EXPERIMENTS.get(name)
-    if exp is None:
-        pytest.skip(f"{name} is not in topk_nb.batch.EXPERIMENTS yet")
-    return exp
+    return batch.EXPERIMENTS[name]
 
 
 @pytest.mark.parametrize("name", sorted(ENTRIES))

@@ -8,7 +8,7 @@ kernels = pytest.importorskip("topk_nb.kernels")
 if not kernels.HAS_TRITON:
     pytest.skip("triton is not installed", allow_module_level=True)
 
-from topk_nb.noised import noised_bal_topk, noised_imbal_topk, margins_from_counts  # noqa: E402
+from topk_nb.noised import noised_bal, noised_imbal, margins_from_counts  # noqa: E402
 
 
 @pytest.mark.parametrize("n, k, samples", [(2, 1, 3), (13, 2, 2), (64, 5, 3), (257, 9, 2)])
@@ -37,10 +37,10 @@ def test_noised_losses_use_the_kernel_and_its_gradient(imbalanced):
     x = s.clone().requires_grad_()
     with kernels.force_triton():
         if imbalanced:
-            loss = noised_imbal_topk(x, y, counts, k=3, epsilon=0.4, n_samples=5, scale=2.0, reduction="sum",
+            loss = noised_imbal(x, y, counts, k=3, epsilon=0.4, n_samples=5, scale=2.0, reduction="sum",
                                      generator=torch.Generator().manual_seed(1))
         else:
-            loss = noised_bal_topk(x, y, k=3, epsilon=0.4, n_samples=5, reduction="sum",
+            loss = noised_bal(x, y, k=3, epsilon=0.4, n_samples=5, reduction="sum",
                                    generator=torch.Generator().manual_seed(1))
     loss.backward()
     mean, idx = kernels.perturbed_kth_triton(s, 4, 0.4, 5, generator=torch.Generator().manual_seed(1))

@@ -2,11 +2,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from topk_nb.baselines import cross_entropy
+from topk_nb.baselines import ce
 from topk_nb.core import target_rank
 from topk_nb.losses import LOSSES, TopkMixture, get_loss, loss_table
-from topk_nb.noised import noised_bal_topk
-from topk_nb.svm import smooth_topk_svm, topk_hinge
+from topk_nb.noised import noised_bal
+from topk_nb.svm import smooth_svm, topk_hinge
 
 NAMES = ["ce", "focal", "ldam", "topk_hinge", "cvx_hinge", "cal_hinge", "smooth_svm", "noised_bal", "noised_imbal",
          "topk_grouping", "topk_transition"]
@@ -55,20 +55,20 @@ def test_registry_module_reduction_and_indices():
     s, y = problem(3)
     crit = get_loss("smooth_svm", k=3, tau=0.5)
     assert crit.reduction == "mean"
-    torch.testing.assert_close(crit(s, y), smooth_topk_svm(s, y, 3, 0.5))
+    torch.testing.assert_close(crit(s, y), smooth_svm(s, y, 3, 0.5))
     torch.testing.assert_close(get_loss("topk_hinge", k=2, reduction="sum")(s, y), topk_hinge(s, y, 2, reduction="sum"))
 
 
 def test_stochastic_losses_reproducible_with_generator():
     s, y = problem(4)
     a = get_loss("noised_bal", generator=torch.Generator().manual_seed(9))(s, y)
-    b = noised_bal_topk(s, y, generator=torch.Generator().manual_seed(9))
+    b = noised_bal(s, y, generator=torch.Generator().manual_seed(9))
     torch.testing.assert_close(a, b)
 
 
 def test_registry_errors():
-    with pytest.raises(ValueError, match="unknown loss 'cross_entropy'; registered losses: ce, focal"):
-        get_loss("cross_entropy")
+    with pytest.raises(ValueError, match="unknown loss 'cross_entropyy'; registered losses: ce, focal"):
+        get_loss("cross_entropyy")
     with pytest.raises(ValueError, match="does not take temperature; it accepts: alpha"):
         get_loss("smooth_svm", temperature=0.1)
     with pytest.raises(ValueError, match="does not take generator"):
@@ -85,7 +85,7 @@ def test_mixture_over_k():
     s, y = problem(5)
     mix = get_loss("smooth_svm", k={1: 2.0, 3: 2.0, 5: 4.0}, tau=0.3, reduction="none")
     assert mix.ks == (1, 3, 5) and mix.weights == pytest.approx((0.25, 0.25, 0.5))
-    expected = sum(w * smooth_topk_svm(s, y, k, 0.3, reduction="none") for k, w in zip((1, 3, 5), mix.weights))
+    expected = sum(w * smooth_svm(s, y, k, 0.3, reduction="none") for k, w in zip((1, 3, 5), mix.weights))
     torch.testing.assert_close(mix(s, y), expected)
     point = TopkMixture("topk_grouping", [0, 0, 1])
     torch.testing.assert_close(point(s, y), get_loss("topk_grouping", k=3)(s, y))
@@ -105,4 +105,17 @@ def test_table_lists_every_loss():
     for name in NAMES:
         assert f"`{name}`" in table
     assert "Sawada eq. (5)" in table and "Berrada 2018 eq. (9)-(10)" in table and r"y \in A} e^" in table
-    torch.testing.assert_close(get_loss("ce")(*problem(6)), cross_entropy(*problem(6)))
+    torch.testing.assert_close(get_loss("ce")(*problem(6)), ce(*problem(6)))
+
+
+def test_names_line_up():
+    # registry name = function name; module = the same words in CamelCase; all three at the top level
+    import topk_nb
+    acronyms = {"ce": "CE", "ldam": "LDAM", "svm": "SVM"}
+    for name, entry in LOSSES.items():
+        assert entry.function.__name__ == name
+        assert entry.module.__name__ == "".join(acronyms.get(w, w.capitalize()) for w in name.split("_"))
+        assert getattr(topk_nb, name) is entry.function and getattr(topk_nb, entry.module.__name__) is entry.module
+    # the earlier names are the same objects
+    assert topk_nb.SmoothTopkSVM is topk_nb.SmoothSVM and topk_nb.smooth_topk_svm is topk_nb.smooth_svm
+    assert topk_nb.NoisedImbalTopK is topk_nb.NoisedImbal and topk_nb.CrossEntropy is topk_nb.CE

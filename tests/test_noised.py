@@ -4,8 +4,8 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, strategies as st
 
-from topk_nb.noised import (CalHinge, NoisedBalTopK, NoisedImbalTopK, cal_hinge, margins_from_counts,
-                            noised_bal_topk, noised_imbal_topk)
+from topk_nb.noised import (CalHinge, NoisedBal, NoisedImbal, cal_hinge, margins_from_counts,
+                            noised_bal, noised_imbal)
 from topk_nb.perturbed import (arg_top_sum, draw_noise, perturbed_argmax, perturbed_topk_law, sample_perturbed_topk,
                                smooth_topk, top_sum, topk_value)
 
@@ -26,7 +26,7 @@ def test_epsilon_zero_is_the_calibrated_hinge(n, batch, seed, data):
     s, y = torch.randn(batch, n, generator=g, dtype=torch.float64) * 3, torch.randint(0, n, (batch,), generator=g)
     expected = F.relu(1 + s.sort(1, descending=True).values[:, k] - s.gather(1, y[:, None])[:, 0])
     torch.testing.assert_close(cal_hinge(s, y, k, reduction="none"), expected)
-    torch.testing.assert_close(noised_bal_topk(s, y, k, 0.0, reduction="none"), expected)
+    torch.testing.assert_close(noised_bal(s, y, k, 0.0, reduction="none"), expected)
 
 
 @given(n=st.integers(2, 10), seed=st.integers(0, 2**31 - 1), eps=st.sampled_from([0.01, 0.3, 3.0]),
@@ -37,7 +37,7 @@ def test_loss_and_gradient_are_eq_10_and_12(n, seed, eps, n_samples, data):
     s = (torch.randn(4, n, generator=g, dtype=torch.float64) * 2).requires_grad_()
     y = torch.randint(0, n, (4,), generator=g)
     z = torch.randn(n_samples, 4, n, generator=g, dtype=torch.float64)
-    loss = noised_bal_topk(s, y, k, eps, noise=z, reduction="sum")
+    loss = noised_bal(s, y, k, eps, noise=z, reduction="sum")
     (grad,) = torch.autograd.grad(loss, s)
     perturbed = s.detach() + eps * z
     kth = perturbed.topk(k + 1, dim=-1)
@@ -56,7 +56,7 @@ def test_expected_gradient_is_the_smoothed_gradient():
     y, k, eps = torch.tensor([5]), 2, 0.3
     copies = 20_000
     s_ = s.clone().requires_grad_()
-    loss = noised_bal_topk(s_.expand(copies, 6), y.expand(copies), k, eps, n_samples=3, generator=g, reduction="mean")
+    loss = noised_bal(s_.expand(copies, 6), y.expand(copies), k, eps, n_samples=3, generator=g, reduction="mean")
     (mean_grad,) = torch.autograd.grad(loss, s_)
     big = torch.randn(500_000, 1, 6, generator=g, dtype=torch.float64)
     arg_top = F.one_hot((s + eps * big).topk(k + 1, dim=-1).indices[..., -1], 6).double().mean(0)
@@ -65,11 +65,11 @@ def test_expected_gradient_is_the_smoothed_gradient():
 
 def test_reproducible_with_a_generator_and_differs_between_draws():
     s, y = torch.randn(16, 30), torch.randint(0, 30, (16,))
-    a = noised_bal_topk(s, y, 5, 0.5, 4, generator=torch.Generator().manual_seed(7), reduction="none")
-    b = noised_bal_topk(s, y, 5, 0.5, 4, generator=torch.Generator().manual_seed(7), reduction="none")
-    c = noised_bal_topk(s, y, 5, 0.5, 4, generator=torch.Generator().manual_seed(8), reduction="none")
+    a = noised_bal(s, y, 5, 0.5, 4, generator=torch.Generator().manual_seed(7), reduction="none")
+    b = noised_bal(s, y, 5, 0.5, 4, generator=torch.Generator().manual_seed(7), reduction="none")
+    c = noised_bal(s, y, 5, 0.5, 4, generator=torch.Generator().manual_seed(8), reduction="none")
     assert torch.equal(a, b) and not torch.equal(a, c)
-    crit = NoisedBalTopK(k=5, epsilon=0.5, n_samples=4, generator=torch.Generator().manual_seed(7), reduction="none")
+    crit = NoisedBal(k=5, epsilon=0.5, n_samples=4, generator=torch.Generator().manual_seed(7), reduction="none")
     assert torch.equal(crit(s, y), a)
 
 
@@ -108,30 +108,30 @@ def test_imbalanced_margins_and_reduction_to_balanced():
     assert abs(m.max().item() - 0.3) < 1e-12 and torch.all(m[:-1] < m[1:])
     s, y = torch.randn(12, 3, dtype=torch.float64), torch.randint(0, 3, (12,))
     z = torch.randn(4, 12, 3, dtype=torch.float64)
-    torch.testing.assert_close(noised_imbal_topk(s, y, [9, 9, 9], k=1, epsilon=0.2, max_m=1.0, scale=1.0, noise=z),
-                               noised_bal_topk(s, y, k=1, epsilon=0.2, noise=z))
-    crit = NoisedImbalTopK(class_counts=counts, k=1)
+    torch.testing.assert_close(noised_imbal(s, y, [9, 9, 9], k=1, epsilon=0.2, max_m=1.0, scale=1.0, noise=z),
+                               noised_bal(s, y, k=1, epsilon=0.2, noise=z))
+    crit = NoisedImbal(class_counts=counts, k=1)
     assert crit.class_counts.dtype == torch.float64 and torch.isfinite(crit(s.float(), y))
 
 
 def test_half_precision_and_modules():
     s, y = torch.randn(8, 20), torch.randint(0, 20, (8,))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert noised_bal_topk(s.bfloat16(), y).dtype == torch.float32    # as F.cross_entropy under autocast
+        assert noised_bal(s.bfloat16(), y).dtype == torch.float32    # as F.cross_entropy under autocast
     assert torch.equal(CalHinge(k=3)(s, y), cal_hinge(s, y, 3))
 
 
 @pytest.mark.parametrize("call, message", [
-    (lambda s, y: noised_bal_topk(s, y, epsilon=-1.0), "epsilon must be a finite number in [0.0, inf]"),
-    (lambda s, y: noised_bal_topk(s, y, n_samples=0), "n_samples must be an integer in [1, inf]"),
-    (lambda s, y: noised_bal_topk(s, y, k=10), "k must be an integer in [1, 9]"),
-    (lambda s, y: noised_bal_topk(s, y, k=0), "k must be an integer in [1, 9]"),
-    (lambda s, y: noised_bal_topk(s, y, noise=torch.randn(2, 4, 9)), "noise must have shape (n_samples, 4, 10)"),
-    (lambda s, y: noised_imbal_topk(s, y, [3] * 9), "class_counts must have one entry per class: 10 expected, got 9"),
-    (lambda s, y: noised_imbal_topk(s, y, [3] * 9 + [0]), "class_counts must be positive"),
-    (lambda s, y: noised_imbal_topk(s, y, [3] * 9 + [float("nan")]), "class_counts must be positive"),
-    (lambda s, y: noised_imbal_topk(s, y, [3] * 10, max_m=-1.0), "max_m must be a finite number in [0.0, inf]"),
-    (lambda s, y: noised_bal_topk(s.masked_fill(s > 0, float("inf")), y), "scores must be finite"),
+    (lambda s, y: noised_bal(s, y, epsilon=-1.0), "epsilon must be a finite number in [0.0, inf]"),
+    (lambda s, y: noised_bal(s, y, n_samples=0), "n_samples must be an integer in [1, inf]"),
+    (lambda s, y: noised_bal(s, y, k=10), "k must be an integer in [1, 9]"),
+    (lambda s, y: noised_bal(s, y, k=0), "k must be an integer in [1, 9]"),
+    (lambda s, y: noised_bal(s, y, noise=torch.randn(2, 4, 9)), "noise must have shape (n_samples, 4, 10)"),
+    (lambda s, y: noised_imbal(s, y, [3] * 9), "class_counts must have one entry per class: 10 expected, got 9"),
+    (lambda s, y: noised_imbal(s, y, [3] * 9 + [0]), "class_counts must be positive"),
+    (lambda s, y: noised_imbal(s, y, [3] * 9 + [float("nan")]), "class_counts must be positive"),
+    (lambda s, y: noised_imbal(s, y, [3] * 10, max_m=-1.0), "max_m must be a finite number in [0.0, inf]"),
+    (lambda s, y: noised_bal(s.masked_fill(s > 0, float("inf")), y), "scores must be finite"),
     (lambda s, y: cal_hinge(s, y.float()), "target must hold integer class indices"),
     (lambda s, y: smooth_topk(s, 3, 0.1, n_samples=-2), "n_samples must be an integer in [1, inf]"),
     (lambda s, y: draw_noise(s, None, noise=torch.randn(0, 4, 10)), "at least one sample"),
@@ -154,9 +154,9 @@ def test_default_path_is_eq_10_and_12_on_the_sampled_draws(k, eps, imbalanced):
     scale, margin = (2.0, margins_from_counts(counts)[y]) if imbalanced else (1.0, torch.ones(48, dtype=torch.float64))
     s_ = s.clone().requires_grad_()
     if imbalanced:
-        loss = noised_imbal_topk(s_, y, counts, k, eps, 6, scale=scale, reduction="sum", generator=torch.Generator().manual_seed(1))
+        loss = noised_imbal(s_, y, counts, k, eps, 6, scale=scale, reduction="sum", generator=torch.Generator().manual_seed(1))
     else:
-        loss = noised_bal_topk(s_, y, k, eps, 6, reduction="sum", generator=torch.Generator().manual_seed(1))
+        loss = noised_bal(s_, y, k, eps, 6, reduction="sum", generator=torch.Generator().manual_seed(1))
     (grad,) = torch.autograd.grad(loss, s_)
     draws = sample_perturbed_topk(s, k + 1, eps, 6, generator=torch.Generator().manual_seed(1))   # noise on s, unscaled
     hinge = margin + draws.values.mean(0) - s.gather(1, y[:, None])[:, 0]
@@ -172,7 +172,7 @@ def test_default_path_has_the_exact_expected_loss_and_gradient():
     k, eps, copies = 2, 0.2, 60_000
     mean, probs = perturbed_topk_law(s, k + 1, eps)
     s_ = s.expand(copies, 7).clone().requires_grad_()
-    losses = noised_bal_topk(s_, torch.full((copies,), 6), k, eps, 2, generator=torch.Generator().manual_seed(6),
+    losses = noised_bal(s_, torch.full((copies,), 6), k, eps, 2, generator=torch.Generator().manual_seed(6),
                              reduction="none")
     (grad,) = torch.autograd.grad(losses.sum(), s_)
     assert (losses > 0).all()
@@ -184,5 +184,5 @@ def test_default_path_has_the_exact_expected_loss_and_gradient():
 def test_default_path_keeps_the_global_generator_untouched_and_float64():
     s, y = torch.randn(16, 30, dtype=torch.float64), torch.randint(0, 30, (16,))
     state = torch.get_rng_state()
-    loss = noised_bal_topk(s, y, 3, 0.5, 4, generator=torch.Generator().manual_seed(0))
+    loss = noised_bal(s, y, 3, 0.5, 4, generator=torch.Generator().manual_seed(0))
     assert torch.equal(torch.get_rng_state(), state) and loss.dtype == torch.float64

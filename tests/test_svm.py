@@ -8,7 +8,7 @@ from hypothesis import given, strategies as st
 
 from topk_nb.core import scores_without_target
 from topk_nb.esp_backward import log_sigma
-from topk_nb.svm import (SmoothTopkSVM, TopkHinge, _SmoothTopkSVMFunction, hard_enough, smooth_topk_svm,
+from topk_nb.svm import (SmoothSVM, TopkHinge, _SmoothTopkSVMFunction, hard_enough, smooth_svm,
                          smooth_topk_svm_bruteforce, subset_sums_bruteforce, topk_hinge)
 
 
@@ -29,7 +29,7 @@ def test_smooth_loss_equals_subset_enumeration(n, batch, seed, scale, tau, alpha
     s, y = random_scores(seed, batch, n, scale)
     s.requires_grad_()
     ref = smooth_topk_svm_bruteforce(s, y, k, tau, alpha)
-    ours = smooth_topk_svm(s, y, k, tau, alpha, reduction="none", hard_switch=switch)
+    ours = smooth_svm(s, y, k, tau, alpha, reduction="none", hard_switch=switch)
     torch.testing.assert_close(ours, ref, rtol=1e-10, atol=1e-12)
     (g,) = torch.autograd.grad(ours.sum(), s)
     (g_ref,) = torch.autograd.grad(ref.sum(), s)
@@ -50,12 +50,12 @@ def test_hinge_equals_difference_of_maxima(n, batch, seed, scale, tau, alpha, sw
 def test_gradcheck(n, k):
     s, y = random_scores(n, 3, n, 2.0)
     s.requires_grad_()
-    assert torch.autograd.gradcheck(lambda t: smooth_topk_svm(t, y, k, 0.5, hard_switch=False, reduction="none"), (s,))
+    assert torch.autograd.gradcheck(lambda t: smooth_svm(t, y, k, 0.5, hard_switch=False, reduction="none"), (s,))
 
 
 def test_cross_entropy_is_the_special_case():
     s, y = random_scores(0, 32, 50, 5.0)
-    torch.testing.assert_close(smooth_topk_svm(s, y, k=1, tau=1.0, alpha=0.0, reduction="none"),
+    torch.testing.assert_close(smooth_svm(s, y, k=1, tau=1.0, alpha=0.0, reduction="none"),
                                F.cross_entropy(s, y, reduction="none"))
 
 
@@ -63,33 +63,33 @@ def test_cross_entropy_is_the_special_case():
 def test_bound_on_top_k_error(seed, k, tau):
     s, y = random_scores(seed, 64, 8, 3.0)
     wrong = s.gather(1, y[:, None])[:, 0] < s.topk(k, dim=1).values[:, -1]
-    L = smooth_topk_svm(s, y, k, tau, reduction="none")
+    L = smooth_svm(s, y, k, tau, reduction="none")
     assert (L >= -1e-12).all()
     assert (L[wrong] >= 1 - tau * math.log(k) - 1e-12).all()
 
 
 def test_reductions_and_batch_of_one():
     s, y = random_scores(1, 5, 10, 2.0)
-    per_sample = smooth_topk_svm(s, y, 3, 0.5, reduction="none")
+    per_sample = smooth_svm(s, y, 3, 0.5, reduction="none")
     assert per_sample.shape == (5,)
-    torch.testing.assert_close(smooth_topk_svm(s, y, 3, 0.5), per_sample.mean())
-    torch.testing.assert_close(smooth_topk_svm(s, y, 3, 0.5, reduction="sum"), per_sample.sum())
-    torch.testing.assert_close(smooth_topk_svm(s[:1], y[:1], 3, 0.5), per_sample[0])
+    torch.testing.assert_close(smooth_svm(s, y, 3, 0.5), per_sample.mean())
+    torch.testing.assert_close(smooth_svm(s, y, 3, 0.5, reduction="sum"), per_sample.sum())
+    torch.testing.assert_close(smooth_svm(s[:1], y[:1], 3, 0.5), per_sample[0])
 
 
 def test_modules_match_functions():
     s, y = random_scores(2, 8, 20, 2.0, torch.float32)
-    torch.testing.assert_close(SmoothTopkSVM(k=5, tau=0.1)(s, y), smooth_topk_svm(s, y, 5, 0.1))
+    torch.testing.assert_close(SmoothSVM(k=5, tau=0.1)(s, y), smooth_svm(s, y, 5, 0.1))
     torch.testing.assert_close(TopkHinge(k=2, alpha=0.5)(s, y), topk_hinge(s, y, 2, 0.5))
-    assert "k=5" in repr(SmoothTopkSVM(k=5, tau=0.1))
+    assert "k=5" in repr(SmoothSVM(k=5, tau=0.1))
 
 
 def test_float32_close_to_float64_and_autocast():
     s, y = random_scores(3, 64, 100, 3.0, torch.float32)
-    torch.testing.assert_close(smooth_topk_svm(s, y, 5, 0.2).double(), smooth_topk_svm(s.double(), y, 5, 0.2),
+    torch.testing.assert_close(smooth_svm(s, y, 5, 0.2).double(), smooth_svm(s.double(), y, 5, 0.2),
                                rtol=1e-5, atol=1e-6)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = smooth_topk_svm(s.bfloat16(), y, 5, 0.2)
+        out = smooth_svm(s.bfloat16(), y, 5, 0.2)
     assert out.dtype == torch.float32 and torch.isfinite(out)          # as F.cross_entropy under autocast
 
 
@@ -98,7 +98,7 @@ def test_float32_close_to_float64_and_autocast():
 def test_extreme_inputs_stay_finite(tau, scale):
     s, y = random_scores(4, 32, 500, scale, torch.float32)
     s = s.clamp(-1e3, 1e3).requires_grad_()
-    loss = smooth_topk_svm(s, y, 5, tau)
+    loss = smooth_svm(s, y, 5, tau)
     (g,) = torch.autograd.grad(loss, s)
     assert torch.isfinite(loss) and torch.isfinite(g).all()
 
@@ -107,7 +107,7 @@ def test_hard_switch_only_where_equal_to_float_precision():
     s, y = random_scores(5, 400, 30, 20.0)
     for tau in (1e-3, 0.05, 0.5):
         hard = hard_enough(s, y, 5, tau, 1.0)
-        smooth = smooth_topk_svm(s, y, 5, tau, reduction="none", hard_switch=False)
+        smooth = smooth_svm(s, y, 5, tau, reduction="none", hard_switch=False)
         hinge = topk_hinge(s, y, 5, reduction="none")
         u = torch.finfo(torch.float64).eps / 2
         # the bound u * tau, plus the rounding of the smooth path itself, which works with sums of k x = s / (k tau)
@@ -127,7 +127,7 @@ def test_hard_switch_only_where_equal_to_float_precision():
 def test_bad_arguments(kwargs, message):
     s, y = random_scores(6, 4, 6, 1.0, torch.float32)
     with pytest.raises((ValueError, TypeError)) as info:
-        smooth_topk_svm(s, y, **kwargs)
+        smooth_svm(s, y, **kwargs)
     assert message in str(info.value)
 
 
@@ -140,7 +140,7 @@ def test_bad_arguments(kwargs, message):
     (torch.randn(4, 1), torch.zeros(4, dtype=torch.long), "at least 2 entries"),
 ])
 def test_bad_tensors(scores, target, message):
-    for fn in (smooth_topk_svm, topk_hinge):
+    for fn in (smooth_svm, topk_hinge):
         with pytest.raises((ValueError, TypeError)) as info:
             fn(scores, target, k=1)
         assert message in str(info.value)
@@ -159,6 +159,31 @@ def test_float32_power_path_against_float64_tree(k, tau, scale):
     ref = tau * F.softplus(1.0 / tau + log_sig[:, 1] - log_sig[:, 0] - s_y / (k * tau))
     assert ((loss.double() - ref).abs() <= 1e-4 * ref.abs() + 1e-6).all()
     w = torch.rand(64, dtype=torch.float64)
+    (g,) = torch.autograd.grad((loss * w.float()).sum(), s32)
+    (g_ref,) = torch.autograd.grad((ref * w).sum(), s)
+    assert ((g.double() - g_ref).abs().amax(1) <= 1e-4 * g_ref.abs().amax(1)).all()
+
+
+@pytest.mark.parametrize("n,k,tau,scale,certified", [
+    (60, 50, 1.0, 1.0, True), (120, 50, 0.1, 1.0, True), (200, 49, 1.0, 5.0, True),     # the whole row in the head
+    (1000, 50, 1.0, 1.0, True), (3000, 100, 1.0, 1.0, True),                             # head of k+1 and a long tail
+    (20000, 100, 1.0, 1.0, True),                                      # sigma_k beyond float64 unless shifted
+    (1000, 100, 1.0, 1.0, True), (1000, 100, 0.1, 1.0, True),                             # Newton's bound within 1e-6
+    (1000, 200, 1.0, 1.0, None)])                                                        # certified or not, exact
+def test_large_k_against_float64_tree(n, k, tau, scale, certified):
+    # large k (up to 100, k close to n): the float32 loss and gradient against the float64 log-space tree
+    s32, y = random_scores(12, 8, n, scale, torch.float32)
+    s32.requires_grad_()
+    loss_fn, ok = _SmoothTopkSVMFunction.apply(s32.detach(), y, k, tau, 1.0, False)
+    if certified is not None:
+        assert bool(ok.all()) == certified
+    loss = smooth_svm(s32, y, k=k, tau=tau, reduction="none")
+    s = s32.detach().double().requires_grad_()
+    log_sig = log_sigma(scores_without_target(s, y) / (k * tau), k, method="autograd")
+    s_y = s.gather(1, y[:, None])[:, 0]
+    ref = tau * F.softplus(1.0 / tau + log_sig[:, 1] - log_sig[:, 0] - s_y / (k * tau))
+    assert ((loss.double() - ref).abs() <= 1e-4 * ref.abs() + 1e-6).all()
+    w = torch.rand(8, dtype=torch.float64)
     (g,) = torch.autograd.grad((loss * w.float()).sum(), s32)
     (g_ref,) = torch.autograd.grad((ref * w).sum(), s)
     assert ((g.double() - g_ref).abs().amax(1) <= 1e-4 * g_ref.abs().amax(1)).all()

@@ -409,8 +409,10 @@ def test_autocast_and_channels_last_paths_on_cpu(loss, tmp_path):
     assert all(math.isfinite(r["train_loss"]) for r in res["history"])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="AMP and channels-last default on only with a CUDA GPU")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="channels-last defaults on only with a CUDA GPU")
 def test_gpu_amp_and_channels_last(tmp_path):
-    res = run(SMOKE, loss="smooth_svm", loss_params={"k": 5}, out_dir=str(tmp_path))
+    res = run(SMOKE, loss="smooth_svm", loss_params={"k": 5}, out_dir=str(tmp_path / "f32"))
+    assert not res["amp"] and res["channels_last"] and res["device"].startswith("cuda")   # float32, as the papers
+    res = run(SMOKE, loss="smooth_svm", loss_params={"k": 5}, amp=True, out_dir=str(tmp_path))
     assert res["amp"] and res["channels_last"] and res["device"].startswith("cuda")
     assert all(math.isfinite(r["train_loss"]) for r in res["history"])

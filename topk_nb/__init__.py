@@ -16,9 +16,13 @@ if "triton" not in _sys.modules and not _torch.cuda.is_available():
     _os.environ.setdefault("TRITON_INTERPRET", "1")    # no GPU: the fused kernels (chapter 16) run in Triton's interpreter
 
 from .core import LossModule, force_sync_free, macro_topk_accuracy, sync_free, topk_accuracy, topk_correct
-from .svm import SmoothTopkSVM, TopkHinge, smooth_topk_svm, topk_hinge
-from .noised import CalHinge, NoisedBalTopK, NoisedImbalTopK, cal_hinge, noised_bal_topk, noised_imbal_topk
-from .baselines import (CrossEntropy, CvxTopkHinge, FocalLoss, LDAMLoss, TopkGrouping, TopkTransition,
-                               cross_entropy, cvx_topk_hinge, focal_loss, ldam, topk_grouping, topk_transition)
+from .svm import SmoothSVM, TopkHinge, smooth_svm, topk_hinge
+from .noised import CalHinge, NoisedBal, NoisedImbal, cal_hinge, noised_bal, noised_imbal
+from .baselines import (CE, CvxHinge, Focal, LDAM, TopkGrouping, TopkTransition,
+                               ce, cvx_hinge, focal, ldam, topk_grouping, topk_transition)
+# the earlier names, kept: the same objects
+from .svm import SmoothTopkSVM, smooth_topk_svm
+from .noised import NoisedBalTopK, NoisedImbalTopK, noised_bal_topk, noised_imbal_topk
+from .baselines import CrossEntropy, CvxTopkHinge, FocalLoss, LDAMLoss, cross_entropy, cvx_topk_hinge, focal_loss
 from .predict import predict_topk, topk_marginals
 from .losses import LOSSES, TopkMixture, get_loss

@@ -16,9 +16,9 @@ from .core import (LossModule, check_finite, check_int, check_real, check_reduct
 from .noised import margins_from_counts
 
 # %% auto #0
-__all__ = ['one_hot', 'working_scores', 'split_target', 'expected_loss', 'cross_entropy', 'focal_loss', 'ldam', 'cvx_topk_hinge',
-           'topk_group_mask', 'topk_grouping', 'topk_transition', 'CrossEntropy', 'FocalLoss', 'LDAMLoss',
-           'CvxTopkHinge', 'TopkGrouping', 'TopkTransition']
+__all__ = ['cross_entropy', 'focal_loss', 'cvx_topk_hinge', 'CrossEntropy', 'FocalLoss', 'CvxTopkHinge', 'LDAMLoss', 'one_hot',
+           'working_scores', 'split_target', 'expected_loss', 'ce', 'focal', 'ldam', 'cvx_hinge', 'topk_group_mask',
+           'topk_grouping', 'topk_transition', 'CE', 'Focal', 'LDAM', 'CvxHinge', 'TopkGrouping', 'TopkTransition']
 
 # %% ../nbs/06_baselines.ipynb #2ddac4da
 def one_hot(labels: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
@@ -71,7 +71,7 @@ def expected_loss(loss_fn: Callable, scores: torch.Tensor, probs: torch.Tensor, 
                for j in range(weights.shape[1]))
 
 # %% ../nbs/06_baselines.ipynb #06b29405
-def cross_entropy(scores: torch.Tensor, target: torch.Tensor, label_smoothing: float = 0.0,
+def ce(scores: torch.Tensor, target: torch.Tensor, label_smoothing: float = 0.0,
                   reduction: str = "mean", check_finite: bool | None = None) -> torch.Tensor:
     "Cross-entropy -sum_i t_i log softmax(s)_i with class indices or probabilities and optional label smoothing."
     scores = check_scores(scores, "scores", ndim=2, min_classes=2, check=check_finite)
@@ -84,8 +84,12 @@ def cross_entropy(scores: torch.Tensor, target: torch.Tensor, label_smoothing: f
                                label_smoothing=label_smoothing)
     return loss.to(loss_dtype(scores))
 
+
+cross_entropy = ce    # the earlier name, kept
+
+
 # %% ../nbs/06_baselines.ipynb #b99f6a4f
-def focal_loss(scores: torch.Tensor, target: torch.Tensor, gamma: float = 2.0, reduction: str = "mean",
+def focal(scores: torch.Tensor, target: torch.Tensor, gamma: float = 2.0, reduction: str = "mean",
                check_finite: bool | None = None) -> torch.Tensor:
     "Focal loss -sum_i t_i (1 - q_i)^gamma log q_i, q = softmax(s) (Lin et al. 2017); gamma = 0 is cross-entropy."
     scores = check_scores(scores, "scores", ndim=2, min_classes=2, check=check_finite)
@@ -103,6 +107,10 @@ def focal_loss(scores: torch.Tensor, target: torch.Tensor, gamma: float = 2.0, r
         one_minus_q = (-torch.expm1(log_q)).clamp_min(torch.finfo(s.dtype).tiny)
         loss = -(weight * one_minus_q.pow(gamma) * log_q).sum(1)
     return reduce_loss(loss, reduction).to(loss_dtype(scores))
+
+
+focal_loss = focal    # the earlier name, kept
+
 
 # %% ../nbs/06_baselines.ipynb #b691383b
 def _ldam_hard(scores, labels, margins, scale, reduction="none"):
@@ -130,7 +138,7 @@ def ldam(scores: torch.Tensor, target: torch.Tensor, class_counts, max_m: float 
     return reduce_loss(loss, reduction).to(loss_dtype(scores))
 
 # %% ../nbs/06_baselines.ipynb #41426060
-def cvx_topk_hinge(scores: torch.Tensor, target: torch.Tensor, k: int = 5, alpha: float = 1.0,
+def cvx_hinge(scores: torch.Tensor, target: torch.Tensor, k: int = 5, alpha: float = 1.0,
                    reduction: str = "mean", max_support: int = 8, check_finite: bool | None = None) -> torch.Tensor:
     "Lapin's convexified top-k hinge (mean of the k largest of s + alpha (1 - delta_y), minus s_y)_+ (Garcin 2022, Table 1)."
     scores = check_scores(scores, "scores", ndim=2, min_classes=2, check=check_finite)
@@ -147,6 +155,10 @@ def cvx_topk_hinge(scores: torch.Tensor, target: torch.Tensor, k: int = 5, alpha
         s = working_scores(scores)
         loss = hard(s, labels) if labels is not None else expected_loss(hard, s, probs.to(s.dtype), max_support)
     return reduce_loss(loss, reduction).to(loss_dtype(scores))
+
+
+cvx_topk_hinge = cvx_hinge    # the earlier name, kept
+
 
 # %% ../nbs/06_baselines.ipynb #88683470
 def topk_group_mask(scores: torch.Tensor, probs: torch.Tensor, k: int) -> torch.Tensor:
@@ -222,7 +234,7 @@ class _NativeSoft(LossModule):
         return self.per_sample(scores, probs)
 
 
-class CrossEntropy(LossModule):
+class CE(LossModule):
     "Cross-entropy as a module: F.cross_entropy with every convention of nn.CrossEntropyLoss, and label smoothing."
     example = "label_smoothing=0.1"
 
@@ -233,7 +245,7 @@ class CrossEntropy(LossModule):
         self.label_smoothing = check_real(label_smoothing, "label_smoothing", 0.0, 1.0)
 
     def per_sample(self, scores, target):
-        return cross_entropy(scores, target, self.label_smoothing, "none", self.check_finite)
+        return ce(scores, target, self.label_smoothing, "none", self.check_finite)
 
     def forward(self, scores, target):
         check_scores(scores, "scores", ndim=None, min_classes=2, check=self.check_finite)
@@ -254,7 +266,7 @@ class CrossEntropy(LossModule):
         return f"label_smoothing={self.label_smoothing}, reduction={self.reduction!r}"
 
 
-class FocalLoss(_NativeSoft):
+class Focal(_NativeSoft):
     "Focal loss (Lin et al. 2017) as a module."
     example = "gamma=2.0"
 
@@ -265,13 +277,20 @@ class FocalLoss(_NativeSoft):
         self.gamma = check_real(gamma, "gamma", 0.0)
 
     def per_sample(self, scores, target):
-        return focal_loss(scores, target, self.gamma, "none", self.check_finite)
+        return focal(scores, target, self.gamma, "none", self.check_finite)
 
     def extra_repr(self):
         return f"gamma={self.gamma}, reduction={self.reduction!r}"
 
+
+CrossEntropy = CE    # the earlier name, kept
+
+
+FocalLoss = Focal    # the earlier name, kept
+
+
 # %% ../nbs/06_baselines.ipynb #45cf7879
-class LDAMLoss(_NativeSoft):
+class LDAM(_NativeSoft):
     "LDAM loss (Cao et al. 2019) as a module; margins from the training `class_counts`."
     example = "class_counts=counts"
 
@@ -292,7 +311,7 @@ class LDAMLoss(_NativeSoft):
         return f"n_classes={self.class_counts.numel()}, max_m={self.max_m}, scale={self.scale}"
 
 
-class CvxTopkHinge(_NativeSoft):
+class CvxHinge(_NativeSoft):
     "Lapin's convexified top-k hinge as a module."
     example = "k=5"
 
@@ -304,7 +323,7 @@ class CvxTopkHinge(_NativeSoft):
         self.k, self.alpha = check_int(k, "k", 1), check_real(alpha, "alpha", 0.0)
 
     def per_sample(self, scores, target):
-        return cvx_topk_hinge(scores, target, self.k, self.alpha, "none", scores.shape[1], self.check_finite)
+        return cvx_hinge(scores, target, self.k, self.alpha, "none", scores.shape[1], self.check_finite)
 
     def extra_repr(self):
         return f"k={self.k}, alpha={self.alpha}, reduction={self.reduction!r}"
@@ -343,3 +362,10 @@ class TopkTransition(_NativeSoft):
 
     def extra_repr(self):
         return f"k={self.k}, detach_weight={self.detach_weight}, reduction={self.reduction!r}"
+
+
+CvxTopkHinge = CvxHinge    # the earlier name, kept
+
+
+LDAMLoss = LDAM    # the earlier name, kept
+

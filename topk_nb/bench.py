@@ -76,9 +76,16 @@ def loss_speed(names: Sequence[str] | None = None, ns: Sequence[int] = (1000,), 
     return rows
 
 
+def _backward_only(fn, inputs: torch.Tensor):
+    "A closure running only the backward of `fn(leaf).sum()`: the forward runs once, here, and its graph is kept for every call."
+    leaf = inputs.detach().clone().requires_grad_()
+    out = fn(leaf).sum()
+    return lambda: torch.autograd.grad(out, leaf, retain_graph=True)
+
+
 def esp_speed(ns: Sequence[int] = (100, 1000, 10_000), k: int = 5, batch: int = 256, device="cpu",
               repeats: int = 9) -> list[dict]:
-    "Berrada Tab. 3 and 4: forward of the summation algorithm vs divide and conquer; forward+backward of every log_sigma path."
+    "Berrada Tab. 3 and 4: forward of the summation algorithm vs divide and conquer; of every log_sigma path the backward alone (part 'backward', Tab. 4's quantity) and forward+backward (part 'forward_backward')."
     rows = []
     for n in ns:
         scores, target = bench_scores(batch, n, device)
@@ -91,7 +98,9 @@ def esp_speed(ns: Sequence[int] = (100, 1000, 10_000), k: int = 5, batch: int = 
             add("forward", "summation (Alg. 3)", time_fn(lambda: log_esp_summation(x, k), device, repeats=repeats))
             add("forward", "divide and conquer (Alg. 1)", time_fn(lambda: log_esp(x, k), device, repeats=repeats))
         for method in LOG_SIGMA_METHODS:
-            add("backward", method, time_fn(fwd_bwd(lambda t, m=method: log_sigma(t, k, method=m), x), device, repeats=repeats))
+            fn = lambda t, m=method: log_sigma(t, k, method=m)
+            add("backward", method, time_fn(_backward_only(fn, x), device, repeats=repeats))
+            add("forward_backward", method, time_fn(fwd_bwd(fn, x), device, repeats=repeats))
     return rows
 
 
@@ -117,7 +126,9 @@ def epoch_times(configs: Sequence[dict], model: str = "densenet40_40", n_classes
     rows = []
     for cfg, t in zip(configs, time_interleaved(steps, device, rounds, block=1, turn_warmup=0)):
         median = t["median"]
-        rows.append({"part": "epoch", "model": model, "batch": batch, "k": cfg.get("k", 5), **cfg, "step_ms": 1e3 * median,
+        label = cfg["loss"] + (f" (B={cfg['n_samples']})" if "n_samples" in cfg else "")   # Fig. 3's curves
+        rows.append({"part": "epoch", "model": model, "batch": batch, "k": cfg.get("k", 5), **cfg, "variant": label,
+                     "step_ms": 1e3 * median,
                      "epoch_s": median * per_epoch, "steps_per_epoch": per_epoch})
     base = next((r["epoch_s"] for r in rows if r["loss"] == "ce"), None)
     for r in rows:

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import torch.nn.functional as F
@@ -17,8 +18,9 @@ from .esp import _check_esp_input, dc_tree, esp_summation, log_poly_mul, log_zer
 __all__ = ['UNIT_ROUNDOFF_64', 'TINY_64', 'POWER_FWD_TOL', 'POWER_GRAD_TOL', 'POWER_FWD_TOL_64', 'POWER_GRAD_TOL_64',
            'LOG_SIGMA_METHODS', 'esp_grad_alg2', 'esp_grad_recursion', 'default_order', 'esp_grad_stabilised',
            'leave_one_out_log_esp', 'esp_grad_leave_one_out', 'power_tolerances', 'poly_mul_lin', 'newton_esp',
-           'head_esps', 'power_inputs', 'power_forward', 'power_backward', 'PowerLogSigma', 'power_log_sigma',
-           'LogSigmaFunction', 'log_sigma', 'grad_error', 'grad_target']
+           'head_esps', 'head_leave_one_out', 'head_size', 'power_shift', 'power_inputs', 'power_forward',
+           'power_backward', 'PowerLogSigma', 'power_log_sigma', 'LogSigmaFunction', 'log_sigma', 'grad_error',
+           'grad_target']
 
 # %% ../nbs/02_esp_backward.ipynb #89094acf
 def esp_grad_alg2(e: torch.Tensor, k: int) -> torch.Tensor:
@@ -88,7 +90,7 @@ def esp_grad_leave_one_out(x: torch.Tensor, log_sigma: torch.Tensor, k: int, inp
 # %% ../nbs/02_esp_backward.ipynb #7ea1b224
 UNIT_ROUNDOFF_64 = torch.finfo(torch.float64).eps / 2
 TINY_64 = torch.finfo(torch.float64).tiny          # what one underflowing product can lose (flush to zero)
-POWER_FWD_TOL, POWER_GRAD_TOL = 1e-8, 1e-6      # float32 (and half) results
+POWER_FWD_TOL, POWER_GRAD_TOL = 1e-6, 1e-6      # float32 (and half) results: relative error of the loss <= 2e-6
 POWER_FWD_TOL_64, POWER_GRAD_TOL_64 = 64 * UNIT_ROUNDOFF_64, 1e-12   # float64 results: float64 accuracy
 
 
@@ -97,6 +99,7 @@ def power_tolerances(dtype: torch.dtype) -> tuple[float, float]:
     return (POWER_FWD_TOL_64, POWER_GRAD_TOL_64) if dtype == torch.float64 else (POWER_FWD_TOL, POWER_GRAD_TOL)
 
 
+# %% ../nbs/02_esp_backward.ipynb #83deb7e2
 def poly_mul_lin(p: torch.Tensor, q: torch.Tensor, d: int) -> torch.Tensor:
     "Coefficients 0..d-1 of the products of polynomials p (..., a) and q (..., b) in standard space (broadcast)."
     a, b = p.shape[-1], q.shape[-1]
@@ -106,6 +109,7 @@ def poly_mul_lin(p: torch.Tensor, q: torch.Tensor, d: int) -> torch.Tensor:
     return out[..., :d]
 
 
+# %% ../nbs/02_esp_backward.ipynb #370d4152
 @functools.lru_cache(maxsize=None)
 def _lags(m: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     "For (m+1) x (m+1) matrices: the lags j - i clamped at 0, and where j > i (cached: made outside inference mode)."
@@ -115,12 +119,14 @@ def _lags(m: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         return lag.clamp(min=0), lag > 0
 
 
+# %% ../nbs/02_esp_backward.ipynb #d040d8f2
 def _lower_toeplitz(c: torch.Tensor) -> torch.Tensor:
     "The strictly lower triangular Toeplitz matrices M[j, i] = c_{j-i} (j > i) of the vectors c_1..c_m (..., m)."
     lag, below = _lags(c.shape[-1], c.device)
     return F.pad(c, (1, 0))[..., lag] * below
 
 
+# %% ../nbs/02_esp_backward.ipynb #c658dc2e
 @functools.lru_cache(maxsize=None)
 def _newton_constants(k: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     "diag(max(j, 1)), the signs (-1)^(j-i), and the unit vector e_0, for j, i = 0..k (cached: made outside inference mode)."
@@ -131,6 +137,7 @@ def _newton_constants(k: int, dtype: torch.dtype, device: torch.device) -> tuple
         return torch.diag(j.clamp(min=1).to(dtype)), (1.0 - 2.0 * ((j[:, None] - j) % 2)).to(dtype), first
 
 
+# %% ../nbs/02_esp_backward.ipynb #918f2bb7
 def newton_esp(power_sums: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     "sigma_0..k from the power sums p_1..p_k (..., k) by Newton's identities, and a bound on each absolute error."
     k = power_sums.shape[-1]
@@ -144,31 +151,51 @@ def newton_esp(power_sums: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Te
     return sig[..., 0], err[..., 0]
 
 
+# %% ../nbs/02_esp_backward.ipynb #eb9afc4b
 def head_esps(v: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    "sigma_0..k of the head values v (B, h), and sigma_0..k-1 of the head without each of its entries, (B, h, k)."
-    B, h = v.shape
-    vals = v[:, None, :].repeat(1, h + 1, 1)                         # row i < h: entry i left out; row h: all
-    vals[:, torch.arange(h), torch.arange(h)] = 0.0
-    if torch.compiler.is_compiling():                              # traced: the same recurrence, out of place
-        cur = F.pad(v.new_ones(B, h + 1, 1), (0, k))                 # (B, h+1, k+1): the polynomial 1
-        for col in vals.unsqueeze(-1).unbind(-2):
-            cur = torch.cat([cur[..., :1], torch.addcmul(cur[..., 1:], col, cur[..., :-1])], -1)
-        return cur[:, h], cur[:, :h, :k]
-    bufs = v.new_zeros(2, B, h + 1, k + 1)
-    bufs[..., 0] = 1.0
-    hi, lo = bufs[..., 1:].unbind(0), bufs[..., :-1].unbind(0)
-    for l, col in enumerate(vals.unsqueeze(-1).unbind(-2)):        # summation recurrence: positive terms only
-        torch.addcmul(hi[l % 2], col, lo[l % 2], out=hi[(l + 1) % 2])
-    cur = bufs[h % 2]
-    return cur[:, h], cur[:, :h, :k]
+    "sigma_0..k of the head values v (B, h), and sigma_0..k-1 of each prefix v_0..v_{i-1}, (B, h, k): positive terms only."
+    cur = F.pad(v.new_ones(v.shape[0], 1), (0, k))                   # (B, k+1): the polynomial 1
+    prefixes = []
+    for col in v.unsqueeze(-1).unbind(1):                            # (B, 1): one head value
+        prefixes.append(cur[:, :k])
+        cur = torch.cat([cur[:, :1], torch.addcmul(cur[:, 1:], col, cur[:, :-1])], 1)
+    return cur, torch.stack(prefixes, 1)
 
 
+# %% ../nbs/02_esp_backward.ipynb #5a6c0442
+def head_leave_one_out(prefixes: torch.Tensor, v: torch.Tensor, sig_t: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    "sigma_{k-2} and sigma_{k-1} of the row without head entry i, (B, h) each: prefix(i) times (suffix(i) times the tail)."
+    cur, suffixes = sig_t[:, :k].flip(-1), []                         # (B, k), degrees k-1..0: the tail, empty suffix
+    for col in reversed(v.unsqueeze(-1).unbind(1)):                  # (B, 1): head values, last first
+        suffixes.append(cur)
+        cur = torch.cat([torch.addcmul(cur[:, :-1], col, cur[:, 1:]), cur[:, -1:]], 1)
+    rev = torch.stack(suffixes[::-1], 1)                             # (B, h, k): v_{i+1..h-1} and the tail, degree k-1-a at a
+    top = (prefixes * rev).sum(-1)                                   # sum_a prefix_a suffix_{k-1-a}
+    below = (prefixes[..., :k - 1] * rev[..., 1:]).sum(-1) if k >= 2 else torch.zeros_like(top)   # sum_a prefix_a suffix_{k-2-a}
+    return below, top
+
+
+# %% ../nbs/02_esp_backward.ipynb #a43880df
+def head_size(m: int, k: int) -> int:
+    "How many of a row's m values the head takes: the k+1 largest, or all of them where the tail would be short (m <= 4(k+1))."
+    return m if m <= 4 * (k + 1) else min(k + 1, m)
+
+
+# %% ../nbs/02_esp_backward.ipynb #fcf989c0
+def power_shift(m: int, k: int) -> float:
+    "How far below 1 (in log) the largest of m values goes so that no sigma_j, j <= k, can overflow: max(0, (log C(m, k) - 500) / k)."
+    if k < 1 or k > m: return 0.0
+    log_binom = math.lgamma(m + 1) - math.lgamma(k + 1) - math.lgamma(m - k + 1)
+    return max(0.0, (log_binom - 500.0) / k)
+
+
+# %% ../nbs/02_esp_backward.ipynb #4db3a165
 def power_inputs(x: torch.Tensor, top: torch.Tensor, head: torch.Tensor, exclude: torch.Tensor | None = None,
-                 scale: float = 1.0) -> tuple[torch.Tensor, ...]:
-    "For the rows of exp(scale * x), in float64 and shifted by the largest value top[:, 0]: the shift, head values, largest tail value, tail values (head and `exclude` entries 0)."
-    h = head.shape[1]
-    c = top[:, :1].double()                                          # the largest value: e <= 1
-    v = ((top[:, :h].double() - c) * scale).exp()                    # head values, v[:, 0] = 1
+                 scale: float = 1.0, k: int = 0) -> tuple[torch.Tensor, ...]:
+    "For the rows of exp(scale * x), in float64 and shifted by the largest value top[:, 0] (and power_shift): the shift, head values, largest tail value, tail values (head and `exclude` entries 0)."
+    h, m = head.shape[1], x.shape[1] - (exclude is not None)
+    c = top[:, :1].double() + power_shift(m, k) / scale              # e <= exp(-power_shift) <= 1
+    v = ((top[:, :h].double() - c) * scale).exp()                    # head values (B, h)
     t = ((top[:, h].double() - c[:, 0]) * scale).exp() if top.shape[1] > h else c.new_zeros(len(c))
     drop = head if exclude is None else torch.cat([head, exclude[:, None]], 1)
     e = x.to(torch.float64, copy=True).sub_(c)
@@ -176,6 +203,7 @@ def power_inputs(x: torch.Tensor, top: torch.Tensor, head: torch.Tensor, exclude
     return c, v, t, e.exp_().scatter_(1, drop, 0.0)
 
 
+# %% ../nbs/02_esp_backward.ipynb #20475d24
 def power_forward(e: torch.Tensor, v: torch.Tensor, t: torch.Tensor, k: int, fwd_tol: float, grad_tol: float):
     "sigma_0..k (B, k+1) of the values [v, e] (head v, tail e, float64, e <= t <= v), which rows are certified, and the backward's state."
     n = e.shape[1]
@@ -186,7 +214,7 @@ def power_forward(e: torch.Tensor, v: torch.Tensor, t: torch.Tensor, k: int, fwd
         else: work.mul_(e)
         powers.append(work.sum(1))
     sig_t, err_t = newton_esp(torch.stack(powers, -1), n)
-    sig_h, loo_h = head_esps(v, k)
+    sig_h, prefixes = head_esps(v, k)
     sig = poly_mul_lin(sig_h, sig_t, k + 1)                          # sigma(all) = sigma(head) * sigma(tail)
     err = poly_mul_lin(sig_h, err_t, k + 1) + (k + 2) * UNIT_ROUNDOFF_64 * sig \
         + (n + k + 2) * (k + 2) * TINY_64 * sig.sum(1, keepdim=True)     # products lost to underflow
@@ -200,13 +228,14 @@ def power_forward(e: torch.Tensor, v: torch.Tensor, t: torch.Tensor, k: int, fwd
         bounds = torch.zeros_like(sig[:, :1])
     for j in {max(k - 1, 1), k}:
         ok &= (err[:, j] <= fwd_tol * sig[:, j]) & (t * bounds[:, j - 1] * n <= grad_tol * j * sig[:, j])
-    return sig, ok, (sig_t, loo_h)
+    return sig, ok, (sig_t, prefixes)
 
 
+# %% ../nbs/02_esp_backward.ipynb #9fa93975
 def power_backward(e: torch.Tensor, v: torch.Tensor, head: torch.Tensor, sig: torch.Tensor, ok: torch.Tensor, state,
                    weight: torch.Tensor, k: int, out: torch.Tensor) -> torch.Tensor:
     "Writes d(w_0 log sigma_{k-1} + w_1 log sigma_k)/dx (x = log of [v, e]) into `out` (B, n), head entries at `head`; 0 on rows not `ok`."
-    sig_t, loo_h = state
+    sig_t, prefixes = state
     good = ok[:, None]                 # rows not certified get their gradient elsewhere: keep their arithmetic finite
     sig, sig_t, weight = torch.where(good, sig, 1.0), torch.where(good, sig_t, 0.0), torch.where(good, weight, 0.0)
     w1 = weight[:, 1:] / sig[:, k:k + 1]
@@ -221,18 +250,19 @@ def power_backward(e: torch.Tensor, v: torch.Tensor, head: torch.Tensor, sig: to
         for m in range(2, k):
             torch.addcmul(c[:, m - 1:m], e, work, value=-1.0, out=work)
         torch.mul(e, work, out=out)
-    # head: exact leave-one-out polynomials, times sigma(tail)
-    loo = poly_mul_lin(loo_h, sig_t[:, None], k)                      # sigma_0..k-1 of all but head entry i
-    gh = loo[:, :, k - 1] * w1 + (loo[:, :, k - 2] * w0 if k >= 2 else 0.0)
+    # head: exact leave-one-out, prefix times suffix times the tail: O(h k) per row
+    loo_lo, loo_hi = head_leave_one_out(prefixes, v, sig_t, k)
+    gh = loo_hi * w1 + loo_lo * w0
     return out.scatter_add_(1, head, (v * gh).to(out.dtype))
 
 
+# %% ../nbs/02_esp_backward.ipynb #9ac64105
 class PowerLogSigma(torch.autograd.Function):
     "(log sigma_{k-1}, log sigma_k) of exp(x) without the `exclude` entries, by power sums; and which rows are certified."
 
     @staticmethod
     def forward(ctx, x, k, top, head, exclude):
-        c, v, t, e = power_inputs(x, top, head, exclude)
+        c, v, t, e = power_inputs(x, top, head, exclude, k=k)
         sig, ok, state = power_forward(e, v, t, k, *power_tolerances(x.dtype))
         out = sig[:, k - 1:k + 1].log() + c * torch.tensor([k - 1, k], dtype=c.dtype, device=c.device)
         ctx.save_for_backward(e, v, head, sig, ok, *state)
@@ -247,6 +277,7 @@ class PowerLogSigma(torch.autograd.Function):
         out = torch.empty(e.shape, dtype=grad.dtype, device=e.device)
         return power_backward(e, v, head, sig, ok, state, grad.double(), ctx.k, out), None, None, None, None
 
+
 # %% ../nbs/02_esp_backward.ipynb #57923421
 def power_log_sigma(x: torch.Tensor, k: int, exclude: torch.Tensor | None = None, top: torch.Tensor | None = None,
                     head: torch.Tensor | None = None) -> torch.Tensor:
@@ -255,8 +286,9 @@ def power_log_sigma(x: torch.Tensor, k: int, exclude: torch.Tensor | None = None
     m = n if exclude is None else n - 1
     if top is None:
         masked = x.detach() if exclude is None else x.detach().scatter(1, exclude[:, None], -torch.inf)
-        top, head = masked.topk(min(k + 2, m), dim=1)
-    h = min(k + 1, top.shape[1])
+        top, head = masked.topk(min(head_size(m, k) + 1, m), dim=1)
+    h = head_size(m, k)
+    assert top.shape[1] >= min(h + 1, m), "`top` needs the head and the largest tail value"
     out, ok = PowerLogSigma.apply(x, k, top[:, :h + 1].detach(), head[:, :h], exclude)
     if not bool(ok.all()):
         bad = (~ok).nonzero()[:, 0]

@@ -15,12 +15,12 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from .baselines import (CrossEntropy, CvxTopkHinge, FocalLoss, LDAMLoss, TopkGrouping, TopkTransition,
-                               expected_loss, split_target, cross_entropy, cvx_topk_hinge, focal_loss, ldam,
+from .baselines import (CE, CvxHinge, Focal, LDAM, TopkGrouping, TopkTransition,
+                               expected_loss, split_target, ce, cvx_hinge, focal, ldam,
                                topk_grouping, topk_transition)
 from .core import check_int, check_real, check_reduction, reduce_loss, target_rank
-from .noised import CalHinge, NoisedBalTopK, NoisedImbalTopK, cal_hinge, noised_bal_topk, noised_imbal_topk
-from .svm import SmoothTopkSVM, TopkHinge, smooth_topk_svm, topk_hinge
+from .noised import CalHinge, NoisedBal, NoisedImbal, cal_hinge, noised_bal, noised_imbal
+from .svm import SmoothSVM, TopkHinge, smooth_svm, topk_hinge
 
 # %% auto #0
 __all__ = ['LOSSES', 'TOPK_ERROR', 'LossEntry', 'get_loss', 'TopkMixture', 'loss_table', 'simplex_grid', 'parse_panel',
@@ -60,26 +60,26 @@ class LossEntry:
 
 
 LOSSES: dict[str, LossEntry] = {e.name: e for e in [
-    LossEntry("ce", CrossEntropy, cross_entropy, r"$-\ln(e^{s_y} / \sum_{k} e^{s_k})$",
+    LossEntry("ce", CE, ce, r"$-\ln(e^{s_y} / \sum_{k} e^{s_k})$",
               "cross-entropy; Sawada eq. (3)", native_soft_targets=True),
-    LossEntry("focal", FocalLoss, focal_loss, r"$-(1 - q_y)^\gamma \ln q_y$, $q = \mathrm{softmax}(s)$",
+    LossEntry("focal", Focal, focal, r"$-(1 - q_y)^\gamma \ln q_y$, $q = \mathrm{softmax}(s)$",
               "Lin et al. 2017", native_soft_targets=True),
-    LossEntry("ldam", LDAMLoss, ldam,
+    LossEntry("ldam", LDAM, ldam,
               r"$-\ln\frac{e^{c(s_y - m_y)}}{e^{c(s_y - m_y)} + \sum_{k \ne y} e^{c s_k}}$, $m_y \propto n_y^{-1/4}$",
               "Cao et al. 2019", needs_class_counts=True, native_soft_targets=True),
     LossEntry("topk_hinge", TopkHinge, topk_hinge, r"$(\alpha + (\mathrm{top}_K(s_{\setminus y}) - s_y)/K)_+$",
               "Lapin et al. 2015; Berrada 2018 eq. (8), scaled by 1/K (Garcin 2022 eq. (4) is the unscaled form)"),
-    LossEntry("cvx_hinge", CvxTopkHinge, cvx_topk_hinge,
+    LossEntry("cvx_hinge", CvxHinge, cvx_hinge,
               r"$(\frac{1}{K}\sum_{k\le K} \mathrm{top}_k(\alpha(1 - \delta_y) + s) - s_y)_+$",
               "Lapin et al. 2015; Garcin 2022 Table 1", native_soft_targets=True),
     LossEntry("cal_hinge", CalHinge, cal_hinge, r"$(\alpha + \mathrm{top}_{K+1}(s) - s_y)_+$",
               "Yang & Koyejo 2020; Garcin 2022 eq. (5), (17)"),
-    LossEntry("smooth_svm", SmoothTopkSVM, smooth_topk_svm,
+    LossEntry("smooth_svm", SmoothSVM, smooth_svm,
               r"$\tau \ln \sum_{|A|=K} e^{\alpha 1_{y \notin A}/\tau + \sum_{j\in A} s_j/(K\tau)} - \tau \ln \sum_{|A|=K,\, y \in A} e^{\sum_{j \in A} s_j/(K\tau)}$",
               r"Berrada 2018 eq. (9)-(10) (Garcin 2022 Table 1 prints the second sum without $y \in A$)"),
-    LossEntry("noised_bal", NoisedBalTopK, noised_bal_topk, r"$(\alpha + \widehat{\mathrm{top}}_{K+1,\epsilon,B}(s) - s_y)_+$",
+    LossEntry("noised_bal", NoisedBal, noised_bal, r"$(\alpha + \widehat{\mathrm{top}}_{K+1,\epsilon,B}(s) - s_y)_+$",
               "Garcin 2022 eq. (8), (10)", stochastic=True),
-    LossEntry("noised_imbal", NoisedImbalTopK, noised_imbal_topk,
+    LossEntry("noised_imbal", NoisedImbal, noised_imbal,
               r"$c\,(m_y + \widehat{\mathrm{top}}_{K+1,\epsilon,B}(s) - s_y)_+$, $m_y \propto n_y^{-1/4}$",
               "Garcin 2022 eq. (13)", stochastic=True, needs_class_counts=True),
     LossEntry("topk_grouping", TopkGrouping, topk_grouping,

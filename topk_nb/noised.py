@@ -13,8 +13,8 @@ from .core import LossModule, check_int, check_loss_input, check_real, check_red
 from .perturbed import draw_noise, sampled_topk_value, topk_value
 
 # %% auto #0
-__all__ = ['cal_hinge', 'noised_bal_topk', 'margins_from_counts', 'noised_imbal_topk', 'CalHinge', 'NoisedBalTopK',
-           'NoisedImbalTopK']
+__all__ = ['noised_bal_topk', 'noised_imbal_topk', 'NoisedBalTopK', 'NoisedImbalTopK', 'cal_hinge', 'noised_bal',
+           'margins_from_counts', 'noised_imbal', 'CalHinge', 'NoisedBal', 'NoisedImbal']
 
 # %% ../nbs/05_noised.ipynb #6d2a9022
 def cal_hinge(scores: torch.Tensor, target: torch.Tensor, k: int = 5, alpha: float = 1.0, reduction: str = "mean",
@@ -43,7 +43,7 @@ def _noised_hinge(scores, target, k, epsilon, n_samples, margin, reduction, gene
     return reduce_loss(loss, reduction).to(out_dtype)
 
 
-def noised_bal_topk(scores: torch.Tensor, target: torch.Tensor, k: int = 5, epsilon: float = 0.2,
+def noised_bal(scores: torch.Tensor, target: torch.Tensor, k: int = 5, epsilon: float = 0.2,
                     n_samples: int = 10, alpha: float = 1.0, reduction: str = "mean",
                     generator: torch.Generator | None = None, noise: torch.Tensor | None = None,
                     check_finite: bool | None = None) -> torch.Tensor:
@@ -53,6 +53,10 @@ def noised_bal_topk(scores: torch.Tensor, target: torch.Tensor, k: int = 5, epsi
     alpha = check_real(alpha, "alpha", 0.0)
     if noise is None and epsilon > 0: check_int(n_samples, "n_samples", 1)
     return _noised_hinge(scores, target, k, epsilon, n_samples, alpha, check_reduction(reduction), generator, noise)
+
+
+noised_bal_topk = noised_bal    # the earlier name, kept
+
 
 # %% ../nbs/05_noised.ipynb #2bc8d9ab
 def margins_from_counts(class_counts, max_m: float = 0.2) -> torch.Tensor:
@@ -66,7 +70,7 @@ def margins_from_counts(class_counts, max_m: float = 0.2) -> torch.Tensor:
     return max_m * (counts.min() / counts) ** 0.25
 
 
-def noised_imbal_topk(scores: torch.Tensor, target: torch.Tensor, class_counts, k: int = 5, epsilon: float = 0.01,
+def noised_imbal(scores: torch.Tensor, target: torch.Tensor, class_counts, k: int = 5, epsilon: float = 0.01,
                       n_samples: int = 5, max_m: float = 0.2, scale: float = 50.0, reduction: str = "mean",
                       generator: torch.Generator | None = None, noise: torch.Tensor | None = None,
                       check_finite: bool | None = None) -> torch.Tensor:
@@ -83,6 +87,10 @@ def noised_imbal_topk(scores: torch.Tensor, target: torch.Tensor, class_counts, 
     reduction = check_reduction(reduction)
     hinge = _noised_hinge(scores, target, k, epsilon, n_samples, margin_y, "none", generator, noise)  # noise on s itself
     return reduce_loss(scale * hinge, reduction)
+
+
+noised_imbal_topk = noised_imbal    # the earlier name, kept
+
 
 # %% ../nbs/05_noised.ipynb #9decbe66
 class CalHinge(LossModule):
@@ -112,7 +120,7 @@ class _NoisedModule(LossModule):
         return reduce_loss(self.per_sample(scores, target, noise), self.reduction)
 
 
-class NoisedBalTopK(_NoisedModule):
+class NoisedBal(_NoisedModule):
     "Noised balanced top-k hinge loss (Garcin 2022, eq. 10) as a module."
     example = "k=5, epsilon=0.2"
 
@@ -129,14 +137,14 @@ class NoisedBalTopK(_NoisedModule):
         self.generator = generator
 
     def per_sample(self, scores, labels, noise=None):
-        return noised_bal_topk(scores, labels, self.k, self.epsilon, self.n_samples, self.alpha, "none",
+        return noised_bal(scores, labels, self.k, self.epsilon, self.n_samples, self.alpha, "none",
                                self.generator, noise, self.check_finite)
 
     def extra_repr(self):
         return f"k={self.k}, epsilon={self.epsilon}, n_samples={self.n_samples}, alpha={self.alpha}"
 
 
-class NoisedImbalTopK(_NoisedModule):
+class NoisedImbal(_NoisedModule):
     "Noised imbalanced top-k hinge loss (Garcin 2022, eq. 13) as a module; margins from `class_counts`."
     example = "class_counts=counts, k=5"
 
@@ -157,9 +165,16 @@ class NoisedImbalTopK(_NoisedModule):
         self.scale, self.generator = check_real(scale, "scale", 0.0, lo_open=True), generator
 
     def per_sample(self, scores, labels, noise=None):
-        return noised_imbal_topk(scores, labels, self.class_counts, self.k, self.epsilon, self.n_samples, self.max_m,
+        return noised_imbal(scores, labels, self.class_counts, self.k, self.epsilon, self.n_samples, self.max_m,
                                  self.scale, "none", self.generator, noise, self.check_finite)
 
     def extra_repr(self):
         return (f"n_classes={self.class_counts.numel()}, k={self.k}, epsilon={self.epsilon}, "
                 f"n_samples={self.n_samples}, max_m={self.max_m}, scale={self.scale}")
+
+
+NoisedBalTopK = NoisedBal    # the earlier name, kept
+
+
+NoisedImbalTopK = NoisedImbal    # the earlier name, kept
+

@@ -15,11 +15,11 @@ import torch.nn.functional as F
 from .core import (LossModule, check_int, check_loss_input, check_real, check_reduction, reduce_loss,
                           scores_without_target, sync_free, loss_dtype)
 from .esp import dc_tree, log_zero
-from .esp_backward import power_backward, power_forward, power_inputs, power_log_sigma, power_tolerances
+from .esp_backward import head_size, power_backward, power_forward, power_inputs, power_log_sigma, power_tolerances
 
 # %% auto #0
-__all__ = ['topk_hinge', 'subset_sums_bruteforce', 'smooth_topk_svm_bruteforce', 'hard_enough', 'smooth_topk_svm',
-           'SmoothTopkSVM', 'TopkHinge']
+__all__ = ['smooth_topk_svm', 'SmoothTopkSVM', 'topk_hinge', 'subset_sums_bruteforce', 'smooth_topk_svm_bruteforce',
+           'hard_enough', 'smooth_svm', 'SmoothSVM', 'TopkHinge']
 
 # %% ../nbs/03_smooth_svm.ipynb #6240521f
 def topk_hinge(scores: torch.Tensor, target: torch.Tensor, k: int = 5, alpha: float = 1.0,
@@ -65,10 +65,11 @@ def _smooth_part(scores: torch.Tensor, target: torch.Tensor, k: int, tau: float,
 
 # %% ../nbs/03_smooth_svm.ipynb #6ebb4c73
 def _top_others(scores: torch.Tensor, target: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    "The k+2 largest scores other than the target's (all of them when fewer), sorted, their indices, and the target's score."
+    "The head and the largest tail score among the scores other than the target's (head_size), sorted, their indices, and the target's score."
     n = scores.shape[1]
-    top, idx = scores.topk(min(k + 3, n), dim=1)                     # no masked copy of the scores: drop the target here
-    keep = (idx == target[:, None]).to(torch.uint8).argsort(dim=1, stable=True)[:, :min(k + 2, n - 1)]
+    count = min(head_size(n - 1, k) + 1, n - 1)                      # at least the k+1 largest others
+    top, idx = scores.topk(count + 1, dim=1)                         # no masked copy of the scores: drop the target here
+    keep = (idx == target[:, None]).to(torch.uint8).argsort(dim=1, stable=True)[:, :count]
     return top.gather(1, keep), idx.gather(1, keep), scores.gather(1, target[:, None])[:, 0]
 
 
@@ -93,9 +94,9 @@ def hard_enough(scores: torch.Tensor, target: torch.Tensor, k: int, tau: float, 
 # %% ../nbs/03_smooth_svm.ipynb #a9e7c2d1
 def _masked_forward(ctx, s, target, k, tau, alpha, top, idx, s_y, hard, loss, kth, gain):
     "The sync-free forward: the power path on every row (B, n), the hinge kept on hard rows; (loss, hard or certified)."
-    h, scale = min(k + 1, top.shape[1]), 1.0 / (k * tau)
+    h, scale = head_size(s.shape[1] - 1, k), 1.0 / (k * tau)
     head = idx[:, :h]                                                         # (B, h)
-    c, v, t, e = power_inputs(s, top, head, target, scale)                   # e: (B, n) float64
+    c, v, t, e = power_inputs(s, top, head, target, scale, k)               # e: (B, n) float64
     sig, ok_s, state = power_forward(e, v, t, k, *power_tolerances(s.dtype))  # sig: (B, k+1)
     z = alpha / tau + sig[:, k].log() - sig[:, k - 1].log() + (c[:, 0] - s_y.double()) * scale   # (B,), NaN on some hard rows
     loss = torch.where(hard, loss, (tau * F.softplus(z)).to(s.dtype))
@@ -125,6 +126,46 @@ def _tree_part(s, target, k, tau, alpha):
 
 
 # %% ../nbs/03_smooth_svm.ipynb #491dffe0
+def _host_forward(ctx, s, target, k, tau, alpha, top, idx, s_y, hard, loss, ok, kth, gain):
+    "The host forward: the power path on the soft rows only (selected by reading the hard mask back); (loss, certified)."
+    B, n = s.shape
+    soft = (~hard).nonzero()[:, 0]                                            # (S,) the soft rows
+    ctx.every = soft.numel() == B
+    if not soft.numel():
+        ctx.save_for_backward(target, kth, gain)
+        return loss, ok
+    s_s, y_s, top_s, idx_s = (s, target, top, idx) if ctx.every else (s[soft], target[soft], top[soft], idx[soft])
+    h, scale = head_size(n - 1, k), 1.0 / (k * tau)
+    head = idx_s[:, :h]                                                       # (S, h)
+    c, v, t, e = power_inputs(s_s, top_s, head, y_s, scale, k)               # e: (S, n) float64, x = s / (k tau), shifted
+    sig, ok_s, state = power_forward(e, v, t, k, *power_tolerances(s.dtype))  # sig: (S, k+1)
+    z = alpha / tau + sig[:, k].log() - sig[:, k - 1].log() + (c[:, 0] - s_y[soft].double()) * scale   # b - a, eq. (10)
+    loss[soft], ok[soft] = (tau * F.softplus(z)).to(s.dtype), ok_s
+    ctx.save_for_backward(target, kth, gain, soft, e, v, head, sig, ok_s, torch.sigmoid(z), *state)
+    return loss, ok
+
+
+def _host_backward(ctx, grad):
+    "The host backward: the hinge's two entries on hard rows plus the power path's gradient on the soft rows, (B, n)."
+    target, kth, gain, *soft_state = ctx.saved_tensors
+    B, n, k = grad.shape[0], ctx.n, ctx.k
+    if ctx.every:                                                             # every entry is written below
+        out = torch.empty((B, n), dtype=grad.dtype, device=grad.device)
+    else:
+        rows, g_hard = torch.arange(B, device=grad.device), grad * gain       # 0 on soft rows and where the hinge is flat
+        out = torch.zeros((B, n), dtype=grad.dtype, device=grad.device)
+        out.index_put_((rows, kth), g_hard, accumulate=True).index_put_((rows, target), -g_hard, accumulate=True)
+    if soft_state:
+        soft, e, v, head, sig, ok_s, rho, *state = soft_state
+        g = torch.where(ok_s, grad[soft].double() * rho / k, 0.0)             # dL/d log sigma_k = -dL/d log sigma_{k-1}, times dx/ds
+        part = out if ctx.every else torch.empty(e.shape, dtype=grad.dtype, device=grad.device)   # (S, n)
+        power_backward(e, v, head, sig, ok_s, state, torch.stack([-g, g], 1), k, part)
+        part.scatter_add_(1, target[soft, None], -g[:, None].to(part.dtype))
+        if not ctx.every: out.index_copy_(0, soft, part)
+    return out
+
+
+# %% ../nbs/03_smooth_svm.ipynb #850e8522
 class _SmoothTopkSVMFunction(torch.autograd.Function):
     "Per-sample L_{k,tau}: hard rows by the hinge, the others by certified power sums; which rows are certified; one gradient buffer."
 
@@ -140,46 +181,25 @@ class _SmoothTopkSVMFunction(torch.autograd.Function):
         ctx.k, ctx.n, ctx.masked = k, n, sync_free(s)
         if ctx.masked:                                               # fixed shapes: every row, hard ones masked
             return _masked_forward(ctx, s, target, k, tau, alpha, top, idx, s_y, hard, loss, kth, gain)
-        soft = (~hard).nonzero()[:, 0]
-        ctx.every = soft.numel() == B
-        if not soft.numel():
-            ctx.save_for_backward(target, kth, gain)
-            return loss, ok
-        s_s, y_s, top_s, idx_s = (s, target, top, idx) if ctx.every else (s[soft], target[soft], top[soft], idx[soft])
-        h, scale = min(k + 1, top_s.shape[1]), 1.0 / (k * tau)
-        head = idx_s[:, :h]
-        c, v, t, e = power_inputs(s_s, top_s, head, y_s, scale)      # x = s / (k tau), shifted by its largest other
-        sig, ok_s, state = power_forward(e, v, t, k, *power_tolerances(s.dtype))
-        z = alpha / tau + sig[:, k].log() - sig[:, k - 1].log() + (c[:, 0] - s_y[soft].double()) * scale   # b - a, eq. (10)
-        loss[soft], ok[soft] = (tau * F.softplus(z)).to(s.dtype), ok_s
-        ctx.save_for_backward(target, kth, gain, soft, e, v, head, sig, ok_s, torch.sigmoid(z), *state)
-        return loss, ok
+        return _host_forward(ctx, s, target, k, tau, alpha, top, idx, s_y, hard, loss, ok, kth, gain)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad, _):
-        if ctx.masked:
-            return _masked_backward(ctx, grad), None, None, None, None, None
-        target, kth, gain, *soft_state = ctx.saved_tensors
-        B, n, k = grad.shape[0], ctx.n, ctx.k
-        if ctx.every:                                                # every entry is written below
-            out = torch.empty((B, n), dtype=grad.dtype, device=grad.device)
-        else:
-            rows, g_hard = torch.arange(B, device=grad.device), grad * gain   # 0 on soft rows and where the hinge is flat
-            out = torch.zeros((B, n), dtype=grad.dtype, device=grad.device)
-            out.index_put_((rows, kth), g_hard, accumulate=True).index_put_((rows, target), -g_hard, accumulate=True)
-        if soft_state:
-            soft, e, v, head, sig, ok_s, rho, *state = soft_state
-            g = torch.where(ok_s, grad[soft].double() * rho / k, 0.0)   # dL/d log sigma_k = -dL/d log sigma_{k-1}, times dx/ds
-            part = out if ctx.every else torch.empty(e.shape, dtype=grad.dtype, device=grad.device)
-            power_backward(e, v, head, sig, ok_s, state, torch.stack([-g, g], 1), k, part)
-            part.scatter_add_(1, target[soft, None], -g[:, None].to(part.dtype))
-            if not ctx.every: out.index_copy_(0, soft, part)
+        out = _masked_backward(ctx, grad) if ctx.masked else _host_backward(ctx, grad)
         return out, None, None, None, None, None
 
 
-def smooth_topk_svm(scores: torch.Tensor, target: torch.Tensor, k: int = 5, tau: float = 1.0, alpha: float = 1.0,
-                    reduction: str = "mean", hard_switch: bool = True, check_finite: bool | None = None) -> torch.Tensor:
+# %% ../nbs/03_smooth_svm.ipynb #c5907072
+def smooth_svm(scores: torch.Tensor,             # (B, n) scores
+               target: torch.Tensor,             # (B,) class indices
+               k: int = 5,                       # the k of top-k
+               tau: float = 1.0,                 # temperature: tau -> 0 gives the top-k hinge
+               alpha: float = 1.0,               # margin
+               reduction: str = "mean",          # "mean", "sum" or "none"
+               hard_switch: bool = True,         # rows where the smooth loss equals the hinge to rounding take the hinge
+               check_finite: bool | None = None, # check the scores are finite (None: on the host path only)
+               ) -> torch.Tensor:
     "Smooth top-k SVM loss L_{k,tau} (Berrada 2018, eq. 9-10) with margin alpha."
     scores, target, k = check_loss_input(scores, target, k, check_finite)
     tau = check_real(tau, "tau", 0.0, lo_open=True)
@@ -188,14 +208,20 @@ def smooth_topk_svm(scores: torch.Tensor, target: torch.Tensor, k: int = 5, tau:
     out_dtype = loss_dtype(scores)
     with torch.autocast(scores.device.type, enabled=False):
         s = scores if scores.dtype in (torch.float32, torch.float64) else scores.float()
-        loss, ok = _SmoothTopkSVMFunction.apply(s, target, k, tau, alpha, hard_switch)
+        loss, ok = _SmoothTopkSVMFunction.apply(s, target, k, tau, alpha, hard_switch)   # (B,), (B,)
         if sync_free(s):                                             # no read-back: the tree on every row, kept where refused
             loss = torch.where(ok, loss, _tree_part(s, target, k, tau, alpha))
         elif not bool(ok.all()):                                     # rows the certificate refuses: the exact tree
             bad = (~ok).nonzero()[:, 0]
             loss = loss.index_put((bad,), _smooth_part(s[bad], target[bad], k, tau, alpha))
     return reduce_loss(loss, reduction).to(out_dtype)
-class SmoothTopkSVM(LossModule):
+
+
+smooth_topk_svm = smooth_svm    # the earlier name, kept
+
+
+# %% ../nbs/03_smooth_svm.ipynb #9f2f81b1
+class SmoothSVM(LossModule):
     "Smooth top-k SVM loss L_{k,tau} (Berrada 2018, eq. 10) as a module, a drop-in for nn.CrossEntropyLoss."
     example = "k=5, tau=1.0"
 
@@ -210,12 +236,16 @@ class SmoothTopkSVM(LossModule):
         self.alpha, self.hard_switch = check_real(alpha, "alpha", 0.0), hard_switch
 
     def per_sample(self, scores, labels):
-        return smooth_topk_svm(scores, labels, self.k, self.tau, self.alpha, "none", self.hard_switch, self.check_finite)
+        return smooth_svm(scores, labels, self.k, self.tau, self.alpha, "none", self.hard_switch, self.check_finite)
 
     def extra_repr(self) -> str:
         return f"k={self.k}, tau={self.tau}, alpha={self.alpha}, reduction={self.reduction!r}"
 
 
+SmoothTopkSVM = SmoothSVM    # the earlier name, kept
+
+
+# %% ../nbs/03_smooth_svm.ipynb #ae044957
 class TopkHinge(LossModule):
     "Top-k hinge loss (non-smooth, Berrada 2018 eq. 8) as a module."
     example = "k=5"
@@ -232,3 +262,4 @@ class TopkHinge(LossModule):
 
     def extra_repr(self) -> str:
         return f"k={self.k}, alpha={self.alpha}, reduction={self.reduction!r}"
+

@@ -32,6 +32,8 @@ from tqdm import tqdm
 
 from .core import check_int, check_real, topk_correct
 from .data import DATASETS, get_dataset, mixup
+from .files import (CheckpointError, atomic_write, load_checkpoint,  # noqa: F401 (also importable from here)
+                           previous_checkpoint, remove_temporary_files, save_checkpoint)
 from .losses import LOSSES, get_loss
 from .models import MODELS, get_model
 from .predict import PREDICT_METHODS, predict_topk
@@ -44,9 +46,8 @@ except ImportError:  # numpy is optional: its global state is seeded and saved o
 # %% auto #0
 __all__ = ['PRESETS', 'MULTICROP', 'AMP_DTYPES', 'RUN_KEYS', 'metric_names', 'TrainConfig', 'make_optimizer', 'make_scheduler',
            'lr_at', 'class_hits', 'metrics_from_hits', 'evaluate', 'derive_seed', 'seed_everything', 'get_rng_state',
-           'set_rng_state', 'atomic_write', 'remove_temporary_files', 'CheckpointError', 'previous_checkpoint',
-           'save_checkpoint', 'load_checkpoint', 'DistEnv', 'dist_env', 'init_distributed', 'ShardSampler', 'fit',
-           'run', 'parse_args', 'main']
+           'set_rng_state', 'DistEnv', 'dist_env', 'init_distributed', 'ShardSampler', 'fit', 'run', 'parse_args',
+           'main']
 
 # %% ../nbs/12_train.ipynb #61871830
 _HUANG_CIFAR = dict(epochs=300, batch_size=64, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4,
@@ -67,6 +68,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 # %% ../nbs/12_train.ipynb #19c26537
 MULTICROP = PREDICT_METHODS          # how crops are combined: "marginals", "softmax", "scores"
+
+
 AMP_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -76,19 +79,19 @@ def _check_bool(value, name: str, allow_none: bool = False):
         raise TypeError(f"{name} must be True or False{' or None' if allow_none else ''}, got {value!r}")
     return value
 
-
+# %% ../nbs/12_train.ipynb #fcd20da5
 def _int_tuple(value, name: str, lo: int) -> tuple[int, ...]:
     if isinstance(value, Integral): value = (value,)
     if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
         raise TypeError(f"{name} must be a sequence of integers, got {value!r}")
     return tuple(check_int(v, f"each entry of {name}", lo) for v in value)
 
-
+# %% ../nbs/12_train.ipynb #8c80bbde
 def metric_names(ks) -> list[str]:
     "Names of the metrics that `evaluate` reports for `ks`: top{k} then macro_top{k}."
     return [f"top{k}" for k in ks] + [f"macro_top{k}" for k in ks]
 
-
+# %% ../nbs/12_train.ipynb #c02d6852
 @dataclass
 class TrainConfig:
     "Everything that determines a training run; every field is validated on construction."
@@ -106,7 +109,7 @@ class TrainConfig:
     mixup_alpha: float = 0.0
     drop_last: bool = False
     device: str = "auto"
-    amp: bool | None = None
+    amp: bool | None = False
     amp_dtype: str = "bfloat16"
     channels_last: bool | None = None
     sync_batchnorm: bool = True
@@ -235,13 +238,13 @@ def metrics_from_hits(hits: torch.Tensor, counts: torch.Tensor, ks) -> dict[str,
 def _autocast(device: torch.device, enabled: bool, dtype: torch.dtype):
     return torch.autocast(device.type, dtype=dtype, enabled=enabled) if enabled else contextlib.nullcontext()
 
-
+# %% ../nbs/12_train.ipynb #ef2923dc
 def _to_device(x: torch.Tensor, device: torch.device, channels_last: bool) -> torch.Tensor:
     x = x.to(device, non_blocking=True)
     if channels_last and x.ndim == 4: x = x.contiguous(memory_format=torch.channels_last)
     return x
 
-
+# %% ../nbs/12_train.ipynb #68bca4e6
 @torch.no_grad()
 def evaluate(model: nn.Module, loader, ks=(1, 5), device: str | torch.device | None = None, amp: bool = False,
              amp_dtype: str = "bfloat16", channels_last: bool = False, multicrop: str = "marginals", tau: float = 1.0,
@@ -312,129 +315,6 @@ def set_rng_state(state: dict) -> None:
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
-# %% ../nbs/12_train.ipynb #f4f76cb0
-def _fsync_dir(folder: Path) -> None:
-    "Make a rename inside `folder` durable (POSIX: fsync the directory; a no-op where directories cannot be opened)."
-    with contextlib.suppress(OSError):
-        fd = os.open(folder, os.O_RDONLY)
-        try: os.fsync(fd)
-        finally: os.close(fd)
-
-
-def atomic_write(path: str | os.PathLike,  # the file to write or replace
-                 write: Callable,  # called with the open temporary file; writes the whole content
-                 mode: str = "wb",  # "wb" for bytes, "w" for text
-                 ) -> Path:
-    "Write `path` through `write(file)` into a temporary sibling `.NAME.RANDOM.tmp`, fsync it, then rename it over `path`."
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    while True:   # O_EXCL with mode 0o666: a fresh name, permissions from the umask like any open()
-        tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
-            break
-        except FileExistsError:
-            continue
-    try:
-        with os.fdopen(fd, mode) as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError): os.unlink(tmp)
-        raise
-    _fsync_dir(path.parent)
-    return path
-
-
-def remove_temporary_files(folder: str | os.PathLike,  # a folder `atomic_write` writes into
-                           ) -> list[Path]:
-    "Delete the `.*.tmp` files that writes killed half-way left in `folder`; returns them."
-    folder = Path(folder)
-    stale = sorted(folder.glob(".*.tmp")) if folder.is_dir() else []
-    for p in stale:
-        with contextlib.suppress(FileNotFoundError): p.unlink()
-    return stale
-
-# %% ../nbs/12_train.ipynb #8f696199
-_CHECKPOINT_MAGIC = "topk_nb checkpoint v1"
-
-
-class CheckpointError(ValueError):
-    "A checkpoint that cannot be used; the message names the file, what is wrong with it and what to do."
-
-
-def previous_checkpoint(path: str | os.PathLike,  # a checkpoint, e.g. out_dir/checkpoint.pt
-                        ) -> Path:
-    "Where `save_checkpoint` keeps the checkpoint it replaced: `checkpoint.pt` -> `checkpoint.prev.pt`."
-    path = Path(path)
-    return path.with_name(f"{path.stem}.prev{path.suffix}")
-
-
-def save_checkpoint(state: dict,  # tensors, numbers, strings, lists and dicts (what weights_only loading accepts)
-                    path: str | os.PathLike,  # the checkpoint file
-                    keep_previous: bool = True,  # keep the file it replaces as `previous_checkpoint(path)`
-                    ) -> Path:
-    "torch.save `state` to `path` atomically, behind a header holding the SHA-256 and length of the data."
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    data = buffer.getbuffer()
-    header = f"{_CHECKPOINT_MAGIC} sha256={hashlib.sha256(data).hexdigest()} bytes={len(data)}\n".encode()
-    path = Path(path)
-    if keep_previous and path.is_file():
-        prev = previous_checkpoint(path)
-        link = prev.with_name(f".{prev.name}.{secrets.token_hex(6)}.tmp")
-        try:
-            os.link(path, link)
-            os.replace(link, prev)
-        except OSError:           # no hard links on this file system: a copy
-            with contextlib.suppress(FileNotFoundError): link.unlink()
-            atomic_write(prev, lambda f: f.write(path.read_bytes()))
-    return atomic_write(path, lambda f: (f.write(header), f.write(data)))
-
-# %% ../nbs/12_train.ipynb #71d8912a
-def _checkpoint_data(path: Path) -> memoryview:
-    "The torch.save bytes of the checkpoint at `path`, checked against its header; raises CheckpointError."
-    prev = previous_checkpoint(path)
-    todo = f"delete it to start the run over" + (f", or put the previous checkpoint in its place "
-                                                  f"(mv {prev} {path})" if prev.is_file() else "")
-    def fail(what): return CheckpointError(f"checkpoint {path}: {what}; {todo}")
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {path}: no such file") from None
-    except OSError as e:
-        raise CheckpointError(f"checkpoint {path}: cannot be read ({e.strerror or e})") from None
-    if not raw: raise fail("the file is empty (its write was cut short)")
-    line, newline, rest = raw.partition(b"\n")
-    fields = line.decode("ascii", "replace").rsplit(" ", 2)
-    if not newline or len(fields) != 3 or fields[0] != _CHECKPOINT_MAGIC:
-        raise fail(f"not a checkpoint written by save_checkpoint (no '{_CHECKPOINT_MAGIC}' header line): "
-                   "the file is damaged or was written by another program")
-    digest, size = fields[1].removeprefix("sha256="), fields[2].removeprefix("bytes=")
-    if not size.isdigit() or len(digest) != 64:
-        raise fail(f"the header line is damaged: {line[:120].decode('ascii', 'replace')!r}")
-    if len(rest) != int(size):
-        raise fail(f"the file is truncated or has extra bytes: {len(rest)} bytes of data, the header says {size}")
-    if hashlib.sha256(rest).hexdigest() != digest:
-        raise fail("the data does not match the SHA-256 in the header (the file is corrupt)")
-    return memoryview(rest)
-
-
-def load_checkpoint(path: str | os.PathLike,  # a file written by `save_checkpoint`
-                    map_location="cpu",  # where the tensors go (torch.load's map_location)
-                    ) -> dict:
-    "Load a checkpoint written by `save_checkpoint` after checking its length and SHA-256 (tensors, numbers and strings only: weights_only=True)."
-    path = Path(path)
-    data = _checkpoint_data(path)
-    try:
-        return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
-    except Exception as e:   # the checksum matched: written by save_checkpoint, but holding objects weights_only refuses
-        raise CheckpointError(f"checkpoint {path}: torch.load(weights_only=True) refuses its content "
-                              f"({type(e).__name__}); it holds objects other than tensors, numbers and strings: "
-                              "save such state in another file") from None
-
 # %% ../nbs/12_train.ipynb #181338cc
 @dataclass(frozen=True)
 class DistEnv:
@@ -490,7 +370,7 @@ def _loss_generators(loss_fn) -> list[torch.Generator]:
             if isinstance(v, torch.Generator) and all(v is not g for g in gens): gens.append(v)
     return gens
 
-
+# %% ../nbs/12_train.ipynb #c74ea8c5
 def _resolve_device(config: TrainConfig, env: DistEnv) -> torch.device:
     if config.device == "auto":
         return torch.device("cuda", env.local_rank) if torch.cuda.is_available() else torch.device("cpu")
@@ -501,7 +381,7 @@ def _resolve_device(config: TrainConfig, env: DistEnv) -> torch.device:
         if device.index is None or env.distributed: device = torch.device("cuda", env.local_rank)
     return device
 
-
+# %% ../nbs/12_train.ipynb #f8522df2
 def _check_resumable(saved: dict, config: TrainConfig, path: Path) -> None:
     now = config.to_dict()
     diff = [f"{k}: {saved.get(k)!r} in the checkpoint, {now[k]!r} now" for k in now
@@ -510,18 +390,18 @@ def _check_resumable(saved: dict, config: TrainConfig, path: Path) -> None:
         raise ValueError(f"the checkpoint {path} was written with a different configuration ({'; '.join(diff)}); "
                          "use another out_dir, or resume=False to start afresh")
 
-
+# %% ../nbs/12_train.ipynb #599985de
 def _cpu_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
 
-
+# %% ../nbs/12_train.ipynb #47dca5f1
 def _gather(obj, env: DistEnv) -> list:
     if not env.distributed: return [obj]
     out = [None] * env.world_size
     dist.all_gather_object(out, obj)
     return out
 
-
+# %% ../nbs/12_train.ipynb #518195f6
 @torch.no_grad()
 def _output_width(net: nn.Module, x: torch.Tensor) -> int:
     "The number of classes the model scores, from one sample in eval mode (no statistics updated, no randomness used)."
@@ -532,7 +412,7 @@ def _output_width(net: nn.Module, x: torch.Tensor) -> int:
     finally:
         module.train()
 
-
+# %% ../nbs/12_train.ipynb #21821db0
 def _train_epoch(net, loss_fn, loader, optimizer, scaler, config, device, amp, channels_last, env, bar_desc):
     "One pass over the training data; returns the mean loss and the top-k accuracies (None with soft targets)."
     net.train()
@@ -584,7 +464,7 @@ def fit(model: nn.Module, loss_fn: Callable, train_set, val_set=None, test_set=N
     finally:
         if owns_group: dist.destroy_process_group()
 
-
+# %% ../nbs/12_train.ipynb #2ba216ab
 def _fit(model, loss_fn, train_set, val_set, test_set, config, env, start_time, meta):
     device = _resolve_device(config, env)
     on_gpu = device.type == "cuda"
@@ -720,14 +600,14 @@ def _check_name(kind: str, name, registry) -> str:
         raise ValueError(f"unknown {kind} {name!r}; valid names: {', '.join(registry)}")
     return name
 
-
+# %% ../nbs/12_train.ipynb #a8e3126e
 def _check_params(kind: str, params) -> dict:
     if params is None: return {}
     if not isinstance(params, dict):
         raise TypeError(f"{kind}_params must be a dict of keyword arguments, got {type(params).__name__}")
     return dict(params)
 
-
+# %% ../nbs/12_train.ipynb #53a738f4
 def run(spec: dict | None = None, **overrides) -> dict:
     "Train the registered `model` on the registered `dataset` with the registered `loss`; other keys are `TrainConfig` fields."
     spec = {**(spec or {}), **overrides}
@@ -784,7 +664,7 @@ def parse_args(argv: list[str]) -> dict:
             spec.update(content)
     return spec
 
-
+# %% ../nbs/12_train.ipynb #2559173e
 def main(argv: list[str] | None = None,  # the words after the command (sys.argv[1:] by default)
          ) -> int:
     "Command line: `[torchrun ...] python -m topk_nb.train [spec.json] [key=value ...]`; prints the selected metrics, returns the exit status."

@@ -1,0 +1,1 @@
+"""The experiments: one module per notebook of `nbs/experiments`, each declaring the experiment's catalogue entry `ENTRY` (written by `nbdev_export`); an installed package also carries the notebooks here."""
