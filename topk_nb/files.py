@@ -11,6 +11,7 @@ import io
 import os
 import secrets
 from pathlib import Path
+from typing import Callable
 
 import torch
 
