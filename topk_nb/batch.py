@@ -898,7 +898,7 @@ def _draw_panel(ax, agg: dict, points: dict, claims: list, colours: dict, unit: 
                 ha="center", va="bottom", transform=ax.get_xaxis_transform())
     positive = [v for v in ys if v > 0]
     if unit != "%" and positive and max(positive) / min(positive) >= 16:
-        ax.set_yscale("log")                              # times over orders of magnitude (Berrada Tab. 3-4)
+        ax.set_yscale("log")                              # times that span orders of magnitude
         ax.set_ylim(min(positive) / 1.3, max(positive) * 1.3)
     else:
         lo, hi = (max(0.0, min(ys)), min(100.0, max(ys))) if unit == "%" else (min(ys), max(ys))   # % bars cut at 0, 100
