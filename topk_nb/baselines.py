@@ -173,6 +173,7 @@ def topk_group_mask(scores: torch.Tensor, probs: torch.Tensor, k: int) -> torch.
     return above | (chosen & tied)
 
 
+# %% ../nbs/06_baselines.ipynb #36c0f3cb
 def _grouping_terms(scores, probs, k):
     "(L_k, CE, log Q_G) per sample for validated float scores and probabilities."
     log_q = F.log_softmax(scores, dim=1)
@@ -184,6 +185,7 @@ def _grouping_terms(scores, probs, k):
     return -t_group * log_q_group + outside, ce, log_q_group
 
 
+# %% ../nbs/06_baselines.ipynb #5221ac8f
 def _grouping_terms_labels(scores, labels, k):
     "(L_k, CE, log Q_G) per sample for class indices, in three passes over the scores (logsumexp, topk, the target's rank)."
     lse = scores.logsumexp(1)                                             # (B,)
@@ -194,12 +196,14 @@ def _grouping_terms_labels(scores, labels, k):
     return torch.where(in_group, -log_q_group, ce), ce, log_q_group
 
 
+# %% ../nbs/06_baselines.ipynb #29ce85f0
 def _check_grouping_input(scores, target, k, reduction, check_finite):
     scores = check_scores(scores, "scores", ndim=2, min_classes=2, check=check_finite)
     labels, probs = split_target(target, scores)
     return scores, labels, probs, check_int(k, "k", 1, scores.shape[1] - 1), check_reduction(reduction)
 
 
+# %% ../nbs/06_baselines.ipynb #f9deb5c5
 def topk_grouping(scores: torch.Tensor, target: torch.Tensor, k: int = 5, reduction: str = "mean",
                   check_finite: bool | None = None) -> torch.Tensor:
     "Top-k grouping loss -T_G log Q_G - sum_{i not in G} t_i log q_i, G the predicted top-k (Sawada et al., eq. 5)."
@@ -209,6 +213,7 @@ def topk_grouping(scores: torch.Tensor, target: torch.Tensor, k: int = 5, reduct
         terms = _grouping_terms_labels(s, labels, k) if labels is not None else _grouping_terms(s, probs.to(s.dtype), k)
         loss = terms[0]
     return reduce_loss(loss, reduction).to(loss_dtype(scores))
+
 
 # %% ../nbs/06_baselines.ipynb #997cc248
 def topk_transition(scores: torch.Tensor, target: torch.Tensor, k: int = 5, detach_weight: bool = False,
@@ -234,6 +239,7 @@ class _NativeSoft(LossModule):
         return self.per_sample(scores, probs)
 
 
+# %% ../nbs/06_baselines.ipynb #a854e837
 class CE(LossModule):
     "Cross-entropy as a module: F.cross_entropy with every convention of nn.CrossEntropyLoss, and label smoothing."
     example = "label_smoothing=0.1"
@@ -266,6 +272,7 @@ class CE(LossModule):
         return f"label_smoothing={self.label_smoothing}, reduction={self.reduction!r}"
 
 
+# %% ../nbs/06_baselines.ipynb #a38bfecb
 class Focal(_NativeSoft):
     "Focal loss (Lin et al. 2017) as a module."
     example = "gamma=2.0"
@@ -311,6 +318,7 @@ class LDAM(_NativeSoft):
         return f"n_classes={self.class_counts.numel()}, max_m={self.max_m}, scale={self.scale}"
 
 
+# %% ../nbs/06_baselines.ipynb #a4465c14
 class CvxHinge(_NativeSoft):
     "Lapin's convexified top-k hinge as a module."
     example = "k=5"
@@ -329,6 +337,7 @@ class CvxHinge(_NativeSoft):
         return f"k={self.k}, alpha={self.alpha}, reduction={self.reduction!r}"
 
 
+# %% ../nbs/06_baselines.ipynb #75e32e92
 class TopkGrouping(_NativeSoft):
     "Sawada's top-k grouping loss as a module."
     example = "k=5"
@@ -346,6 +355,7 @@ class TopkGrouping(_NativeSoft):
         return f"k={self.k}, reduction={self.reduction!r}"
 
 
+# %% ../nbs/06_baselines.ipynb #18823448
 class TopkTransition(_NativeSoft):
     "Sawada's top-k transition loss as a module."
     example = "k=5"

@@ -43,6 +43,7 @@ def time_interleaved(fns: Sequence[Callable[[], object]], device="cpu", rounds: 
     return out
 
 
+# %% ../nbs/14_bench.ipynb #46f26e68
 def bench_scores(batch: int, n: int, device="cpu", seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     "Benchmark inputs: scores N(0, 2^2) (float32) and uniform labels."
     g = torch.Generator().manual_seed(seed)
@@ -50,6 +51,7 @@ def bench_scores(batch: int, n: int, device="cpu", seed: int = 0) -> tuple[torch
     return scores.to(device), torch.randint(0, n, (batch,), generator=g).to(device)
 
 
+# %% ../nbs/14_bench.ipynb #ea28e0b9
 def bench_loss(name: str, n: int, k: int, **params) -> Callable:
     "The registry loss `name` at top-k parameter `k` (none for the k-free losses), with equal class counts where needed."
     entry = LOSSES[name]
@@ -58,6 +60,7 @@ def bench_loss(name: str, n: int, k: int, **params) -> Callable:
     return get_loss(name, **params)
 
 
+# %% ../nbs/14_bench.ipynb #5f7c9bbc
 def loss_speed(names: Sequence[str] | None = None, ns: Sequence[int] = (1000,), ks: Sequence[int] = (5,), batch: int = 256,
                device="cpu", repeats: int = 15, params: dict | None = None) -> list[dict]:
     "Forward+backward time of registry losses (all by default) vs n and k, with F.cross_entropy timed on the same tensors in the same run."
@@ -76,6 +79,7 @@ def loss_speed(names: Sequence[str] | None = None, ns: Sequence[int] = (1000,), 
     return rows
 
 
+# %% ../nbs/14_bench.ipynb #a9031daa
 def _backward_only(fn, inputs: torch.Tensor):
     "A closure running only the backward of `fn(leaf).sum()`: the forward runs once, here, and its graph is kept for every call."
     leaf = inputs.detach().clone().requires_grad_()
@@ -83,6 +87,7 @@ def _backward_only(fn, inputs: torch.Tensor):
     return lambda: torch.autograd.grad(out, leaf, retain_graph=True)
 
 
+# %% ../nbs/14_bench.ipynb #4413591c
 def esp_speed(ns: Sequence[int] = (100, 1000, 10_000), k: int = 5, batch: int = 256, device="cpu",
               repeats: int = 9) -> list[dict]:
     "Berrada Tab. 3 and 4: forward of the summation algorithm vs divide and conquer; of every log_sigma path the backward alone (part 'backward', Tab. 4's quantity) and forward+backward (part 'forward_backward')."
@@ -104,6 +109,7 @@ def esp_speed(ns: Sequence[int] = (100, 1000, 10_000), k: int = 5, batch: int = 
     return rows
 
 
+# %% ../nbs/14_bench.ipynb #6ff7dbb3
 def epoch_times(configs: Sequence[dict], model: str = "densenet40_40", n_classes: int = 100, batch: int = 64,
                 n_train: int = 45_000, rounds: int = 5, device="cpu") -> list[dict]:
     "Garcin Fig. 3: epoch time (n_train images) per loss config {'loss', 'k', **params}, from SGD steps (taking turns) on CIFAR-shaped synthetic data."
@@ -134,6 +140,7 @@ def epoch_times(configs: Sequence[dict], model: str = "densenet40_40", n_classes
     for r in rows:
         r["overhead"] = None if base is None else r["epoch_s"] / base - 1
     return rows
+
 
 # %% ../nbs/14_bench.ipynb #994a0b2f
 SYNCING_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_dim", "unique_consecutive",

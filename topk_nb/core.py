@@ -69,6 +69,7 @@ def check_int(value, name: str, lo: int | None = None, hi: int | None = None) ->
     return value
 
 
+# %% ../nbs/00_core.ipynb #da7d1685
 def check_real(value, name: str, lo: float | None = None, hi: float | None = None,
                lo_open: bool = False) -> float:
     "Return `value` as a finite `float` in `[lo, hi]` (or `(lo, hi]` if `lo_open`), else raise."
@@ -86,6 +87,7 @@ def check_real(value, name: str, lo: float | None = None, hi: float | None = Non
     return value
 
 
+# %% ../nbs/00_core.ipynb #0d12f9c0
 def check_finite(t: torch.Tensor, name: str, check: bool | None = None) -> torch.Tensor:
     "Raise if `t` has NaN or infinite entries; by default only on the host path (see `sync_free`), always when `check` is True."
     if check is None: check = not sync_free(t)
@@ -95,6 +97,7 @@ def check_finite(t: torch.Tensor, name: str, check: bool | None = None) -> torch
     return t
 
 
+# %% ../nbs/00_core.ipynb #3702101d
 def check_scores(scores, name: str = "scores", ndim: int | None = 2, min_classes: int = 1,
                  check: bool | None = None) -> torch.Tensor:
     "Validate a floating score tensor: its type, dtype, number of dims, class count and finiteness."
@@ -113,6 +116,7 @@ def check_scores(scores, name: str = "scores", ndim: int | None = 2, min_classes
     return check_finite(scores, name, check)
 
 
+# %% ../nbs/00_core.ipynb #caddf574
 def check_target(target, n: int, batch: int, name: str = "target") -> torch.Tensor:
     "Validate integer labels of shape `(batch,)` with values in `[0, n - 1]`."
     if not isinstance(target, torch.Tensor):
@@ -130,6 +134,7 @@ def check_target(target, n: int, batch: int, name: str = "target") -> torch.Tens
     return target.long()
 
 
+# %% ../nbs/00_core.ipynb #b0c442ed
 def check_loss_input(scores, target, k, check: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
     "Validate the (scores (B, n), target (B,), k in [1, n-1]) triple that every top-k loss takes."
     scores = check_scores(scores, "scores", ndim=2, min_classes=2, check=check)
@@ -137,6 +142,7 @@ def check_loss_input(scores, target, k, check: bool | None = None) -> tuple[torc
     return scores, target, check_int(k, "k", 1, scores.shape[1] - 1)
 
 
+# %% ../nbs/00_core.ipynb #59bb36b4
 def check_reduction(reduction: str) -> str:
     "Validate a PyTorch-style `reduction` argument."
     if reduction not in REDUCTIONS:
@@ -144,11 +150,13 @@ def check_reduction(reduction: str) -> str:
     return reduction
 
 
+# %% ../nbs/00_core.ipynb #b997b609
 def reduce_loss(loss: torch.Tensor, reduction: str) -> torch.Tensor:
     "Apply a PyTorch-style reduction to per-sample losses."
     if reduction == "mean": return loss.mean()
     if reduction == "sum": return loss.sum()
     return loss
+
 
 # %% ../nbs/00_core.ipynb #0b7e20e8
 def scores_without_target(scores: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -170,12 +178,14 @@ def target_rank(scores: torch.Tensor, target: torch.Tensor, ties: str = "pessimi
     raise ValueError(f"ties must be 'pessimistic' or 'optimistic', got {ties!r}")
 
 
+# %% ../nbs/00_core.ipynb #29ec5fec
 def _check_ks(ks, n: int) -> tuple[int, ...]:
     ks = (ks,) if isinstance(ks, Integral) else tuple(ks)
     if not ks: raise ValueError("ks must name at least one k")
     return tuple(check_int(k, "each k in ks", 1, n) for k in ks)
 
 
+# %% ../nbs/00_core.ipynb #2483fa97
 def topk_correct(scores: torch.Tensor, target: torch.Tensor, ks: int | Sequence[int] = (1, 5),
                  ties: str = "pessimistic") -> torch.Tensor:
     "Boolean tensor `(len(ks), B)`: is the target among the top-k classes, for each k (Berrada 2018, eq. 5)."
@@ -184,6 +194,7 @@ def topk_correct(scores: torch.Tensor, target: torch.Tensor, ks: int | Sequence[
     return rank[None, :] < torch.tensor(ks, device=rank.device)[:, None]
 
 
+# %% ../nbs/00_core.ipynb #fe534744
 def topk_accuracy(scores: torch.Tensor, target: torch.Tensor, ks: int | Sequence[int] = (1, 5),
                   ties: str = "pessimistic") -> dict[int, float]:
     "Top-k accuracy (fraction in [0, 1]) for each k in `ks`."
@@ -192,6 +203,7 @@ def topk_accuracy(scores: torch.Tensor, target: torch.Tensor, ks: int | Sequence
     return {k: c.float().mean().item() for k, c in zip(ks, correct)}
 
 
+# %% ../nbs/00_core.ipynb #7bdc71ea
 def macro_topk_accuracy(scores: torch.Tensor, target: torch.Tensor, ks: int | Sequence[int] = (1, 5),
                         ties: str = "pessimistic") -> dict[int, float]:
     "Macro-average top-k accuracy: top-k accuracy of each class present in `target`, averaged over those classes (Garcin 2022, section 4.5)."
@@ -203,6 +215,7 @@ def macro_topk_accuracy(scores: torch.Tensor, target: torch.Tensor, ks: int | Se
     present = per_class_count > 0
     per_class_acc = per_class_hits[:, present] / per_class_count[present]
     return {k: acc.mean().item() for k, acc in zip(ks, per_class_acc)}
+
 
 # %% ../nbs/00_core.ipynb #f3947662
 def brute_esp(e: Iterable, j: int) -> Fraction:
@@ -370,11 +383,13 @@ def _check_probabilities(probs: torch.Tensor, scores: torch.Tensor) -> torch.Ten
     return probs
 
 
+# %% ../nbs/00_core.ipynb #70b7dd6c
 def loss_dtype(scores: torch.Tensor) -> torch.dtype:
     "The dtype a loss returns: float32 under autocast (as F.cross_entropy), the scores' dtype otherwise."
     return torch.float32 if torch.is_autocast_enabled(scores.device.type) else scores.dtype
 
 
+# %% ../nbs/00_core.ipynb #ec60b981
 def check_loss_finite(loss: torch.Tensor,   # per-sample losses
                       scores: torch.Tensor, # the scores they came from, already checked finite
                       name: str,            # the loss, for the message
@@ -388,6 +403,7 @@ def check_loss_finite(loss: torch.Tensor,   # per-sample losses
     return loss
 
 
+# %% ../nbs/00_core.ipynb #8e2dcaaa
 def _forward(self, scores: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     "The loss with nn.CrossEntropyLoss's conventions (see the section above)."
     s, t, shape = flatten_classes(scores, target)
@@ -415,3 +431,4 @@ def _forward(self, scores: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 LossModule.forward = _forward
+

@@ -47,6 +47,7 @@ def class_counts(targets, n_classes: int) -> torch.Tensor:
     return torch.bincount(targets, minlength=n_classes)
 
 
+# %% ../nbs/10_data.ipynb #c31b84c7
 @dataclass(repr=False)
 class DataBundle:
     "The splits of a data set and what losses and models need to know about it."
@@ -84,6 +85,7 @@ class DataBundle:
                 f"{int(self.class_counts.max())}])")
 
 
+# %% ../nbs/10_data.ipynb #e9a411fc
 class LabelledSubset(Dataset):
     "Items `indices` of `base` with their own labels `targets` and `transform` (the base's labels are ignored)."
     def __init__(self, base, indices, targets, transform: Callable | None = None):
@@ -101,6 +103,7 @@ class LabelledSubset(Dataset):
         return (x if self.transform is None else self.transform(x)), int(self.targets[i])
 
 
+# %% ../nbs/10_data.ipynb #b47aef55
 def make_loader(dataset, batch_size: int, shuffle: bool = False, seed: int = 0, num_workers: int = 0,
                 drop_last: bool = False, pin_memory: bool = False, collate_fn: Callable | None = None,
                 **kwargs) -> DataLoader:
@@ -113,6 +116,7 @@ def make_loader(dataset, batch_size: int, shuffle: bool = False, seed: int = 0, 
                       drop_last=drop_last, pin_memory=pin_memory, collate_fn=collate_fn, **kwargs)
 
 
+# %% ../nbs/10_data.ipynb #6ce6fb20
 def resolve_root(root, name: str, subdir: str = "") -> Path:
     "The data directory of `name`: `root` if given, else `$TOPK_NB_DATA/subdir`."
     if root is None:
@@ -123,11 +127,13 @@ def resolve_root(root, name: str, subdir: str = "") -> Path:
     return Path(root).expanduser()
 
 
+# %% ../nbs/10_data.ipynb #24ea9176
 def _require(paths, name: str, layout: str):
     "Raise a FileNotFoundError naming the first missing path and the layout that was expected."
     for p in paths:
         if not Path(p).exists():
             raise FileNotFoundError(f"{name}: {p} not found. Expected layout: {layout}")
+
 
 # %% ../nbs/10_data.ipynb #6b0aaf72
 def fake_cifar100(root, n_train: int = 2000, n_test: int = 500, seed: int = 0) -> Path:
@@ -156,6 +162,7 @@ def fake_cifar100(root, n_train: int = 2000, n_test: int = 500, seed: int = 0) -
     return Path(root)
 
 
+# %% ../nbs/10_data.ipynb #d3941a97
 def fake_image_folder(root, classes: int | Sequence[str] = 3, per_class: int | Sequence[int] = 4,
                       size: tuple[int, int] = (20, 16), seed: int = 0) -> list[tuple[str, int]]:
     "Write JPEGs `root/<class>/<i>.jpg` (a colour per class plus noise); returns `(path relative to root, label)` pairs."
@@ -176,6 +183,7 @@ def fake_image_folder(root, classes: int | Sequence[str] = 3, per_class: int | S
     return written
 
 
+# %% ../nbs/10_data.ipynb #011824ea
 def fake_imagenet_lt(root, train_counts: Sequence[int] = (12, 8, 5, 3), n_val_per_class: int = 2,
                      n_test_per_class: int = 3, size: tuple[int, int] = (20, 16), seed: int = 0) -> Path:
     "Write a tiny ImageNet tree and `ImageNet_LT_{train,val,test}.txt` list files (val from train/, test from val/)."
@@ -192,6 +200,7 @@ def fake_imagenet_lt(root, train_counts: Sequence[int] = (12, 8, 5, 3), n_val_pe
     for split, rows in lists.items():
         (root / f"ImageNet_LT_{split}.txt").write_text("".join(f"{p} {y}\n" for p, y in rows))
     return root
+
 
 # %% ../nbs/10_data.ipynb #5a243dcf
 class DataError(ValueError):
@@ -277,6 +286,7 @@ class Cutout:
     def __repr__(self): return f"Cutout(size={self.size})"
 
 
+# %% ../nbs/10_data.ipynb #5280713b
 def cifar_transforms(train: bool, augment: bool = True, cutout: int = 0,
                      mean: Sequence[float] = CIFAR100_MEAN, std: Sequence[float] = CIFAR100_STD) -> T.Compose:
     "CIFAR pipeline: (train) random crop 32 with padding 4 and horizontal flip, then normalisation, then optional Cutout."
@@ -287,12 +297,14 @@ def cifar_transforms(train: bool, augment: bool = True, cutout: int = 0,
     return T.Compose(steps)
 
 
+# %% ../nbs/10_data.ipynb #9608ac4f
 def split_indices(n: int, n_val: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     "Seeded split of `range(n)` into (train, val) index tensors with `n_val` validation items, each sorted."
     n = check_int(n, "n", 1)
     n_val = check_int(n_val, "val_size", 0, n - 1)
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(check_int(seed, "seed", 0)))
     return perm[n_val:].sort().values, perm[:n_val].sort().values
+
 
 # %% ../nbs/10_data.ipynb #19c43af9
 class _CIFAR100Files(CIFAR100):
@@ -305,6 +317,7 @@ class _CIFAR100Files(CIFAR100):
         super().__init__(root, train=train, download=download)
 
 
+# %% ../nbs/10_data.ipynb #2f11a143
 _CIFAR_KEYS = {"train": ("data", "fine_labels"), "test": ("data", "fine_labels"), "meta": ("fine_label_names",)}
 
 
@@ -326,6 +339,7 @@ def _cifar100_base(root, download: bool, check_md5: bool):
                         f"({type(e).__name__}: {e}); replace them by the original files") from e
 
 
+# %% ../nbs/10_data.ipynb #de46b7a1
 def cifar100(root=None, noise_p: float = 0.0, seed: int = 0, val_size: int = 5000, split_seed: int = 0,
              augment: bool = True, cutout: int = 0, noise_groups: str = "coarse", noisy_val: bool = False,
              download: bool = False, check_md5: bool = True) -> DataBundle:
@@ -348,6 +362,7 @@ def cifar100(root=None, noise_p: float = 0.0, seed: int = 0, val_size: int = 500
             "clean_train_targets": clean[train_idx], "resampled": resampled[train_idx]}
     return DataBundle("cifar100", train, val, test, len(fine_names), class_counts(train.targets, len(fine_names)),
                       (3, 32, 32), fine_names, fine_to_coarse, info)
+
 
 # %% ../nbs/10_data.ipynb #ddd9830b
 def mixup(x: torch.Tensor, target: torch.Tensor, n_classes: int, alpha: float = 1.0,
@@ -380,6 +395,7 @@ def long_tail_counts(n_classes: int, n_max: int, imbalance_ratio: float) -> torc
     return torch.tensor([max(1, int(n_max * (1.0 / ratio) ** (i / (n_classes - 1)))) for i in range(n_classes)])
 
 
+# %% ../nbs/10_data.ipynb #372fc5be
 def per_class_indices(targets, n_classes: int, generator: torch.Generator | None = None) -> list[torch.Tensor]:
     "Indices of each class, in a seeded random order (file order when `generator` is None)."
     targets = torch.as_tensor(targets, dtype=torch.long)
@@ -390,6 +406,7 @@ def per_class_indices(targets, n_classes: int, generator: torch.Generator | None
     return groups
 
 
+# %% ../nbs/10_data.ipynb #1c8860c6
 def cifar100_lt(root=None, imbalance_ratio: float = 100.0, n_max: int | None = None, seed: int | None = 0,
                 val_per_class: int = 0, augment: bool = True, cutout: int = 0, download: bool = False,
                 check_md5: bool = True) -> DataBundle:
@@ -415,6 +432,7 @@ def cifar100_lt(root=None, imbalance_ratio: float = 100.0, n_max: int | None = N
     return DataBundle("cifar100_lt", train, val, test, n, class_counts(train.targets, n), (3, 32, 32),
                       fine_names, fine_to_coarse, info)
 
+
 # %% ../nbs/10_data.ipynb #81972d4e
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -434,6 +452,7 @@ def imagenet_transforms(train: bool, image_size: int = 224, resize: int = 256, a
     return T.Compose([T.Resize(resize), T.CenterCrop(image_size), T.ToTensor(), norm])
 
 
+# %% ../nbs/10_data.ipynb #cdeb5e15
 class ClassListImageFolder(ImageFolder):
     "`ImageFolder` with a given class list (the training split's), so that every split shares one label map."
     def __init__(self, root, classes: Sequence[str], **kwargs):
@@ -447,12 +466,14 @@ class ClassListImageFolder(ImageFolder):
         return self._given, {c: i for i, c in enumerate(self._given)}
 
 
+# %% ../nbs/10_data.ipynb #8f80e38f
 def _split_root(root, split: str, name: str, layout: str) -> Path:
     path = Path(root) / split
     _require([path], name, layout)
     return path
 
 
+# %% ../nbs/10_data.ipynb #a915cb12
 def imagenet_subset(root=None, fraction: float = 1.0, val_per_class: int = 50, seed: int = 0,
                     image_size: int = 224, resize: int = 256, augment: bool = True, ten_crop: bool = False) -> DataBundle:
     "ImageNet with a balanced held-out validation set and a balanced, nested training subset of `fraction` (Berrada 2018, section 5.2)."
@@ -485,6 +506,7 @@ def imagenet_subset(root=None, fraction: float = 1.0, val_per_class: int = 50, s
     return DataBundle("imagenet_subset", train, val, test, n, class_counts(train.targets, n),
                       (3, image_size, image_size), list(base.classes), None, info)
 
+
 # %% ../nbs/10_data.ipynb #2e8295e7
 class ImageList(Dataset):
     "Images listed in a text file of `relative/path label` lines, paths relative to `root`."
@@ -508,12 +530,14 @@ class ImageList(Dataset):
         return (x if self.transform is None else self.transform(x)), y
 
 
+# %% ../nbs/10_data.ipynb #33e1687f
 def shot_groups(class_counts: torch.Tensor, many: int = 100, few: int = 20) -> dict[str, torch.Tensor]:
     "Boolean class masks: many-shot (> `many` training images), medium-shot, few-shot (< `few`) (Liu et al. 2019)."
     counts = torch.as_tensor(class_counts)
     return {"many": counts > many, "medium": (counts >= few) & (counts <= many), "few": counts < few}
 
 
+# %% ../nbs/10_data.ipynb #32292ce9
 def plantnet300k(root=None, image_size: int = 224, resize: int = 256, augment: bool = True,
                  flip: bool = False) -> DataBundle:
     "Pl@ntNet-300K from its `images/{train,val,test}/<species>` folders, with the training class counts (Garcin 2022, section 4.5)."
@@ -532,6 +556,7 @@ def plantnet300k(root=None, image_size: int = 224, resize: int = 256, augment: b
                       (3, image_size, image_size), list(train.classes), None, {"root": str(root)})
 
 
+# %% ../nbs/10_data.ipynb #3f71c11d
 def imagenet_lt(root=None, list_dir=None, image_size: int = 224, resize: int = 256, augment: bool = True) -> DataBundle:
     "ImageNet-LT from the list files `ImageNet_LT_{train,val,test}.txt` over an ImageNet root (Liu et al. 2019)."
     root = resolve_root(root, "imagenet_lt", "imagenet")
@@ -544,6 +569,7 @@ def imagenet_lt(root=None, list_dir=None, image_size: int = 224, resize: int = 2
     n = 1 + max(int(d.targets.max()) for d in data.values() if len(d))
     return DataBundle("imagenet_lt", data["train"], data["val"], data["test"], n, class_counts(data["train"].targets, n),
                       (3, image_size, image_size), None, None, {"list_dir": str(list_dir)})
+
 
 # %% ../nbs/10_data.ipynb #3c1257aa
 def sample_circles(n_per_class: int = 300, sigma: float = 10.0, minor_shift: float | None = None,
@@ -568,6 +594,7 @@ def sample_circles(n_per_class: int = 300, sigma: float = 10.0, minor_shift: flo
     return (points, target, minor) if return_mode else (points, target)
 
 
+# %% ../nbs/10_data.ipynb #b894a40e
 def _wrapped_normal(delta: torch.Tensor, sigma: float) -> torch.Tensor:
     "Density (per degree) of the normal N(0, sigma²) wrapped on the circle, at angles `delta` in degrees."
     reach = math.ceil(8 * sigma / 360) + 1
@@ -576,6 +603,7 @@ def _wrapped_normal(delta: torch.Tensor, sigma: float) -> torch.Tensor:
     return (torch.exp(-0.5 * (d / sigma) ** 2) / (sigma * math.sqrt(2 * math.pi))).sum(-1)
 
 
+# %% ../nbs/10_data.ipynb #fdc0b6bf
 def circles_posterior(points: torch.Tensor, sigma: float = 10.0, minor_shift: float | None = None,
                       minor_ratio: float = 0.5, n_classes: int = 6) -> torch.Tensor:
     "Bayes posterior P(c | point) `(N, n_classes)` of the circles distribution, equal class priors."
@@ -590,12 +618,14 @@ def circles_posterior(points: torch.Tensor, sigma: float = 10.0, minor_shift: fl
     return density / density.sum(1, keepdim=True)
 
 
+# %% ../nbs/10_data.ipynb #7fcb264e
 class PointsDataset(torch.utils.data.TensorDataset):
     "`TensorDataset` of (points, labels) that exposes `targets`."
     @property
     def targets(self) -> torch.Tensor: return self.tensors[1]
 
 
+# %% ../nbs/10_data.ipynb #cc7e4c70
 def circles(sigma: float = 10.0, minor_shift: float | None = None, minor_ratio: float = 0.5,
             n_per_class: int = 300, n_test_per_class: int = 300, n_val_per_class: int = 0,
             n_classes: int = 6, seed: int = 0) -> DataBundle:
@@ -609,12 +639,14 @@ def circles(sigma: float = 10.0, minor_shift: float | None = None, minor_ratio: 
     return DataBundle("circles", train, val, test, n_classes, class_counts(train.targets, n_classes), (2,),
                       [f"class {c}" for c in range(n_classes)], None, info)
 
+
 # %% ../nbs/10_data.ipynb #6206b8f5
 def _index_seed(seed: int, stream: int, index: int) -> int:
     "A 63-bit seed for item `index` of stream `stream` (split) of a data set seeded with `seed`."
     return ((seed * 1_000_003 + stream) * 2_654_435_761 + index * 40_503 + 12_345) % (2**63 - 1)
 
 
+# %% ../nbs/10_data.ipynb #1eb437d2
 class SyntheticImages(Dataset):
     "Lazily generated images x = signal * m_y + noise * eps, reproducible per index; labels follow `counts`."
     def __init__(self, counts, patterns: torch.Tensor, image_size: int, noise: float = 1.0, signal: float = 1.0,
@@ -646,6 +678,7 @@ class SyntheticImages(Dataset):
         return (x if self.transform is None else self.transform(x)), y
 
 
+# %% ../nbs/10_data.ipynb #c558ab06
 def synthetic_images(n_classes: int = 10, n_per_class: int = 100, n_val_per_class: int = 20,
                      n_test_per_class: int = 20, image_size: int = 32, channels: int = 3, noise: float = 1.0,
                      signal: float = 1.0, group_size: int = 1, fine_scale: float = 0.5,
@@ -670,6 +703,7 @@ def synthetic_images(n_classes: int = 10, n_per_class: int = 100, n_val_per_clas
             "imbalance_ratio": imbalance_ratio}
     return DataBundle("synthetic_images", train, val, test, n_classes, train_counts.clone(),
                       (channels, image_size, image_size), [f"class {c}" for c in range(n_classes)], None, info)
+
 
 # %% ../nbs/10_data.ipynb #b52045eb
 DATASETS: dict[str, Callable[..., DataBundle]] = {

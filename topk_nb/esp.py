@@ -61,6 +61,7 @@ def dc_schedule(n: int, k: int) -> tuple[tuple[int, int, int], ...]:
     return tuple(levels)
 
 
+# %% ../nbs/01_esp.ipynb #ffb6ea72
 def log_poly_mul(p: torch.Tensor, q: torch.Tensor, d_out: int, neg: float) -> torch.Tensor:
     "Products of polynomials given by log-coefficients, (..., m, da) x (..., m, db) -> (..., m, d_out), truncated."
     da, db = p.shape[-1], q.shape[-1]
@@ -71,6 +72,7 @@ def log_poly_mul(p: torch.Tensor, q: torch.Tensor, d_out: int, neg: float) -> to
     return anti_diagonals.logsumexp(-1)
 
 
+# %% ../nbs/01_esp.ipynb #f727018e
 def dc_tree(x: torch.Tensor, k: int, neg: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
     "Log-space divide and conquer: (log sigma_0..k, the inputs of every level: padded leaves x, then polynomials)."
     levels = dc_schedule(x.shape[-1], k)
@@ -90,10 +92,12 @@ def dc_tree(x: torch.Tensor, k: int, neg: float) -> tuple[torch.Tensor, list[tor
     return polys[..., 0, :k + 1], inputs
 
 
+# %% ../nbs/01_esp.ipynb #06fef8a0
 def log_esp(x: torch.Tensor, k: int, check_finite: bool | None = None) -> torch.Tensor:
     "log sigma_j(exp(x)) for j = 0..k over the last dim, by divide and conquer in log space (Alg. 1); shape (..., k+1)."
     xw, k = _check_esp_input(x, k, "x", check_finite)
     return dc_tree(xw, k, log_zero(xw.dtype, k))[0].to(x.dtype)
+
 
 # %% ../nbs/01_esp.ipynb #30248f60
 def dc_term_count(n: int, k: int) -> int:

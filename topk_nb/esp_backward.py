@@ -330,6 +330,7 @@ class LogSigmaFunction(torch.autograd.Function):
         return grad[..., :1] * pi_km1 + grad[..., 1:] * pi_k, None, None, None, None
 
 
+# %% ../nbs/02_esp_backward.ipynb #984853f5
 def log_sigma(x: torch.Tensor, k: int, method: str = "power", p: int | None = None, rho: float = 0.1,
               check_finite: bool | None = None) -> torch.Tensor:
     "(log sigma_{k-1}(exp x), log sigma_k(exp x)) along a new last dim of size 2, differentiable in x."
@@ -348,6 +349,7 @@ def log_sigma(x: torch.Tensor, k: int, method: str = "power", p: int | None = No
     else:
         out = LogSigmaFunction.apply(xw, k, method, p, rho)
     return out.to(x.dtype)
+
 
 # %% ../nbs/02_esp_backward.ipynb #5af90998
 def grad_error(grad: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:

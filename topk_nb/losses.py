@@ -158,6 +158,7 @@ def simplex_grid(resolution: int = 60, radius: float = 2.0) -> tuple[torch.Tenso
     return radius * bary, bary @ corners
 
 
+# %% ../nbs/08_losses.ipynb #f806082a
 def parse_panel(spec: str) -> tuple[str, dict]:
     "`'smooth_svm(tau=0.1, alpha=1)'` (or `tau: 0.1`) -> `('smooth_svm', {'tau': 0.1, 'alpha': 1})`; a bare name has no overrides."
     match = re.fullmatch(r"\s*(\w+)\s*(?:\((.*)\))?\s*", spec) if isinstance(spec, str) else None
@@ -179,6 +180,7 @@ def parse_panel(spec: str) -> tuple[str, dict]:
     return name, overrides
 
 
+# %% ../nbs/08_losses.ipynb #8826f37e
 def level_set_params(name: str, k: int, n_classes: int = 3, **overrides) -> dict:
     "The parameters of `name` harmonised to a margin of 1 for the atlas (Garcin 2022, Fig. 1), then `overrides`."
     if name not in LOSSES:
@@ -194,6 +196,7 @@ def level_set_params(name: str, k: int, n_classes: int = 3, **overrides) -> dict
     return {**params, **overrides}
 
 
+# %% ../nbs/08_losses.ipynb #de08ecb2
 def level_set_values(panel: str, scores: torch.Tensor, y: torch.Tensor, k: int, replications: int = 100,
                      seed: int = 0) -> torch.Tensor:
     "The loss (or top-K error) of `panel` at each row of `scores` for labels `y`, shape (P,); stochastic losses averaged over `replications`."
@@ -212,6 +215,7 @@ def level_set_values(panel: str, scores: torch.Tensor, y: torch.Tensor, k: int, 
         return torch.stack([crit(scores, y) for _ in range(replications)]).mean(0)
 
 
+# %% ../nbs/08_losses.ipynb #86d51846
 @dataclass
 class LevelSets:
     "An atlas: the grid `scores` (P, 3) and its plane positions `xy`, the true label `y`, and `values[(panel, k)]` (P,)."
@@ -240,6 +244,7 @@ class LevelSets:
         return self.values[(panel, k)][i].item()
 
 
+# %% ../nbs/08_losses.ipynb #c86f12e5
 def level_set_atlas(panels=(TOPK_ERROR, *LOSSES), ks=(1, 2), resolution: int = 60, radius: float = 2.0, y: int = 2,
                     replications: int = 100, seed: int = 0) -> LevelSets:
     "Every panel for every K on the grid of radius * simplex (L = 3), true label `y` (Garcin 2022, Fig. 1 and 6)."
@@ -250,6 +255,7 @@ def level_set_atlas(panels=(TOPK_ERROR, *LOSSES), ks=(1, 2), resolution: int = 6
     return LevelSets(scores, xy, y, values)
 
 
+# %% ../nbs/08_losses.ipynb #9ac8ec02
 def plot_level_sets(atlas: LevelSets, levels: int = 12, path=None, cmap: str = "viridis", size: float = 1.55):
     "Draw the rescaled level sets, one row per K and one column per panel; saved to the image `path` if given."
     import matplotlib.pyplot as plt
@@ -268,3 +274,4 @@ def plot_level_sets(atlas: LevelSets, levels: int = 12, path=None, cmap: str = "
     if path is not None:
         fig.savefig(path, dpi=100, bbox_inches="tight")
     return fig
+

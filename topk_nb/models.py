@@ -62,6 +62,7 @@ class _DenseLayer(nn.Module):
         return torch.cat([x, self.body(x)], 1)
 
 
+# %% ../nbs/11_models.ipynb #b6f7a120
 def _transition(in_channels: int, out_channels: int, dropout: float) -> nn.Sequential:
     "BN-ReLU-Conv1x1-AvgPool2x2 between two dense blocks."
     layers = [nn.BatchNorm2d(in_channels), nn.ReLU(inplace=True), nn.Conv2d(in_channels, out_channels, 1, bias=False)]
@@ -69,6 +70,7 @@ def _transition(in_channels: int, out_channels: int, dropout: float) -> nn.Seque
     return nn.Sequential(*layers, nn.AvgPool2d(2))
 
 
+# %% ../nbs/11_models.ipynb #f1a22fc1
 class DenseNet(nn.Module):
     "DenseNet of Huang et al. 2017: dense blocks of `block_layers` layers with growth rate `growth`, BN-ReLU-GAP and a linear `fc`."
     def __init__(self, block_layers: Sequence[int], growth: int, n_classes: int, bottleneck: bool = True,
@@ -111,6 +113,7 @@ class DenseNet(nn.Module):
         return self.fc(torch.flatten(self.pool(self.features(x)), 1))
 
 
+# %% ../nbs/11_models.ipynb #7e143027
 def _layers_per_block(depth, bottleneck: bool) -> int:
     "Dense layers per block of a three-block CIFAR DenseNet of `depth` L: (L-4)/3, or (L-4)/6 with bottlenecks."
     step = 6 if bottleneck else 3
@@ -122,17 +125,20 @@ def _layers_per_block(depth, bottleneck: bool) -> int:
     return (depth - 4) // step
 
 
+# %% ../nbs/11_models.ipynb #ec9b6da1
 def densenet(n_classes: int, depth: int = 40, growth: int = 12, dropout: float = 0.0) -> DenseNet:
     "Plain CIFAR DenseNet (L=depth, k=growth) of Huang et al. 2017: no bottleneck, no compression."
     n = _layers_per_block(depth, bottleneck=False)
     return DenseNet([n] * 3, growth, n_classes, bottleneck=False, compression=1.0, dropout=dropout)
 
 
+# %% ../nbs/11_models.ipynb #1a55be88
 def densenet_bc(n_classes: int, depth: int = 40, growth: int = 12, compression: float = 0.5,
                 dropout: float = 0.0) -> DenseNet:
     "CIFAR DenseNet-BC (L=depth, k=growth) of Huang et al. 2017: bottleneck layers, compression 0.5."
     n = _layers_per_block(depth, bottleneck=True)
     return DenseNet([n] * 3, growth, n_classes, bottleneck=True, compression=compression, dropout=dropout)
+
 
 # %% ../nbs/11_models.ipynb #f0755827
 def cifar_densenet121(n_classes: int, dropout: float = 0.0) -> DenseNet:
@@ -161,6 +167,7 @@ class BasicBlock(nn.Module):
         return self.relu(self.bn2(self.conv2(out)) + identity)
 
 
+# %% ../nbs/11_models.ipynb #ef7cbcee
 class CifarResNet(nn.Module):
     "ResNet of basic blocks for 32x32 inputs: 3x3 stride-1 stem, no max-pool, four stages, GAP and a linear `fc`."
     def __init__(self, blocks: Sequence[int], n_classes: int, in_channels: int = 3, width: int = 64):
@@ -190,14 +197,17 @@ class CifarResNet(nn.Module):
         return self.fc(torch.flatten(self.avgpool(x), 1))
 
 
+# %% ../nbs/11_models.ipynb #ad2d439f
 def cifar_resnet18(n_classes: int) -> CifarResNet:
     "ResNet-18 for CIFAR (3x3 stem, no max-pool), as trained by Sawada, Tab. I."
     return CifarResNet([2, 2, 2, 2], n_classes)
 
 
+# %% ../nbs/11_models.ipynb #80b7933d
 def cifar_resnet34(n_classes: int) -> CifarResNet:
     "ResNet-34 for CIFAR (3x3 stem, no max-pool)."
     return CifarResNet([3, 4, 6, 3], n_classes)
+
 
 # %% ../nbs/11_models.ipynb #910d3461
 def _torchvision_resnet(arch: str, n_classes: int) -> nn.Module:
@@ -315,11 +325,13 @@ def _read_state_dict(path) -> dict[str, torch.Tensor]:
     return dict(state)
 
 
+# %% ../nbs/11_models.ipynb #e125ffa8
 def _describe(keys, n: int = 5) -> str:
     keys = sorted(keys)
     return ", ".join(keys[:n]) + (f" and {len(keys) - n} more" if len(keys) > n else "")
 
 
+# %% ../nbs/11_models.ipynb #7089ffc0
 def load_weights(model: nn.Module, path: str | os.PathLike, load_head: bool | None = None) -> nn.Module:
     "Load a local state-dict file into `model`; the head `fc` is loaded if it matches (`load_head=None`), always or never."
     theirs = _read_state_dict(path)
@@ -350,22 +362,26 @@ def load_weights(model: nn.Module, path: str | os.PathLike, load_head: bool | No
     model.load_state_dict(merged, strict=True)
     return model
 
+
 # %% ../nbs/11_models.ipynb #23f6fb87
 def densenet40_12(n_classes: int, dropout: float = 0.0) -> DenseNet:
     "DenseNet-BC with L=40, k=12, as built by Berrada 2018's code for their 'DenseNet 40-12' (Fig. 2)."
     return densenet_bc(n_classes, 40, 12, dropout=dropout)
 
 
+# %% ../nbs/11_models.ipynb #2b6bb22f
 def densenet40_40(n_classes: int, dropout: float = 0.0) -> DenseNet:
     "DenseNet-BC with L=40, k=40: the 'DenseNet 40-40' of Berrada 2018 (Tab. 1) and Garcin 2022 (Tab. 2-4)."
     return densenet_bc(n_classes, 40, 40, dropout=dropout)
 
 
+# %% ../nbs/11_models.ipynb #33caed65
 def densenet_tiny(n_classes: int) -> DenseNet:
     "A DenseNet-BC with L=10, k=4 (one layer per block) for CPU smoke runs."
     return densenet_bc(n_classes, 10, 4)
 
 
+# %% ../nbs/11_models.ipynb #ae6f55b5
 MODELS: dict[str, Callable[..., nn.Module]] = {
     "densenet": densenet, "densenet_bc": densenet_bc, "densenet40_12": densenet40_12, "densenet40_40": densenet40_40,
     "densenet_tiny": densenet_tiny, "cifar_densenet121": cifar_densenet121,
@@ -402,3 +418,4 @@ def get_model(name: str, n_classes: int, *, head: str = "linear", scale: float |
     elif load_head is not None:
         raise ValueError("load_head only applies when weights are given")
     return model
+

@@ -111,6 +111,7 @@ class CalHinge(LossModule):
         return f"k={self.k}, alpha={self.alpha}, reduction={self.reduction!r}"
 
 
+# %% ../nbs/05_noised.ipynb #b6662fc8
 class _NoisedModule(LossModule):
     "Shared by the noised losses: `forward(scores, target, noise=None)`, explicit noise (n_samples, B, n) for class indices."
 
@@ -120,6 +121,7 @@ class _NoisedModule(LossModule):
         return reduce_loss(self.per_sample(scores, target, noise), self.reduction)
 
 
+# %% ../nbs/05_noised.ipynb #41c15c5b
 class NoisedBal(_NoisedModule):
     "Noised balanced top-k hinge loss (Garcin 2022, eq. 10) as a module."
     example = "k=5, epsilon=0.2"
@@ -144,6 +146,7 @@ class NoisedBal(_NoisedModule):
         return f"k={self.k}, epsilon={self.epsilon}, n_samples={self.n_samples}, alpha={self.alpha}"
 
 
+# %% ../nbs/05_noised.ipynb #f4bb2543
 class NoisedImbal(_NoisedModule):
     "Noised imbalanced top-k hinge loss (Garcin 2022, eq. 13) as a module; margins from `class_counts`."
     example = "class_counts=counts, k=5"

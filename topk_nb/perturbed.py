@@ -35,6 +35,7 @@ def draw_noise(like: torch.Tensor, n_samples: int | None, generator: torch.Gener
     return z.to(like.device)
 
 
+# %% ../nbs/04_perturbed.ipynb #3440a7b7
 class _PerturbedArgmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, theta, argmax, epsilon, noise):
@@ -51,6 +52,7 @@ class _PerturbedArgmax(torch.autograd.Function):
         return (inner * noise).mean(0) / ctx.epsilon, None, None, None
 
 
+# %% ../nbs/04_perturbed.ipynb #bdbafa53
 def perturbed_argmax(theta: torch.Tensor, argmax: Callable[[torch.Tensor], torch.Tensor], epsilon: float,
                      n_samples: int = 1000, generator: torch.Generator | None = None,
                      noise: torch.Tensor | None = None) -> torch.Tensor:
@@ -60,6 +62,7 @@ def perturbed_argmax(theta: torch.Tensor, argmax: Callable[[torch.Tensor], torch
     return _PerturbedArgmax.apply(theta, argmax, epsilon, draw_noise(theta, n_samples, generator, noise))
 
 
+# %% ../nbs/04_perturbed.ipynb #026ac228
 def perturbed_max(theta: torch.Tensor, argmax: Callable[[torch.Tensor], torch.Tensor], epsilon: float,
                   n_samples: int = 1000, generator: torch.Generator | None = None,
                   noise: torch.Tensor | None = None) -> torch.Tensor:
@@ -70,6 +73,7 @@ def perturbed_max(theta: torch.Tensor, argmax: Callable[[torch.Tensor], torch.Te
     with torch.no_grad():
         ys = argmax(perturbed)
     return (ys * perturbed).sum(-1).mean(0)
+
 
 # %% ../nbs/04_perturbed.ipynb #1e0d4d9a
 def top_sum(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -113,11 +117,13 @@ class TopkSample(NamedTuple):
     stats: dict
 
 
+# %% ../nbs/04_perturbed.ipynb #564bbd7b
 def _normal_cdf(x: torch.Tensor) -> torch.Tensor:
     "Phi(x) without the lower-tail cancellation of torch.special.ndtr."
     return log_ndtr(x).exp()
 
 
+# %% ../nbs/04_perturbed.ipynb #0082ab3c
 def _tail_exceeders(s, epsilon, v, lam_bar, rate, cand_i, draw):
     "Steps 2-3 for the sparse (draw, row) pairs: exceeding tail classes (owner, class) and their conditional values."
     B, n = s.shape
@@ -135,6 +141,7 @@ def _tail_exceeders(s, epsilon, v, lam_bar, rate, cand_i, draw):
     return own, cls, (s_e + epsilon * z).to(s.dtype), owner.numel()
 
 
+# %% ../nbs/04_perturbed.ipynb #f23e5786
 @torch.compiler.disable                              # data-dependent sizes: run eagerly inside compiled code
 def sample_perturbed_topk(scores: torch.Tensor, k: int, epsilon: float, n_samples: int,
                           generator: torch.Generator | None = None, n_extra: int | None = None,
@@ -195,6 +202,7 @@ def sample_perturbed_topk(scores: torch.Tensor, k: int, epsilon: float, n_sample
     return done(val, idx)
 
 
+# %% ../nbs/04_perturbed.ipynb #ff841422
 class _SampledTopk(torch.autograd.Function):
     @staticmethod
     def forward(ctx, scores, values, indices):
@@ -213,6 +221,7 @@ class _SampledTopk(torch.autograd.Function):
         return out, None, None
 
 
+# %% ../nbs/04_perturbed.ipynb #f7383487
 def dense_topk_draws(scores: torch.Tensor, # (..., n)
                      k: int, epsilon: float, n_samples: int,
                      generator: torch.Generator | None = None) -> TopkSample:
@@ -229,6 +238,7 @@ def dense_topk_draws(scores: torch.Tensor, # (..., n)
     return TopkSample(torch.stack(values).reshape(shape), torch.stack(indices).reshape(shape), {"dense_rows": n_samples * len(s)})
 
 
+# %% ../nbs/04_perturbed.ipynb #7068f3cc
 def sampled_topk_value(scores: torch.Tensor, k: int, epsilon: float, n_samples: int,
                        generator: torch.Generator | None = None) -> torch.Tensor:
     "mean_b top_K(s + eps Z_b) over the last dim: sparse exact draws on the host path, dense draws on the sync-free path; backward = mean one-hot at the sampled indices."
@@ -238,6 +248,7 @@ def sampled_topk_value(scores: torch.Tensor, k: int, epsilon: float, n_samples: 
     draw = dense_topk_draws if sync_free(scores) else sample_perturbed_topk
     sample = draw(scores, k, epsilon, n_samples, generator)
     return _SampledTopk.apply(scores, sample.values, sample.indices)
+
 
 # %% ../nbs/04_perturbed.ipynb #da53a724
 def perturbed_topk_law(scores, k: int, epsilon: float, n_grid: int = 20001) -> tuple[float, torch.Tensor]:

@@ -70,6 +70,7 @@ def _check_crops(scores, check_finite: bool | None) -> torch.Tensor:
     return scores
 
 
+# %% ../nbs/07_predict.ipynb #901973c1
 def multicrop_marginals(scores: torch.Tensor, k: int, tau: float = 1.0, check_finite: bool | None = None) -> torch.Tensor:
     "Top-k marginals averaged over crops: scores (B, n_crops, n) -> (B, n), each row summing to k (Berrada 2018, section 5.2)."
     scores = _check_crops(scores, check_finite)
@@ -80,6 +81,7 @@ def multicrop_marginals(scores: torch.Tensor, k: int, tau: float = 1.0, check_fi
         return _marginals(work, k, tau).mean(1).to(scores.dtype)
 
 
+# %% ../nbs/07_predict.ipynb #d2e53e45
 def _rank(primary: torch.Tensor, secondary: torch.Tensor) -> torch.Tensor:
     "Label indices by primary descending, ties by secondary descending, then by the smaller index (stable sorts)."
     by_secondary = torch.sort(secondary, dim=-1, descending=True, stable=True).indices
@@ -87,6 +89,7 @@ def _rank(primary: torch.Tensor, secondary: torch.Tensor) -> torch.Tensor:
     return by_secondary.gather(-1, by_primary)
 
 
+# %% ../nbs/07_predict.ipynb #3f684c24
 def predict_topk(scores: torch.Tensor, k: int, method: str = "marginals", tau: float = 1.0,
                  check_finite: bool | None = None) -> torch.Tensor:
     "The k predicted labels (B, k), best first, from scores (B, n) or crop scores (B, n_crops, n) combined by `method`.\n\nTies are broken by the mean score, then by the smaller label index."
@@ -109,3 +112,4 @@ def predict_topk(scores: torch.Tensor, k: int, method: str = "marginals", tau: f
         else:
             primary = mean_scores
         return _rank(primary, mean_scores)[:, :k]
+
