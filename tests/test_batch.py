@@ -1,4 +1,4 @@
-"Tests of topk_nb.batch: grid expansion, resume after kill -9, failure isolation, GPU assignment, the report."
+"Tests of topk_nb.batch and topk_nb.report: grid expansion, resume after kill -9, failure isolation, GPU assignment, the report."
 import importlib
 import json
 import os
@@ -12,8 +12,10 @@ import nbformat
 import pytest
 
 from topk_nb import batch
+from topk_nb import report as reports
 from topk_nb.batch import (RECORD, Experiment, Figure, Finding, PaperValue, cell_dir, cell_id,
-                           expand_grid, load_records, main, parse_grid, read_record, report, run_grid, write_record)
+                           expand_grid, load_records, main, parse_grid, read_record, run_grid, write_record)
+from topk_nb.report import report
 
 CIRCLES_TRADEOFFS = batch.EXPERIMENTS["circles_tradeoffs"]
 
@@ -29,7 +31,7 @@ def fake_notebook(path, body: str, tagged: bool = True) -> Path:
     return Path(path)
 
 
-WRITE = ("import os\nfrom topk_nb.batch import write_record\n"
+WRITE = ("import os\nfrom topk_nb.records import write_record\n"
          "write_record(record_path, {'x': x, 'seed': seed}, {'final': [{'y': 10 * x + seed, "
          "'gpu': os.environ.get('CUDA_VISIBLE_DEVICES')}]}, seed=seed)")
 
@@ -267,12 +269,12 @@ def test_report_counts_each_seed_once_and_ties_are_no_wins(tmp_path):
 
 def test_figures_draw_the_papers_values_beside_ours(tmp_path):
     exp = batch.EXPERIMENTS["cifar100_noise"]                # Berrada 2018 Tab. 1 with the standard deviations of its Tab. 9
-    points = batch.paper_points(exp.paper, exp.figures[0], "top5")
+    points = reports.paper_points(exp.paper, exp.figures[0], "top5")
     assert points["ce"]["Berrada 2018, Tab. 1"][0] == (0.0, pytest.approx(0.9434), pytest.approx(0.0009))
     assert points["noised_bal"]["Garcin 2022, Tab. 4"][:2] == [(0.0, pytest.approx(0.9435), None),
                                                                (0.1, pytest.approx(0.9203), None)]
     rows = [{"loss": "ce", "noise_p": p, "seed": s, "top1": 0.5, "top5": 0.8 + 0.01 * s} for p in (0.0, 0.2) for s in (0, 1)]
-    path = batch.plot_figure(rows, exp.figures[0], tmp_path / "tab1.png", exp.paper)
+    path = reports.plot_figure(rows, exp.figures[0], tmp_path / "tab1.png", exp.paper)
     width = int.from_bytes(path.read_bytes()[16:20], "big")                 # PNG header: 2 panels of 5 in at 150 dpi
     # the legend names Berrada 2018, Tab. 1 for CE and L_{5,1} in each of the two panels
     assert width == 1500 and path.with_suffix(".svg").read_text().count("Berrada 2018, Tab. 1 (± its std)") == 4
@@ -292,10 +294,10 @@ def test_sawada_fig5_from_the_predictions_along_the_circle(tmp_path):
 
 
 def test_welch_test_matches_the_t_tables():
-    assert abs(batch.t_two_sided(2.228, 10) - 0.05) < 2e-5 and abs(batch.t_two_sided(12.706, 1) - 0.05) < 2e-5
-    test = batch.welch_test({"mean": 0.7, "std": 0.1, "n": 3}, {"mean": 0.5, "std": 0.0, "n": 3})
+    assert abs(reports.t_two_sided(2.228, 10) - 0.05) < 2e-5 and abs(reports.t_two_sided(12.706, 1) - 0.05) < 2e-5
+    test = reports.welch_test({"mean": 0.7, "std": 0.1, "n": 3}, {"mean": 0.5, "std": 0.0, "n": 3})
     assert (round(test["t"], 4), round(test["df"], 6), round(test["p"], 4)) == (3.4641, 2.0, 0.0742)
-    assert batch.verdict({"mean": 0.5, "std": 0.0, "n": 1}, {"mean": 0.1, "std": 0.1, "n": 5}, "best") == ("untested", None)
+    assert reports.verdict({"mean": 0.5, "std": 0.0, "n": 1}, {"mean": 0.1, "std": 0.1, "n": 5}, "best") == ("untested", None)
 
 
 def test_records_carry_their_identity(tmp_path):
@@ -342,13 +344,13 @@ def test_speed_paper_values_name_rows_the_bench_writes():
     assert {r["part"] for r in rows} == {"forward", "backward", "forward_backward"}
     for pv in batch.EXPERIMENTS["speed"].paper:
         if pv.where["part"] != "epoch" and pv.where["n"] == 100:        # each value of Tab. 3-4 at n = 100: one row
-            assert sum(batch._matches(r, pv.where) for r in rows) == 1, pv
+            assert sum(reports._matches(r, pv.where) for r in rows) == 1, pv
     configs = [{"loss": "ce"}, {"loss": "smooth_svm", "k": 5}, {"loss": "noised_bal", "k": 5, "n_samples": 3}]
     epoch = epoch_times(configs, model="densenet_tiny", batch=4, rounds=1, n_train=8)
     epoch = [{**r, "model": "densenet40_40"} for r in epoch]             # the paper's model, timed as a tiny one
     for pv in batch.EXPERIMENTS["speed"].paper:
         if pv.where["part"] == "epoch" and pv.where["k"] == 5:
-            assert sum(batch._matches(r, pv.where) for r in epoch) == 1 and pv.metric in epoch[0], pv
+            assert sum(reports._matches(r, pv.where) for r in epoch) == 1 and pv.metric in epoch[0], pv
 
 
 def _speed_rows(seeds=(0, 1)):

@@ -58,7 +58,7 @@ class LossEntry:
         if self.needs_class_counts: names.add("class_counts")
         return tuple(sorted(names))
 
-
+# %% ../nbs/08_losses.ipynb #23f678e1
 LOSSES: dict[str, LossEntry] = {e.name: e for e in [
     LossEntry("ce", CE, ce, r"$-\ln(e^{s_y} / \sum_{k} e^{s_k})$",
               "cross-entropy; Sawada eq. (3)", native_soft_targets=True),

@@ -141,6 +141,32 @@ def _tail_exceeders(s, epsilon, v, lam_bar, rate, cand_i, draw):
     return own, cls, (s_e + epsilon * z).to(s.dtype), owner.numel()
 
 
+# %% ../nbs/04_perturbed.ipynb #20b9df51
+def _merge_exceeders(own: torch.Tensor, cls: torch.Tensor, x: torch.Tensor, kth, cand_i: torch.Tensor,
+                     val: torch.Tensor, idx: torch.Tensor, k: int) -> int:
+    "Step 4: for the (draw, row) pairs `own` that have tail exceeders (values `x`, classes `cls`), the K-th largest of the candidates' top K and the exceeders, written into `val`, `idx` (S*B,); returns the number of exceeders."
+    B = cand_i.shape[0]
+    rows, inv, per_row = torch.unique(own, return_inverse=True, return_counts=True)     # (P,) pairs with exceeders
+    pos = k + torch.arange(own.numel(), device=own.device) - (per_row.cumsum(0) - per_row)[inv]
+    vals = torch.full((rows.numel(), k + int(per_row.max())), -math.inf, dtype=val.dtype, device=val.device)   # (P, k + most)
+    ids = torch.zeros(vals.shape, dtype=torch.long, device=val.device)
+    vals[:, :k] = kth.values.reshape(-1, k)[rows]
+    ids[:, :k] = cand_i[rows % B].gather(1, kth.indices.reshape(-1, k)[rows])
+    vals[inv, pos], ids[inv, pos] = x, cls
+    t = vals.topk(k, dim=1)
+    val[rows], idx[rows] = t.values[:, -1], ids.gather(1, t.indices[:, -1:])[:, 0]
+    return own.numel()
+
+# %% ../nbs/04_perturbed.ipynb #2e75e1d3
+def _dense_pairs(s: torch.Tensor, pairs: torch.Tensor, cand_i: torch.Tensor, pert: torch.Tensor, epsilon: float, k: int,
+                 draw: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+    "The K-th value and its index for the (draw, row) pairs `pairs` (P,) by noise on the whole row, the candidates keeping their noise `pert` (S, B, M)."
+    B, M = cand_i.shape
+    full = draw(torch.randn, (pairs.numel(), s.shape[1]), dtype=s.dtype).mul_(epsilon).add_(s[pairs % B])   # (P, n)
+    full.scatter_(1, cand_i[pairs % B], pert.reshape(-1, M)[pairs])
+    t = full.topk(k, dim=1)
+    return t.values[:, -1], t.indices[:, -1]
+
 # %% ../nbs/04_perturbed.ipynb #f23e5786
 @torch.compiler.disable                              # data-dependent sizes: run eagerly inside compiled code
 def sample_perturbed_topk(scores: torch.Tensor, k: int, epsilon: float, n_samples: int,
@@ -182,22 +208,10 @@ def sample_perturbed_topk(scores: torch.Tensor, k: int, epsilon: float, n_sample
     own, cls, x, stats["points"] = _tail_exceeders(s, epsilon, v, lam_bar, torch.where(dense, 0.0, n * lam_bar),
                                                    cand_i, draw)
     if own.numel():                                                            # step 4 for rows with exceeders
-        rows, inv, per_row = torch.unique(own, return_inverse=True, return_counts=True)
-        pos = k + torch.arange(own.numel(), device=dev) - (per_row.cumsum(0) - per_row)[inv]
-        vals = torch.full((rows.numel(), k + int(per_row.max())), -math.inf, dtype=dt, device=dev)
-        ids = torch.zeros(vals.shape, dtype=torch.long, device=dev)
-        vals[:, :k] = kth.values.view(S * B, k)[rows]
-        ids[:, :k] = cand_i[rows % B].gather(1, kth.indices.view(S * B, k)[rows])
-        vals[inv, pos], ids[inv, pos] = x, cls
-        t = vals.topk(k, dim=1)
-        val[rows], idx[rows] = t.values[:, -1], ids.gather(1, t.indices[:, -1:])[:, 0]
-        stats["exceeders"] = own.numel()
+        stats["exceeders"] = _merge_exceeders(own, cls, x, kth, cand_i, val, idx, k)
     if n_dense:                                                                # the few dense (draw, row) pairs
         rows = dense.nonzero()[:, 0]
-        full = draw(torch.randn, (rows.numel(), n), dtype=dt).mul_(epsilon).add_(s[rows % B])
-        full.scatter_(1, cand_i[rows % B], pert.view(S * B, M)[rows])
-        t = full.topk(k, dim=1)
-        val[rows], idx[rows] = t.values[:, -1], t.indices[:, -1]
+        val[rows], idx[rows] = _dense_pairs(s, rows, cand_i, pert, epsilon, k, draw)
         stats["dense_rows"] = n_dense
     return done(val, idx)
 

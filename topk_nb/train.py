@@ -91,88 +91,96 @@ def metric_names(ks) -> list[str]:
     "Names of the metrics that `evaluate` reports for `ks`: top{k} then macro_top{k}."
     return [f"top{k}" for k in ks] + [f"macro_top{k}" for k in ks]
 
-# %% ../nbs/12_train.ipynb #c02d6852
+# %% ../nbs/12_train.ipynb #580c3f34
+def _check_optimisation(c) -> None:
+    "Validate (and normalise) the fields of a `TrainConfig` that set the optimisation and the metrics."
+    c.epochs = check_int(c.epochs, "epochs", 1)
+    c.batch_size = check_int(c.batch_size, "batch_size", 1)
+    c.lr = check_real(c.lr, "lr", 0.0, lo_open=True)
+    c.momentum = check_real(c.momentum, "momentum", 0.0, 1.0)
+    c.nesterov = _check_bool(c.nesterov, "nesterov")
+    if c.nesterov and c.momentum == 0:
+        raise ValueError("nesterov=True needs momentum in (0, 1], got momentum=0")
+    c.weight_decay = check_real(c.weight_decay, "weight_decay", 0.0)
+    c.milestones = _int_tuple(c.milestones, "milestones", 1)
+    if list(c.milestones) != sorted(set(c.milestones)):
+        raise ValueError(f"milestones must be strictly increasing epochs, got {c.milestones}")
+    c.gamma = check_real(c.gamma, "gamma", 0.0, lo_open=True)
+    c.seed = check_int(c.seed, "seed", 0, 2**63 - 1)
+    ks = _int_tuple(c.ks, "ks", 1)
+    if not ks: raise ValueError("ks must name at least one k")
+    c.ks = tuple(sorted(set(ks)))
+    allowed = [f"val_{m}" for m in metric_names(c.ks)]
+    if c.select_metric is None: c.select_metric = f"val_top{max(c.ks)}"
+    if c.select_metric not in allowed:
+        raise ValueError(f"select_metric must be one of {allowed} (k taken from ks={c.ks}), got {c.select_metric!r}")
+    c.mixup_alpha = check_real(c.mixup_alpha, "mixup_alpha", 0.0)
+    c.drop_last = _check_bool(c.drop_last, "drop_last")
+
+# %% ../nbs/12_train.ipynb #cc3b4846
+def _check_execution(c) -> None:
+    "Validate (and normalise) the fields of a `TrainConfig` that say where and how the run executes."
+    if not isinstance(c.device, (str, torch.device)):
+        raise TypeError(f"device must be 'auto' or a torch device string such as 'cpu' or 'cuda:0', got {c.device!r}")
+    c.device = str(c.device)
+    if c.device != "auto":
+        try:
+            torch.device(c.device)
+        except RuntimeError as e:
+            raise ValueError(f"device must be 'auto' or a torch device string such as 'cpu' or 'cuda:0', "
+                             f"got {c.device!r}") from e
+    c.amp = _check_bool(c.amp, "amp", allow_none=True)
+    if c.amp_dtype not in AMP_DTYPES:
+        raise ValueError(f"amp_dtype must be one of {tuple(AMP_DTYPES)}, got {c.amp_dtype!r}")
+    c.channels_last = _check_bool(c.channels_last, "channels_last", allow_none=True)
+    c.sync_batchnorm = _check_bool(c.sync_batchnorm, "sync_batchnorm")
+    c.num_workers = check_int(c.num_workers, "num_workers", 0)
+    if c.eval_batch_size is not None:
+        c.eval_batch_size = check_int(c.eval_batch_size, "eval_batch_size", 1)
+    if c.multicrop not in MULTICROP:
+        raise ValueError(f"multicrop must be one of {MULTICROP}, got {c.multicrop!r}")
+    c.multicrop_tau = check_real(c.multicrop_tau, "multicrop_tau", 0.0, lo_open=True)
+    if c.out_dir is not None:
+        if not isinstance(c.out_dir, (str, os.PathLike)):
+            raise TypeError(f"out_dir must be a path or None, got {c.out_dir!r}")
+        c.out_dir = os.fspath(c.out_dir)
+    for name in ("resume", "progress", "deterministic"):
+        setattr(c, name, _check_bool(getattr(c, name), name))
+
+# %% ../nbs/12_train.ipynb #9dcb7bd1
 @dataclass
 class TrainConfig:
     "Everything that determines a training run; every field is validated on construction."
-    epochs: int = 2
-    batch_size: int = 64
-    lr: float = 0.1
-    momentum: float = 0.9
-    nesterov: bool = True
-    weight_decay: float = 1e-4
-    milestones: tuple[int, ...] = ()
-    gamma: float = 0.1
-    seed: int = 0
-    ks: tuple[int, ...] = (1, 5)
-    select_metric: str | None = None
-    mixup_alpha: float = 0.0
-    drop_last: bool = False
-    device: str = "auto"
-    amp: bool | None = False
-    amp_dtype: str = "bfloat16"
-    channels_last: bool | None = None
-    sync_batchnorm: bool = True
-    num_workers: int = 0
-    eval_batch_size: int | None = None
-    multicrop: str = "marginals"
-    multicrop_tau: float = 1.0
-    out_dir: str | None = None
-    resume: bool = True
-    progress: bool = True
-    deterministic: bool = False
+    epochs: int = 2                       # passes over the training set
+    batch_size: int = 64                  # the global batch (split evenly across processes)
+    lr: float = 0.1                       # initial learning rate
+    momentum: float = 0.9                 # SGD momentum, in [0, 1]
+    nesterov: bool = True                 # Nesterov momentum (needs momentum > 0)
+    weight_decay: float = 1e-4            # L2 penalty on every parameter
+    milestones: tuple[int, ...] = ()      # epochs at which the learning rate is multiplied by gamma
+    gamma: float = 0.1                    # the factor at each milestone
+    seed: int = 0                         # seeds the weights' draws, the data order and the losses' noise
+    ks: tuple[int, ...] = (1, 5)          # the k of the top-k and macro top-k metrics
+    select_metric: str | None = None      # validation metric that selects the epoch (None: val_top{max(ks)})
+    mixup_alpha: float = 0.0              # Mixup's Beta(alpha, alpha) (0: no Mixup)
+    drop_last: bool = False               # drop the last incomplete training batch
+    device: str = "auto"                  # "auto" (a GPU if there is one), "cpu", "cuda:0", ...
+    amp: bool | None = False              # autocast (None: on a GPU only); the papers train in float32
+    amp_dtype: str = "bfloat16"           # autocast dtype: "bfloat16" or "float16" (GPU only, with a grad scaler)
+    channels_last: bool | None = None     # channels-last memory format (None: on a GPU only)
+    sync_batchnorm: bool = True           # synchronised batch norm across GPU processes
+    num_workers: int = 0                  # data-loading worker processes
+    eval_batch_size: int | None = None    # batch of evaluation (None: batch_size)
+    multicrop: str = "marginals"          # how crops of a test image combine (see `MULTICROP`)
+    multicrop_tau: float = 1.0            # temperature of the top-k marginals that combine crops
+    out_dir: str | None = None            # where checkpoints, metrics and the result go (None: nowhere)
+    resume: bool = True                   # continue from the checkpoint in out_dir if there is one
+    progress: bool = True                 # progress bars and a line per epoch
+    deterministic: bool = False           # deterministic algorithms (slower), no cuDNN benchmark
 
     def __post_init__(self):
-        self.epochs = check_int(self.epochs, "epochs", 1)
-        self.batch_size = check_int(self.batch_size, "batch_size", 1)
-        self.lr = check_real(self.lr, "lr", 0.0, lo_open=True)
-        self.momentum = check_real(self.momentum, "momentum", 0.0, 1.0)
-        self.nesterov = _check_bool(self.nesterov, "nesterov")
-        if self.nesterov and self.momentum == 0:
-            raise ValueError("nesterov=True needs momentum in (0, 1], got momentum=0")
-        self.weight_decay = check_real(self.weight_decay, "weight_decay", 0.0)
-        self.milestones = _int_tuple(self.milestones, "milestones", 1)
-        if list(self.milestones) != sorted(set(self.milestones)):
-            raise ValueError(f"milestones must be strictly increasing epochs, got {self.milestones}")
-        self.gamma = check_real(self.gamma, "gamma", 0.0, lo_open=True)
-        self.seed = check_int(self.seed, "seed", 0, 2**63 - 1)
-        ks = _int_tuple(self.ks, "ks", 1)
-        if not ks: raise ValueError("ks must name at least one k")
-        self.ks = tuple(sorted(set(ks)))
-        allowed = [f"val_{m}" for m in metric_names(self.ks)]
-        if self.select_metric is None: self.select_metric = f"val_top{max(self.ks)}"
-        if self.select_metric not in allowed:
-            raise ValueError(f"select_metric must be one of {allowed} (k taken from ks={self.ks}), "
-                             f"got {self.select_metric!r}")
-        self.mixup_alpha = check_real(self.mixup_alpha, "mixup_alpha", 0.0)
-        self.drop_last = _check_bool(self.drop_last, "drop_last")
-        if not isinstance(self.device, (str, torch.device)):
-            raise TypeError(f"device must be 'auto' or a torch device string such as 'cpu' or 'cuda:0', got {self.device!r}")
-        self.device = str(self.device)
-        if self.device != "auto":
-            try:
-                torch.device(self.device)
-            except RuntimeError as e:
-                raise ValueError(f"device must be 'auto' or a torch device string such as 'cpu' or 'cuda:0', "
-                                 f"got {self.device!r}") from e
-        self.amp = _check_bool(self.amp, "amp", allow_none=True)
-        if self.amp_dtype not in AMP_DTYPES:
-            raise ValueError(f"amp_dtype must be one of {tuple(AMP_DTYPES)}, got {self.amp_dtype!r}")
-        self.channels_last = _check_bool(self.channels_last, "channels_last", allow_none=True)
-        self.sync_batchnorm = _check_bool(self.sync_batchnorm, "sync_batchnorm")
-        self.num_workers = check_int(self.num_workers, "num_workers", 0)
-        if self.eval_batch_size is not None:
-            self.eval_batch_size = check_int(self.eval_batch_size, "eval_batch_size", 1)
-        if self.multicrop not in MULTICROP:
-            raise ValueError(f"multicrop must be one of {MULTICROP}, got {self.multicrop!r}")
-        self.multicrop_tau = check_real(self.multicrop_tau, "multicrop_tau", 0.0, lo_open=True)
-        if self.out_dir is not None:
-            if not isinstance(self.out_dir, (str, os.PathLike)):
-                raise TypeError(f"out_dir must be a path or None, got {self.out_dir!r}")
-            self.out_dir = os.fspath(self.out_dir)
-        self.resume = _check_bool(self.resume, "resume")
-        self.progress = _check_bool(self.progress, "progress")
-        self.deterministic = _check_bool(self.deterministic, "deterministic")
+        _check_optimisation(self)
+        _check_execution(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> TrainConfig:
@@ -464,8 +472,9 @@ def fit(model: nn.Module, loss_fn: Callable, train_set, val_set=None, test_set=N
     finally:
         if owns_group: dist.destroy_process_group()
 
-# %% ../nbs/12_train.ipynb #2ba216ab
-def _fit(model, loss_fn, train_set, val_set, test_set, config, env, start_time, meta):
+# %% ../nbs/12_train.ipynb #524bd510
+def _run_settings(config: TrainConfig, env: DistEnv) -> tuple[torch.device, bool, bool]:
+    "This run's device, AMP and channels-last (None in `config`: on a GPU only); refuses settings that cannot hold."
     device = _resolve_device(config, env)
     on_gpu = device.type == "cuda"
     amp = on_gpu if config.amp is None else config.amp
@@ -480,53 +489,53 @@ def _fit(model, loss_fn, train_set, val_set, test_set, config, env, start_time, 
         torch.backends.cudnn.benchmark = False
     elif on_gpu:
         torch.backends.cudnn.benchmark = True
-    out_dir = Path(config.out_dir) if config.out_dir is not None else None
-    ckpt_path = out_dir / "checkpoint.pt" if out_dir is not None else None
-    write = env.is_main and out_dir is not None
-    if write: remove_temporary_files(out_dir)          # left by a run killed while writing
+    return device, amp, channels_last
 
-    seed_everything(derive_seed(config.seed, "train", env.rank))
+# %% ../nbs/12_train.ipynb #e04091e8
+def _place(model: nn.Module, loss_fn, device: torch.device, channels_last: bool, env: DistEnv,
+           config: TrainConfig) -> nn.Module:
+    "The model (and a module loss) on `device`, channels-last if asked, with synchronised batch norm across GPU processes if asked."
     model.to(device)
     if channels_last: model.to(memory_format=torch.channels_last)
-    if env.distributed and on_gpu and config.sync_batchnorm:
+    if env.distributed and device.type == "cuda" and config.sync_batchnorm:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if isinstance(loss_fn, nn.Module): loss_fn.to(device)
-    optimizer, loss_gens = make_optimizer(model, config), _loss_generators(loss_fn)
-    scheduler = make_scheduler(optimizer, config)
-    scaler = torch.amp.GradScaler(device.type, enabled=amp and config.amp_dtype == "float16")
-    history, best_epoch, best_value, best_state, start_epoch = [], None, None, None, 0
+    return model
 
-    if ckpt_path is not None and config.resume and ckpt_path.exists():
-        ckpt = load_checkpoint(ckpt_path)
-        _check_resumable(ckpt["config"], config, ckpt_path)
-        try:
-            model.load_state_dict(ckpt["model"])
-        except RuntimeError as e:
-            raise ValueError(f"the checkpoint {ckpt_path} holds weights of another architecture: {e}") from e
-        optimizer.load_state_dict(ckpt["optimizer"])
-        scheduler.load_state_dict(ckpt["scheduler"])
-        scaler.load_state_dict(ckpt["scaler"])
-        rng = ckpt["rng"]
-        if len(rng) == env.world_size:
-            set_rng_state(rng[env.rank]["global"])
-            for g, s in zip(loss_gens, rng[env.rank]["loss"]): g.set_state(s)
-        else:   # another number of processes: a valid run, though not the same trajectory
-            seed_everything(derive_seed(config.seed, "resume", ckpt["epoch"], env.rank))
-        history, best_epoch, best_value, best_state = ckpt["history"], ckpt["best_epoch"], ckpt["best_value"], ckpt["best_model"]
-        start_epoch = ckpt["epoch"]
-        if start_epoch > config.epochs:
-            raise ValueError(f"the checkpoint {ckpt_path} is at epoch {start_epoch}, beyond epochs={config.epochs}")
-        if write:   # records written after the checkpoint (a crash in between) are dropped
-            atomic_write(out_dir / "metrics.jsonl", lambda f: f.write("".join(json.dumps(r) + "\n" for r in history)), "w")
-        del ckpt
-    elif write:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write(out_dir / "metrics.jsonl", lambda f: None, "w")
-    if write: atomic_write(out_dir / "config.json", lambda f: json.dump(config.to_dict(), f, indent=1), "w")
+# %% ../nbs/12_train.ipynb #1adb7757
+def _resume(ckpt_path: Path | None, config: TrainConfig, env: DistEnv, model, optimizer, scheduler, scaler,
+            loss_gens: list, out_dir: Path | None, write: bool) -> tuple[list, int | None, float | None, dict | None, int]:
+    "(history, best epoch, best value, best weights, first epoch to run): from the checkpoint when resuming (states restored), else a fresh start."
+    if ckpt_path is None or not config.resume or not ckpt_path.exists():
+        if write:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write(out_dir / "metrics.jsonl", lambda f: None, "w")
+        return [], None, None, None, 0
+    ckpt = load_checkpoint(ckpt_path)
+    _check_resumable(ckpt["config"], config, ckpt_path)
+    try:
+        model.load_state_dict(ckpt["model"])
+    except RuntimeError as e:
+        raise ValueError(f"the checkpoint {ckpt_path} holds weights of another architecture: {e}") from e
+    optimizer.load_state_dict(ckpt["optimizer"])
+    scheduler.load_state_dict(ckpt["scheduler"])
+    scaler.load_state_dict(ckpt["scaler"])
+    rng = ckpt["rng"]
+    if len(rng) == env.world_size:
+        set_rng_state(rng[env.rank]["global"])
+        for g, s in zip(loss_gens, rng[env.rank]["loss"]): g.set_state(s)
+    else:   # another number of processes: a valid run, though not the same trajectory
+        seed_everything(derive_seed(config.seed, "resume", ckpt["epoch"], env.rank))
+    history, start_epoch = ckpt["history"], ckpt["epoch"]
+    if start_epoch > config.epochs:
+        raise ValueError(f"the checkpoint {ckpt_path} is at epoch {start_epoch}, beyond epochs={config.epochs}")
+    if write:   # records written after the checkpoint (a crash in between) are dropped
+        atomic_write(out_dir / "metrics.jsonl", lambda f: f.write("".join(json.dumps(r) + "\n" for r in history)), "w")
+    return history, ckpt["best_epoch"], ckpt["best_value"], ckpt["best_model"], start_epoch
 
-    net = model
-    if env.distributed:
-        net = DistributedDataParallel(model, device_ids=[device.index] if on_gpu else None)
+# %% ../nbs/12_train.ipynb #58549b1d
+def _loaders(train_set, config: TrainConfig, env: DistEnv, on_gpu: bool) -> tuple[DataLoader, DistributedSampler, torch.Generator, Callable]:
+    "The training loader with its sampler and generator (both reseeded each epoch), and a maker of evaluation loaders (sharded across processes; None for no set)."
     sampler = DistributedSampler(train_set, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=config.seed)
     loader_gen = torch.Generator()
     train_loader = DataLoader(train_set, batch_size=config.batch_size // env.world_size, sampler=sampler,
@@ -534,26 +543,92 @@ def _fit(model, loss_fn, train_set, val_set, test_set, config, env, start_time, 
                               generator=loader_gen)
     eval_bs = config.eval_batch_size or config.batch_size
     def eval_loader(ds):
+        if ds is None: return None
         return DataLoader(ds, batch_size=eval_bs, sampler=ShardSampler(len(ds), env.rank, env.world_size),
                           num_workers=config.num_workers, pin_memory=on_gpu)
-    val_loader = eval_loader(val_set) if val_set is not None else None
+    return train_loader, sampler, loader_gen, eval_loader
+
+# %% ../nbs/12_train.ipynb #8be03e2e
+def _run_epoch(epoch: int, net: nn.Module, model: nn.Module, loss_fn, loaders: tuple, optimizer, scheduler, scaler,
+               config: TrainConfig, env: DistEnv, device: torch.device, amp: bool, channels_last: bool, eval_kw: dict) -> dict:
+    "Train one epoch (its order seeded by the seed and the epoch), step the schedule, validate: the epoch's metrics record."
+    train_loader, sampler, loader_gen, val_loader = loaders
+    t0 = time.perf_counter()
+    sampler.set_epoch(epoch)                               # the order of this epoch: seed + epoch
+    loader_gen.manual_seed(derive_seed(config.seed, "loader", epoch, env.rank))
+    lr = optimizer.param_groups[0]["lr"]
+    loss, accs = _train_epoch(net, loss_fn, train_loader, optimizer, scaler, config, device, amp, channels_last,
+                              env, f"epoch {epoch + 1}/{config.epochs}")
+    scheduler.step()
+    record = {"epoch": epoch + 1, "lr": lr, "train_loss": loss}
+    record.update({f"train_{k}": v for k, v in (accs or {}).items()})
+    if val_loader is not None:
+        val = evaluate(model, val_loader, progress=config.progress and env.is_main, desc="val", **eval_kw)
+        record.update({f"val_{k}": v for k, v in val.items() if k != "n"})
+    record["time_s"] = time.perf_counter() - t0
+    return record
+
+# %% ../nbs/12_train.ipynb #68656d88
+def _save_epoch(out_dir: Path, ckpt_path: Path, record: dict, state: dict) -> None:
+    "Append the epoch's metrics line, then replace the checkpoint with `state` (atomically, with its checksum)."
+    with open(out_dir / "metrics.jsonl", "a") as f: f.write(json.dumps(record) + "\n")
+    save_checkpoint(state, ckpt_path)
+
+# %% ../nbs/12_train.ipynb #14f9b0e5
+def _test_results(model: nn.Module, history: list, best_epoch: int | None, best_state: dict | None, test_loader,
+                  eval_kw: dict) -> tuple[int, dict | None, dict | None]:
+    "(selected epoch, its test metrics, the last epoch's test metrics): the model is tested as trained, then with the selected weights if they differ."
+    final_epoch = len(history)
+    final_test = evaluate(model, test_loader, desc="test", **eval_kw) if test_loader is not None else None
+    if best_state is not None and best_epoch != final_epoch:
+        model.load_state_dict(best_state)
+        best_test = evaluate(model, test_loader, desc="test", **eval_kw) if test_loader is not None else None
+        return best_epoch, best_test, final_test
+    return best_epoch or final_epoch, final_test, final_test
+
+# %% ../nbs/12_train.ipynb #529c7277
+def _result(history: list, has_val: bool, best_epoch: int, best_value, best_test: dict | None, final_test: dict | None,
+            start_epoch: int, config: TrainConfig, env: DistEnv, device: torch.device, amp: bool, channels_last: bool,
+            model: nn.Module) -> dict:
+    "What `fit` returns, less the wall time: the selected epoch with its validation and test metrics, the last epoch's, the history and how the run ran."
+    def val_of(epoch):
+        return {k[4:]: v for k, v in history[epoch - 1].items() if k.startswith("val_")} if has_val else None
+    return {"best_epoch": best_epoch, "select_metric": config.select_metric if has_val else None,
+            "best_value": best_value, "val": val_of(best_epoch), "test": best_test,
+            "final": {"epoch": len(history), "val": val_of(len(history)), "test": final_test},
+            "history": history, "resumed_from": start_epoch or None, "world_size": env.world_size,
+            "device": str(device), "amp": amp, "channels_last": channels_last,
+            "n_params": sum(p.numel() for p in model.parameters()), "config": config.to_dict()}
+
+# %% ../nbs/12_train.ipynb #f8a747b9
+def _fit(model, loss_fn, train_set, val_set, test_set, config, env, start_time, meta):
+    "`fit` once the process group is up: set-up, resume, the epochs (each checkpointed), the test of the selected epoch."
+    device, amp, channels_last = _run_settings(config, env)
+    on_gpu = device.type == "cuda"
+    out_dir = Path(config.out_dir) if config.out_dir is not None else None
+    ckpt_path = out_dir / "checkpoint.pt" if out_dir is not None else None
+    write = env.is_main and out_dir is not None
+    if write: remove_temporary_files(out_dir)          # left by a run killed while writing
+
+    seed_everything(derive_seed(config.seed, "train", env.rank))
+    model = _place(model, loss_fn, device, channels_last, env, config)
+    optimizer, loss_gens = make_optimizer(model, config), _loss_generators(loss_fn)
+    scheduler = make_scheduler(optimizer, config)
+    scaler = torch.amp.GradScaler(device.type, enabled=amp and config.amp_dtype == "float16")
+    history, best_epoch, best_value, best_state, start_epoch = _resume(
+        ckpt_path, config, env, model, optimizer, scheduler, scaler, loss_gens, out_dir, write)
+    if write: atomic_write(out_dir / "config.json", lambda f: json.dump(config.to_dict(), f, indent=1), "w")
+
+    net = DistributedDataParallel(model, device_ids=[device.index] if on_gpu else None) if env.distributed else model
+    train_loader, sampler, loader_gen, eval_loader = _loaders(train_set, config, env, on_gpu)
+    val_loader = eval_loader(val_set)
     eval_kw = dict(ks=config.ks, device=device, amp=amp, amp_dtype=config.amp_dtype, channels_last=channels_last,
                    multicrop=config.multicrop, tau=config.multicrop_tau, all_reduce=env.distributed)
 
+    loaders = (train_loader, sampler, loader_gen, val_loader)
     for epoch in range(start_epoch, config.epochs):
-        t0 = time.perf_counter()
-        sampler.set_epoch(epoch)                               # the order of this epoch: seed + epoch
-        loader_gen.manual_seed(derive_seed(config.seed, "loader", epoch, env.rank))
-        lr = optimizer.param_groups[0]["lr"]
-        loss, accs = _train_epoch(net, loss_fn, train_loader, optimizer, scaler, config, device, amp, channels_last,
-                                  env, f"epoch {epoch + 1}/{config.epochs}")
-        scheduler.step()
-        record = {"epoch": epoch + 1, "lr": lr, "train_loss": loss}
-        record.update({f"train_{k}": v for k, v in (accs or {}).items()})
-        if val_loader is not None:
-            val = evaluate(model, val_loader, progress=config.progress and env.is_main, desc="val", **eval_kw)
-            record.update({f"val_{k}": v for k, v in val.items() if k != "n"})
-        record["time_s"] = time.perf_counter() - t0
+        record = _run_epoch(epoch, net, model, loss_fn, loaders, optimizer, scheduler, scaler, config, env, device,
+                            amp, channels_last, eval_kw)
         history.append(record)
         value = record.get(config.select_metric) if val_loader is not None else None
         if val_loader is None or best_value is None or value > best_value:
@@ -561,32 +636,18 @@ def _fit(model, loss_fn, train_set, val_set, test_set, config, env, start_time, 
             best_state = _cpu_state(model) if val_loader is not None else None
         rng = _gather({"global": get_rng_state(), "loss": [g.get_state() for g in loss_gens]}, env)
         if write:
-            with open(out_dir / "metrics.jsonl", "a") as f: f.write(json.dumps(record) + "\n")
-            save_checkpoint({"epoch": epoch + 1, "config": config.to_dict(), "model": _cpu_state(model),
-                             "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                             "scaler": scaler.state_dict(), "rng": rng, "history": history, "best_epoch": best_epoch,
-                             "best_value": best_value, "best_model": best_state}, ckpt_path)
+            _save_epoch(out_dir, ckpt_path, record, {
+                "epoch": epoch + 1, "config": config.to_dict(), "model": _cpu_state(model), "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "rng": rng, "history": history,
+                "best_epoch": best_epoch, "best_value": best_value, "best_model": best_state})
         if config.progress and env.is_main:
             tqdm.write(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
     if env.distributed: dist.barrier()
 
-    final_epoch = len(history)
-    test_loader = eval_loader(test_set) if test_set is not None else None
-    final_test = evaluate(model, test_loader, desc="test", **eval_kw) if test_loader is not None else None
-    if best_state is not None and best_epoch != final_epoch:
-        model.load_state_dict(best_state)
-        best_test = evaluate(model, test_loader, desc="test", **eval_kw) if test_loader is not None else None
-    else:
-        best_test, best_epoch = final_test, best_epoch or final_epoch
-    def val_of(epoch):
-        return {k[4:]: v for k, v in history[epoch - 1].items() if k.startswith("val_")} if val_loader is not None else None
-    result = {"best_epoch": best_epoch, "select_metric": config.select_metric if val_loader is not None else None,
-              "best_value": best_value, "val": val_of(best_epoch), "test": best_test,
-              "final": {"epoch": final_epoch, "val": val_of(final_epoch), "test": final_test},
-              "history": history, "resumed_from": start_epoch or None, "world_size": env.world_size,
-              "device": str(device), "amp": amp, "channels_last": channels_last,
-              "n_params": sum(p.numel() for p in model.parameters()),
-              "wall_time_s": time.perf_counter() - start_time, "config": config.to_dict(), **meta}
+    best_epoch, best_test, final_test = _test_results(model, history, best_epoch, best_state, eval_loader(test_set), eval_kw)
+    result = {**_result(history, val_loader is not None, best_epoch, best_value, best_test, final_test, start_epoch,
+                        config, env, device, amp, channels_last, model), "wall_time_s": time.perf_counter() - start_time,
+              **meta}
     if write:
         atomic_write(out_dir / "result.json", lambda f: json.dump(result, f, indent=1), "w")
     return result

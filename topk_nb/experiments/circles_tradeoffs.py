@@ -53,7 +53,7 @@ def sawada_fig5(records: list[dict],  # the successful records of circles_tradeo
                 ) -> list[str]:
     "Sawada Fig. 5 (a: exp. 2, d = 90°; b: exp. 3, m = 8): where each loss predicts class `target` along the circle; the report's lines (none without such records)."
     import matplotlib
-    from topk_nb.batch import _newness   # the newest record of a setting
+    from topk_nb.report import _newness   # the newest record of a setting
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     found = []
