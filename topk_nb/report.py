@@ -234,12 +234,12 @@ def _x_axis(ax, xs: list) -> None:
         ax.minorticks_off()
 
 
-# %% ../nbs/20_report.ipynb #ec149aa2
-def _draw_panel(ax, agg: dict, points: dict, claims: list, colours: dict, unit: str = "%") -> str:
-    "Our series (mean ± std bars, offset a little each), the paper's values (hollow markers), else the paper's claims with our verdicts (above the panel); returns the legend title."
+# %% ../nbs/20_report.ipynb #bb8e4594
+def _draw_ours(ax, agg: dict, colours: dict, sc: float) -> list[float]:
+    "Our series, mean ± std bars offset a little each (the Bayes classifier as a dashed line); returns the bars' ends."
     from matplotlib.transforms import ScaledTranslation
     series = [s for s in colours if any(ss == s for _, ss in agg)]
-    sc, ys = unit_scale(unit), []
+    ys = []
     for j, s in enumerate(series):
         xs = _order({x for x, ss in agg if ss == s})
         mean, std = [sc * agg[(x, s)]["mean"] for x in xs], [sc * agg[(x, s)]["std"] for x in xs]
@@ -251,7 +251,13 @@ def _draw_panel(ax, agg: dict, points: dict, claims: list, colours: dict, unit: 
         else:
             ax.errorbar(xs, mean, yerr=std, color=colours[s], marker="o", ms=4, capsize=3, lw=1.2, transform=shift,
                         label=f"{s} (ours)")
+    return ys
+
+# %% ../nbs/20_report.ipynb #bc30efa1
+def _draw_paper(ax, points: dict, colours: dict, sc: float) -> list[float]:
+    "The paper's values, hollow markers (one shape per source), with its std where it gives one; returns their ends."
     shapes = dict(zip(dict.fromkeys(src for sources in points.values() for src in sources), "sD^vP<>"))
+    ys = []
     for s, sources in points.items():
         for source, pts in sources.items():
             pts = sorted(pts, key=lambda p: _order([x for x, _, _ in pts]).index(p[0]))
@@ -260,22 +266,40 @@ def _draw_panel(ax, agg: dict, points: dict, claims: list, colours: dict, unit: 
             ax.errorbar([x for x, _, _ in pts], [sc * v for _, v, _ in pts], yerr=err if any(err) else None, ls=":",
                         marker=shapes[source], ms=6, mfc="none", mew=1.3, capsize=2, color=colours.get(s, "k"),
                         label=f"{s}: {source}" + (" (± its std)" if any(err) else ""))
-    shown, marks = {x for x, _ in agg}, {}
-    for f, res in ([] if points else claims):           # where the paper gives numbers, they stand for its claims
+    return ys
+
+# %% ../nbs/20_report.ipynb #69532f60
+def _mark_verdicts(ax, shown: set, claims: list) -> None:
+    "The paper's claims with our verdicts, above the panel at each setting we ran."
+    marks = {}
+    for f, res in claims:
         for r in (r for r in res if r["x"] in shown):    # a claim about a setting we did not run: no mark
             text, colour = VERDICT_MARKS[r["verdict"]]
             marks.setdefault(r["x"], []).append((f"{f.reference} {'best' if f.relation == 'best' else 'not best'}\n{text}", colour))
     for x, texts in marks.items():
         ax.text(x, 1.01, "\n".join(t for t, _ in texts), color=texts[0][1] if len(texts) == 1 else "0.2", fontsize=6,
                 ha="center", va="bottom", transform=ax.get_xaxis_transform())
+
+
+def _y_range(ax, ys: list[float], unit: str) -> None:
+    "A log scale for times that span orders of magnitude, else a padded linear range (percentages cut at 0 and 100)."
     positive = [v for v in ys if v > 0]
     if unit != "%" and positive and max(positive) / min(positive) >= 16:
-        ax.set_yscale("log")                              # times that span orders of magnitude
+        ax.set_yscale("log")
         ax.set_ylim(min(positive) / 1.3, max(positive) * 1.3)
     else:
-        lo, hi = (max(0.0, min(ys)), min(100.0, max(ys))) if unit == "%" else (min(ys), max(ys))   # % bars cut at 0, 100
+        lo, hi = (max(0.0, min(ys)), min(100.0, max(ys))) if unit == "%" else (min(ys), max(ys))
         pad = 0.06 * (hi - lo) or 1.0
         ax.set_ylim(lo - pad, hi + pad)
+
+# %% ../nbs/20_report.ipynb #ce4f605b
+def _draw_panel(ax, agg: dict, points: dict, claims: list, colours: dict, unit: str = "%") -> str:
+    "Our series, the paper's values beside them, else the paper's claims with our verdicts; returns the legend title."
+    sc = unit_scale(unit)
+    ys = _draw_ours(ax, agg, colours, sc) + _draw_paper(ax, points, colours, sc)
+    if not points:                                       # where the paper gives numbers, they stand for its claims
+        _mark_verdicts(ax, {x for x, _ in agg}, claims)
+    _y_range(ax, ys, unit)
     ax.margins(x=0.08)
     ns = [agg[k]["n"] for k in agg]
     n = f"{min(ns)}" if min(ns) == max(ns) else f"{min(ns)}–{max(ns)}"
@@ -434,6 +458,25 @@ def _records_section(ok: list[dict], failed: list[dict], unreadable: list) -> li
     return lines
 
 
+# %% ../nbs/20_report.ipynb #a679da89
+def _header(exp: Experiment, warning: str | None, counts: tuple[int, int, int, int], dropped: dict, results: list,
+            level: float) -> list[str]:
+    "The report's title, its banner, the counts of records, rows and dropped repeats, and the tally of the verdicts."
+    ok, failed, unreadable, rows = counts
+    lines = [f"# {exp.name}: report", ""] + ([f"> **{warning}**", ""] if warning else []) + [exp.description, "",
+             f"{ok} successful records, {failed} failed, {unreadable} unreadable, {rows} result rows. "
+             "Accuracies in %, mean ± std over seeds (sample std); differences in percentage points.", ""]
+    if dropped["rows"]:
+        lines += [f"Dropped {dropped['rows']} result rows ({dropped['seeds']} seeds of {dropped['records']} records) "
+                  "that repeat the experiment, parameters and seed of a newer record: each seed counts once, from its "
+                  "newest record.", ""]
+    if results:
+        c = verdict_counts(results)
+        lines += [f"Findings: {c['holds']} hold, {c['within noise']} within noise, {c['contradicted']} contradicted, "
+                  f"{c['untested']} untested (one seed), {c['not run']} not run (Welch's t-test over seeds, "
+                  f"two-sided, level {level:g}).", ""]
+    return lines
+
 # %% ../nbs/20_report.ipynb #5eab316c
 def report(experiment: str | Experiment,  # a catalogue name, or an entry
            out_dir="runs",  # the --out folder of the runs
@@ -457,18 +500,7 @@ def report(experiment: str | Experiment,  # a catalogue name, or an entry
     results = [(f, check_finding(rows, f, level)) for f in exp.findings]
     report_dir = Path(report_dir) if report_dir else Path(out_dir) / exp.name / "report"
     report_dir.mkdir(parents=True, exist_ok=True)
-    lines = [f"# {exp.name}: report", ""] + ([f"> **{warning}**", ""] if warning else []) + [exp.description, "",
-             f"{len(ok)} successful records, {len(failed)} failed, {len(unreadable)} unreadable, {len(rows)} result rows. "
-             "Accuracies in %, mean ± std over seeds (sample std); differences in percentage points.", ""]
-    if dropped["rows"]:
-        lines += [f"Dropped {dropped['rows']} result rows ({dropped['seeds']} seeds of {dropped['records']} records) "
-                  "that repeat the experiment, parameters and seed of a newer record: each seed counts once, from its "
-                  "newest record.", ""]
-    if results:
-        c = verdict_counts(results)
-        lines += [f"Findings: {c['holds']} hold, {c['within noise']} within noise, {c['contradicted']} contradicted, "
-                  f"{c['untested']} untested (one seed), {c['not run']} not run (Welch's t-test over seeds, "
-                  f"two-sided, level {level:g}).", ""]
+    lines = _header(exp, warning, (len(ok), len(failed), len(unreadable), len(rows)), dropped, results, level)
     lines += _paper_section(exp, rows) + _findings_section(results, level) + \
         _figure_sections(exp, rows, report_dir, figures, results, warning) + \
         [line for draw in (exp.drawings if figures else ()) for line in draw(ok, report_dir)] + \
