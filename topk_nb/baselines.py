@@ -25,12 +25,12 @@ def one_hot(labels: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
     "One-hot rows (B, n) of `labels` (B,) in `dtype`; unlike F.one_hot, it reads no value back from the device."
     return torch.zeros((labels.shape[0], n), dtype=dtype, device=labels.device).scatter_(1, labels[:, None], 1.0)
 
-
+# %% ../nbs/06_baselines.ipynb #99fc43ae
 def working_scores(scores: torch.Tensor) -> torch.Tensor:
     "The scores in a dtype to compute losses in: float32 for half inputs (as under autocast), unchanged otherwise."
     return scores if scores.dtype in (torch.float32, torch.float64) else scores.float()
 
-
+# %% ../nbs/06_baselines.ipynb #d3dcbba7
 def split_target(target, scores: torch.Tensor, name: str = "target",
                  check: bool | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
     "Validate class indices (B,) or probabilities (B, n); return (indices or None, probabilities (B, n) in the working dtype)."
@@ -117,7 +117,7 @@ def _ldam_hard(scores, labels, margins, scale, reduction="none"):
     shifted = scores - one_hot(labels, scores.shape[1], scores.dtype) * margins[labels][:, None]
     return F.cross_entropy(scale * shifted, labels, reduction=reduction)
 
-
+# %% ../nbs/06_baselines.ipynb #37e376bc
 def ldam(scores: torch.Tensor, target: torch.Tensor, class_counts, max_m: float = 0.5, scale: float = 30.0,
          reduction: str = "mean", max_support: int = 8, check_finite: bool | None = None) -> torch.Tensor:
     "LDAM loss: cross-entropy of scale * (s - m_y e_y), m_y = C n_y^(-1/4) with max m = max_m (Cao et al. 2019)."

@@ -119,7 +119,7 @@ def cell_id(params: dict) -> str:
     "A stable 10-hex-digit hash of the parameters (canonical JSON)."
     return hashlib.sha256(json.dumps(params, sort_keys=True, default=str).encode()).hexdigest()[:10]
 
-
+# %% ../nbs/13_batch.ipynb #96a945c3
 def cell_slug(params: dict, keys: Sequence[str] | None = None, max_len: int = 80) -> str:
     "Directory name of a cell: `key=value` pairs of `keys` (all scalars by default; filesystem-safe, truncated) and the hash."
     shown = {k: v for k, v in params.items() if keys is None or k in keys}
@@ -127,7 +127,7 @@ def cell_slug(params: dict, keys: Sequence[str] | None = None, max_len: int = 80
     text = re.sub(r"[^A-Za-z0-9=.+-]+", "-", text)[:max_len].strip("-_")
     return f"{text}_{cell_id(params)}" if text else cell_id(params)
 
-
+# %% ../nbs/13_batch.ipynb #25dbc8eb
 def cell_dir(out_dir, experiment: str | Experiment, params: dict) -> Path:
     "Where a cell's record and executed notebook live: `out_dir/experiment/slug` (an absolute path)."
     if isinstance(experiment, Experiment):
@@ -156,7 +156,7 @@ LOCK = ".lock"
 class CellBusy(RuntimeError):
     "Another process owns the cell."
 
-
+# %% ../nbs/13_batch.ipynb #90dd5875
 @contextlib.contextmanager
 def claim_cell(directory,  # the cell's folder (created if missing)
                wait: bool = False,  # block until the owner releases the cell instead of raising CellBusy
@@ -188,7 +188,7 @@ def record_stamp(directory,  # a cell's folder
         return []
     return [st.st_ino, st.st_mtime_ns, st.st_size]
 
-
+# %% ../nbs/13_batch.ipynb #6b42b0cc
 def notebook_final(path,  # an executed notebook
                    ) -> bool:
     "Whether `path` is a notebook papermill finished executing (its `metadata.papermill.end_time` is set)."
@@ -199,7 +199,7 @@ def notebook_final(path,  # an executed notebook
     meta = nb.get("metadata", {}).get("papermill") if isinstance(nb, dict) else None
     return isinstance(meta, dict) and meta.get("end_time") is not None
 
-
+# %% ../nbs/13_batch.ipynb #46365c77
 def cell_done(directory,  # a cell's folder
               ) -> bool:
     "A cell is done when its record says ok and its executed notebook is final."
@@ -316,7 +316,7 @@ def die_with_parent(parent: int,  # the pid of the process that started this one
         threading.Thread(target=watch, daemon=True).start()
     return os.getppid() == parent       # checked after the request: a parent that died before it is seen here
 
-
+# %% ../nbs/13_batch.ipynb #b316a119
 def _job_main(spec_json: str) -> int:
     "The job process: run one cell as its owner; exit 0 (ok), 1 (failed) or JOB_BUSY (another process owns it)."
     spec = json.loads(spec_json)
@@ -338,7 +338,7 @@ def short_error(error) -> str:
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     return lines[-1][:200] if lines else ""
 
-
+# %% ../nbs/13_batch.ipynb #a556155d
 def pending_cells(experiment: Experiment,  # the catalogue entry
                   cells: list[dict],  # parameter dicts of the grid
                   out_dir,  # the --out folder
@@ -346,7 +346,7 @@ def pending_cells(experiment: Experiment,  # the catalogue entry
     "The cells of `cells` that are not done (`cell_done`) under `out_dir`."
     return [c for c in cells if not cell_done(cell_dir(out_dir, experiment, c))]
 
-
+# %% ../nbs/13_batch.ipynb #4670c877
 def grid_summary(experiment: Experiment,  # the catalogue entry
                  cells: list[dict],  # parameter dicts of the grid
                  out_dir,  # the --out folder

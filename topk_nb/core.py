@@ -32,7 +32,7 @@ def sync_free(t: torch.Tensor) -> bool:
     "True when work on `t` must not read values back to the host: an accelerator tensor, `torch.compile` tracing, or `force_sync_free()`."
     return t.device.type != "cpu" or torch.compiler.is_compiling() or getattr(_SYNC_FREE, "on", False)
 
-
+# %% ../nbs/00_core.ipynb #9875e70f
 @contextlib.contextmanager
 def thread_flag(store: threading.local, # holds the flag as its attribute `on`
                 enabled: bool = True):  # the value inside the block
@@ -44,7 +44,7 @@ def thread_flag(store: threading.local, # holds the flag as its attribute `on`
     finally:
         store.on = before
 
-
+# %% ../nbs/00_core.ipynb #d634717a
 def force_sync_free(enabled: bool = True # run CPU tensors through the sync-free path too
                     ):
     "Context manager: CPU tensors take the sync-free path (fixed shapes, no read-back), as on a GPU."
@@ -224,12 +224,12 @@ def brute_esp(e: Iterable, j: int) -> Fraction:
     j = check_int(j, "j", 0, len(e))
     return sum((math.prod(c, start=Fraction(1)) for c in itertools.combinations(e, j)), Fraction(0))
 
-
+# %% ../nbs/00_core.ipynb #ada3d0a8
 def _log_sum_exp(terms: list[float]) -> float:
     m = max(terms)
     return m + math.log(math.fsum(math.exp(t - m) for t in terms))
 
-
+# %% ../nbs/00_core.ipynb #a9fa0854
 def brute_log_esp(x: torch.Tensor, k: int) -> torch.Tensor:
     "log sigma_j(exp(x)) for j = 0..k over the last dim of `x`, by enumerating subsets in float64; shape (..., k+1)."
     x = check_scores(x, "x", ndim=None)
@@ -273,12 +273,12 @@ def time_fn(fn: Callable[[], object], device: str | torch.device = "cpu", warmup
     q = torch.tensor(times, dtype=torch.float64).quantile(torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64)).tolist()
     return {"median": q[1], "q25": q[0], "q75": q[2], "min": min(times), "repeats": repeats}
 
-
+# %% ../nbs/00_core.ipynb #eae935d7
 def median_time(fn, repeats: int = 9) -> float:
     "Median wall-clock seconds of `fn()` over `repeats` calls, after one warm-up call."
     return time_fn(fn, warmup=1, repeats=repeats)["median"]
 
-
+# %% ../nbs/00_core.ipynb #ce0c929a
 def fwd_bwd(fn, inputs: torch.Tensor, *args):
     "A closure running `fn(leaf, *args).sum().backward()` on a leaf copy of `inputs`, its gradient reset each call."
     leaf = inputs.detach().clone().requires_grad_()
@@ -360,7 +360,7 @@ def _support(probs: torch.Tensor, max_support: int | None) -> int:
     torch._assert_async(((probs > 0).sum(1) <= max_support).all(), f"target puts mass on more than max_support={max_support} classes in a row")
     return min(max_support, n)
 
-
+# %% ../nbs/00_core.ipynb #c2756b72
 def _per_sample_soft(self, scores: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
     "sum_j w_j t_j loss(s, j) over the classes each row puts mass on: (N,)."
     t, labels = probs.topk(_support(probs, self.max_support), dim=1)        # (N, m)

@@ -206,7 +206,7 @@ def fake_imagenet_lt(root, train_counts: Sequence[int] = (12, 8, 5, 3), n_val_pe
 class DataError(ValueError):
     "Files of a data set that are there but cannot be used: damaged, of another format, or failing their checksum."
 
-
+# %% ../nbs/10_data.ipynb #ba69efc0
 def read_cifar_pickle(path,  # a file of the python version of CIFAR-100: `train`, `test` or `meta`
                       keys: Sequence[str],  # the entries it must hold, e.g. ("data", "fine_labels")
                       ) -> dict:
@@ -242,7 +242,7 @@ def cifar100_label_maps(root) -> tuple[torch.Tensor, list[str], list[str]]:
         raise ValueError(f"{folder / 'train'}: the coarse labels are not a function of the fine labels")
     return fine_to_coarse, list(meta["fine_label_names"]), list(meta["coarse_label_names"])
 
-
+# %% ../nbs/10_data.ipynb #004f803b
 def superclass_noise(target: torch.Tensor, fine_to_coarse: torch.Tensor, p: float,
                      generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     "With probability `p`, replace each label by one drawn uniformly from its coarse class (Berrada 2018, section 5.1); returns (labels, resampled mask)."

@@ -21,7 +21,7 @@ def log_zero(dtype: torch.dtype, k: int) -> float:
     "Finite stand-in for log(0): exp() of it underflows to 0, and sums of k+2 of them stay finite."
     return torch.finfo(dtype).min / (2 * (k + 2))
 
-
+# %% ../nbs/01_esp.ipynb #043dfdea
 def _check_esp_input(x, k: int, name: str, check: bool | None) -> tuple[torch.Tensor, int]:
     x = check_scores(x, name, ndim=None, min_classes=1, check=check)
     k = check_int(k, "k", 0, x.shape[-1])
@@ -31,7 +31,7 @@ def _check_esp_input(x, k: int, name: str, check: bool | None) -> tuple[torch.Te
         raise ValueError(f"{name} must have entries of magnitude at most {limit:.3g} for k={k} in {work.dtype}")
     return work, k
 
-
+# %% ../nbs/01_esp.ipynb #a25084dd
 def esp_summation(e: torch.Tensor, k: int, check_finite: bool | None = None) -> torch.Tensor:
     "sigma_j(e) for j = 0..k over the last dim by the summation algorithm (Alg. 3), in standard space; shape (..., k+1)."
     e, k = _check_esp_input(e, k, "e", check_finite)
@@ -40,7 +40,7 @@ def esp_summation(e: torch.Tensor, k: int, check_finite: bool | None = None) -> 
         sig = torch.cat([sig[..., :1], sig[..., 1:] + e[..., i:i + 1] * sig[..., :-1]], -1)
     return sig
 
-
+# %% ../nbs/01_esp.ipynb #961a409c
 def log_esp_summation(x: torch.Tensor, k: int, check_finite: bool | None = None) -> torch.Tensor:
     "log sigma_j(exp(x)) for j = 0..k over the last dim by the summation algorithm in log space; shape (..., k+1)."
     xw, k = _check_esp_input(x, k, "x", check_finite)

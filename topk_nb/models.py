@@ -29,7 +29,7 @@ def count_parameters(model: nn.Module, trainable_only: bool = False) -> int:
     "Number of parameters of `model` (only those with `requires_grad` if `trainable_only`)."
     return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
 
-
+# %% ../nbs/11_models.ipynb #f5b9b32b
 def _init_weights(model: nn.Module) -> nn.Module:
     "He initialisation of the convolutions (He et al. 2015, fan-out) and unit BN, as Huang et al. and He et al. train."
     for m in model.modules():
@@ -215,17 +215,17 @@ def _torchvision_resnet(arch: str, n_classes: int) -> nn.Module:
 
     return getattr(torchvision.models, arch)(weights=None, num_classes=check_int(n_classes, "n_classes", 1))
 
-
+# %% ../nbs/11_models.ipynb #2c537e26
 def resnet18(n_classes: int) -> nn.Module:
     "torchvision ResNet-18 (He et al. 2016) with `n_classes` outputs and random weights (Berrada 2018, Tab. 2)."
     return _torchvision_resnet("resnet18", n_classes)
 
-
+# %% ../nbs/11_models.ipynb #1bb0f9a1
 def resnet34(n_classes: int) -> nn.Module:
     "torchvision ResNet-34 (He et al. 2016) with `n_classes` outputs and random weights (Garcin 2022 draft, Tab. 6)."
     return _torchvision_resnet("resnet34", n_classes)
 
-
+# %% ../nbs/11_models.ipynb #ffdfa36a
 def resnet50(n_classes: int) -> nn.Module:
     "torchvision ResNet-50 (He et al. 2016) with `n_classes` outputs and random weights (Garcin 2022, Tab. 5)."
     return _torchvision_resnet("resnet50", n_classes)
@@ -290,12 +290,12 @@ class CircleNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc(self.hidden(x))
 
-
+# %% ../nbs/11_models.ipynb #b15794e4
 def circle_linear(n_classes: int = 6, in_features: int = 2, bias: bool = False) -> CircleNet:
     "Sawada's experiments 1-2: a bias-free linear map from the plane to the class scores."
     return CircleNet(n_classes, None, in_features, bias)
 
-
+# %% ../nbs/11_models.ipynb #0c4cf734
 def circle_mlp(n_classes: int = 6, hidden: int = 8, in_features: int = 2, bias: bool = False,
                hidden_bias: bool = True) -> CircleNet:
     "Sawada's experiment 3: one hidden ReLU layer of `hidden` (m) units, then a bias-free linear output."

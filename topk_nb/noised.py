@@ -42,7 +42,7 @@ def _noised_hinge(scores, target, k, epsilon, n_samples, margin, reduction, gene
         loss = F.relu(margin + top - s_y)
     return reduce_loss(loss, reduction).to(out_dtype)
 
-
+# %% ../nbs/05_noised.ipynb #d0410014
 def noised_bal(scores: torch.Tensor, target: torch.Tensor, k: int = 5, epsilon: float = 0.2,
                     n_samples: int = 10, alpha: float = 1.0, reduction: str = "mean",
                     generator: torch.Generator | None = None, noise: torch.Tensor | None = None,
@@ -57,7 +57,6 @@ def noised_bal(scores: torch.Tensor, target: torch.Tensor, k: int = 5, epsilon: 
 
 noised_bal_topk = noised_bal    # the earlier name, kept
 
-
 # %% ../nbs/05_noised.ipynb #2bc8d9ab
 def margins_from_counts(class_counts, max_m: float = 0.2) -> torch.Tensor:
     "Per-class margins m_y = C / n_y^(1/4), C set so that the largest margin is max_m (Cao et al. 2019; Garcin 2022, eq. 13)."
@@ -69,7 +68,7 @@ def margins_from_counts(class_counts, max_m: float = 0.2) -> torch.Tensor:
     max_m = check_real(max_m, "max_m", 0.0)
     return max_m * (counts.min() / counts) ** 0.25
 
-
+# %% ../nbs/05_noised.ipynb #03d09b07
 def noised_imbal(scores: torch.Tensor, target: torch.Tensor, class_counts, k: int = 5, epsilon: float = 0.01,
                       n_samples: int = 5, max_m: float = 0.2, scale: float = 50.0, reduction: str = "mean",
                       generator: torch.Generator | None = None, noise: torch.Tensor | None = None,
@@ -90,7 +89,6 @@ def noised_imbal(scores: torch.Tensor, target: torch.Tensor, class_counts, k: in
 
 
 noised_imbal_topk = noised_imbal    # the earlier name, kept
-
 
 # %% ../nbs/05_noised.ipynb #9decbe66
 class CalHinge(LossModule):

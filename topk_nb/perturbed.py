@@ -80,17 +80,17 @@ def top_sum(scores: torch.Tensor, k: int) -> torch.Tensor:
     "topSigma_K: the sum of the k largest entries over the last dim (0 for k = 0)."
     return scores.topk(k, dim=-1).values.sum(-1) if k else scores.new_zeros(scores.shape[:-1])
 
-
+# %% ../nbs/04_perturbed.ipynb #00cd3127
 def arg_top_sum(scores: torch.Tensor, k: int) -> torch.Tensor:
     "argtopSigma_K: the indicator of the k largest entries over the last dim (a vertex of C_K)."
     return torch.zeros_like(scores).scatter_(-1, scores.topk(k, dim=-1).indices, 1.0)
 
-
+# %% ../nbs/04_perturbed.ipynb #9f729cc7
 def topk_value(scores: torch.Tensor, k: int) -> torch.Tensor:
     "top_K: the k-th largest entry over the last dim."
     return scores.topk(k, dim=-1).values[..., -1]
 
-
+# %% ../nbs/04_perturbed.ipynb #d79f6a9a
 def smooth_topk(scores: torch.Tensor, k: int, epsilon: float, n_samples: int = 10,
                 generator: torch.Generator | None = None, noise: torch.Tensor | None = None,
                 check_finite: bool | None = None) -> torch.Tensor:

@@ -19,12 +19,12 @@ __all__ = ['PREDICT_METHODS', 'topk_marginals', 'multicrop_marginals', 'predict_
 def _log_binom(n: int, m: int) -> float:
     return math.lgamma(n + 1) - math.lgamma(m + 1) - math.lgamma(n - m + 1)
 
-
+# %% ../nbs/07_predict.ipynb #4d12912c
 def _window(n: int, k: int) -> float:
     "D of the lemma: clamping z = (s - s_[k]) / tau into [-D, D] moves the marginals by less than 2 e^-40."
     return 40.0 + math.log(n) + max(_log_binom(n, k - 1), _log_binom(n, k + 1))
 
-
+# %% ../nbs/07_predict.ipynb #443dabec
 def _centred(scores: torch.Tensor, k: int, tau: float) -> torch.Tensor:
     "x = (s - c) / tau for 1 <= k < n: windowed around the k-th score (lemma), then centred at the mean of the k largest."
     d = _window(scores.shape[-1], k)
@@ -40,7 +40,7 @@ def _tree_marginals(x: torch.Tensor, k: int) -> torch.Tensor:
     log_sigma_k = lambda t: dc_tree(t, k, neg)[0][..., k].sum()
     return torch.func.grad(log_sigma_k)(x).clamp_(0.0, 1.0)      # a function transform: no graph on x
 
-
+# %% ../nbs/07_predict.ipynb #8d6f8a85
 def _marginals(scores: torch.Tensor, k: int, tau: float) -> torch.Tensor:
     "Top-k marginals of validated float32/float64 scores along the last dim; no autograd graph."
     scores = scores.detach()
@@ -49,7 +49,7 @@ def _marginals(scores: torch.Tensor, k: int, tau: float) -> torch.Tensor:
     x = _centred(scores, k, tau)
     return torch.softmax(x, -1) if k == 1 else _tree_marginals(x, k)   # k = 1: property 3
 
-
+# %% ../nbs/07_predict.ipynb #c2585780
 def topk_marginals(scores: torch.Tensor, k: int, tau: float = 1.0, check_finite: bool | None = None) -> torch.Tensor:
     "P(i in A) for the k-set A drawn with probability proportional to exp(sum_{j in A} s_j / tau) (Berrada 2018, App. C, Prop. 7).\n\nShape and dtype of `scores` (..., n); sums to k over the last dim; not differentiable."
     scores = check_scores(scores, "scores", ndim=None, check=check_finite)

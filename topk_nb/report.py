@@ -30,7 +30,7 @@ def record_rows(records: list[dict]) -> list[dict]:
             rows.append({**rec.get("params", {}), **row})
     return rows
 
-
+# %% ../nbs/20_report.ipynb #538a5bd8
 def summarise(values: Sequence[float]) -> dict:
     "mean, sample std (0 for one value), min, max and n of `values`."
     values = [float(v) for v in values if v is not None and not math.isnan(float(v))]
@@ -41,11 +41,11 @@ def summarise(values: Sequence[float]) -> dict:
     std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 and not same else 0.0
     return {"mean": mean, "std": std, "min": min(values), "max": max(values), "n": n}
 
-
+# %% ../nbs/20_report.ipynb #bd360fc3
 def _matches(row: dict, where: dict) -> bool:
     return all(row.get(k) == v for k, v in where.items())
 
-
+# %% ../nbs/20_report.ipynb #1aac6baf
 def aggregate(rows: list[dict], keys: Sequence[str], metric: str, where: dict | None = None) -> dict[tuple, dict]:
     "`{values of keys: summarise(metric over the matching rows)}`, keys in first-seen order."
     groups: dict[tuple, list] = {}
@@ -54,7 +54,7 @@ def aggregate(rows: list[dict], keys: Sequence[str], metric: str, where: dict | 
             groups.setdefault(tuple(row.get(k) for k in keys), []).append(row[metric])
     return {k: summarise(v) for k, v in groups.items()}
 
-
+# %% ../nbs/20_report.ipynb #2ffda180
 def fmt(s: dict, scale: float = 100.0) -> str:
     "`mean ± std` in percent (`n/a` when empty)."
     return "n/a" if not s["n"] else f"{scale * s['mean']:.2f} ± {scale * s['std']:.2f}"
@@ -71,14 +71,14 @@ def record_settings(record: dict,  # a record (`load_records`)
     drop = set(NOT_IDENTITY) | {seeds_param}
     return json.dumps({k: v for k, v in params.items() if k not in drop}, sort_keys=True, default=str)
 
-
+# %% ../nbs/20_report.ipynb #36d7ccc2
 def _newness(record: dict) -> tuple:
     "Sort key of a record's age: its `finished` time, then its file's modification time."
     try: mtime = os.stat(record["path"]).st_mtime_ns
     except (KeyError, OSError): mtime = 0
     return (record.get("finished") or "", mtime)
 
-
+# %% ../nbs/20_report.ipynb #7a0eefae
 def unique_rows(records: list[dict],  # records of one experiment
                 seeds_param: str | None = None,  # the experiment's parameter holding the number of seeds
                 ) -> tuple[list[dict], dict]:
@@ -96,16 +96,14 @@ def unique_rows(records: list[dict],  # records of one experiment
     return ([row for unit, i, row in tagged if owner[unit] == i],
             {"rows": len(dropped), "seeds": len(set(dropped)), "records": len({i for _, i in dropped})})
 
-
 # %% ../nbs/20_report.ipynb #f02c0659
 def _table(header: list[str], body: list[list]) -> list[str]:
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + \
            ["| " + " | ".join(str(c) for c in row) + " |" for row in body]
 
-
+# %% ../nbs/20_report.ipynb #0b49e91a
 def _order(values):
     return sorted(values, key=lambda v: (v is None, v if isinstance(v, (int, float)) else str(v)))
-
 
 # %% ../nbs/20_report.ipynb #874589bd
 def _beta_fraction(a: float, b: float, x: float) -> float:
@@ -122,7 +120,7 @@ def _beta_fraction(a: float, b: float, x: float) -> float:
         if abs(d * c - 1.0) < 1e-15: break
     return h
 
-
+# %% ../nbs/20_report.ipynb #25fdc2f7
 def beta_inc(a: float,  # > 0
              b: float,  # > 0
              x: float,  # in [0, 1]
@@ -134,14 +132,13 @@ def beta_inc(a: float,  # > 0
     if x < (a + 1) / (a + b + 2): return front * _beta_fraction(a, b, x) / a
     return 1.0 - front * _beta_fraction(b, a, 1.0 - x) / b
 
-
+# %% ../nbs/20_report.ipynb #3c27efb7
 def t_two_sided(t: float,  # a t statistic
                 df: float,  # degrees of freedom (> 0, need not be an integer)
                 ) -> float:
     "P(|T| >= |t|) for Student's t distribution with `df` degrees of freedom."
     if math.isinf(t): return 0.0
     return beta_inc(df / 2, 0.5, df / (df + t * t))
-
 
 # %% ../nbs/20_report.ipynb #68fa7078
 LEVEL = 0.05          # the significance level of the findings' tests (two-sided)
@@ -162,7 +159,7 @@ def welch_test(a: dict,  # `summarise` of the first sample: mean, std, n
     df = (va + vb) ** 2 / (va ** 2 / (a["n"] - 1) + vb ** 2 / (b["n"] - 1))
     return {"t": t, "df": df, "p": t_two_sided(t, df)}
 
-
+# %% ../nbs/20_report.ipynb #04af3982
 def verdict(ref: dict,  # `summarise` of the reference series
             other: dict,  # `summarise` of the competitor it is compared with
             relation: str,  # "best": the claim is ref >= other - tol; "not_best": the claim is other > ref
@@ -176,7 +173,6 @@ def verdict(ref: dict,  # `summarise` of the reference series
     if test is None: return "untested", None
     if test["p"] >= level: return "within noise", test
     return ("holds" if test["t"] > 0 else "contradicted"), test
-
 
 # %% ../nbs/20_report.ipynb #c7ed7091
 def check_finding(rows: list[dict],  # tidy result rows (`unique_rows`)
@@ -209,7 +205,7 @@ def _compatible(where: dict, fig_where: dict) -> bool:
     "Whether parameters `where` can be drawn in a figure restricted to `fig_where` (no shared key differs)."
     return all(where.get(k, v) == v for k, v in fig_where.items())
 
-
+# %% ../nbs/20_report.ipynb #4fc195c0
 def paper_points(paper: Sequence[PaperValue],  # the catalogue's paper values
                  fig: Figure,  # the figure
                  metric: str,  # one panel's metric
@@ -221,7 +217,7 @@ def paper_points(paper: Sequence[PaperValue],  # the catalogue's paper values
             out.setdefault(pv.where[fig.series], {}).setdefault(pv.source, []).append((pv.where[fig.x], pv.value, pv.std))
     return out
 
-
+# %% ../nbs/20_report.ipynb #64225115
 def _x_axis(ax, xs: list) -> None:
     "A log (or symlog, with 0) x axis when the values span more than a factor 16, ticks at the values when they are few."
     nums = [x for x in xs if isinstance(x, (int, float)) and not isinstance(x, bool)]
@@ -232,7 +228,6 @@ def _x_axis(ax, xs: list) -> None:
     if nums and len(set(nums)) <= 8:
         ax.set_xticks(sorted(set(nums)), [f"{x:g}" for x in sorted(set(nums))])
         ax.minorticks_off()
-
 
 # %% ../nbs/20_report.ipynb #bb8e4594
 def _draw_ours(ax, agg: dict, colours: dict, sc: float) -> list[float]:
@@ -280,7 +275,7 @@ def _mark_verdicts(ax, shown: set, claims: list) -> None:
         ax.text(x, 1.01, "\n".join(t for t, _ in texts), color=texts[0][1] if len(texts) == 1 else "0.2", fontsize=6,
                 ha="center", va="bottom", transform=ax.get_xaxis_transform())
 
-
+# %% ../nbs/20_report.ipynb #f5a60985
 def _y_range(ax, ys: list[float], unit: str) -> None:
     "A log scale for times that span orders of magnitude, else a padded linear range (percentages cut at 0 and 100)."
     positive = [v for v in ys if v > 0]
@@ -346,7 +341,7 @@ def paper_cells(exp: Experiment) -> list[dict]:
     "The cells of every preset but `smoke`: the configurations whose numbers can stand beside the papers'."
     return [c for name, p in exp.presets.items() if name != "smoke" for c in expand_grid(p)]
 
-
+# %% ../nbs/20_report.ipynb #d2e9bcd1
 def comparability(exp: Experiment,  # the catalogue entry
                   records: list[dict],  # its successful records
                   ) -> str | None:
@@ -362,7 +357,6 @@ def comparability(exp: Experiment,  # the catalogue entry
                          "the notebook's defaults or other parameters)")
     if fake: why.append(f"{len(fake)} of {len(records)} trained on fabricated data (no --data-root)")
     return "Not comparable with the papers' numbers: " + "; ".join(why) + ". They show that the code runs, not what the papers found."
-
 
 # %% ../nbs/20_report.ipynb #c75d1ba4
 def _paper_section(exp: Experiment, rows: list[dict]) -> list[str]:

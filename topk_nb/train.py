@@ -208,12 +208,12 @@ def make_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.SGD:
     return torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum, nesterov=config.nesterov,
                            weight_decay=config.weight_decay)
 
-
+# %% ../nbs/12_train.ipynb #1dce45be
 def make_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig) -> torch.optim.lr_scheduler.MultiStepLR:
     "The step schedule: multiply the rate by `gamma` at each milestone epoch (stepped once per epoch)."
     return torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=list(config.milestones), gamma=config.gamma)
 
-
+# %% ../nbs/12_train.ipynb #4fc71c64
 def lr_at(config: TrainConfig, epoch: int) -> float:
     "Learning rate during `epoch` (from 0): lr * gamma ** (number of milestones <= epoch)."
     return config.lr * config.gamma ** sum(m <= epoch for m in config.milestones)
@@ -231,7 +231,7 @@ def class_hits(scores: torch.Tensor, target: torch.Tensor, ks, multicrop: str = 
     hits = torch.zeros(len(ks), n, dtype=torch.long, device=scores.device).index_add_(1, target, correct.long())
     return hits, torch.bincount(target, minlength=n)
 
-
+# %% ../nbs/12_train.ipynb #99d5b491
 def metrics_from_hits(hits: torch.Tensor, counts: torch.Tensor, ks) -> dict[str, float]:
     "top{k} and macro_top{k} (fractions in [0, 1]) from per-class hits and counts, plus the sample count n."
     present = counts > 0
@@ -293,7 +293,7 @@ def derive_seed(seed: int, *keys) -> int:
     digest = hashlib.sha256(repr((int(seed),) + keys).encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
 
-
+# %% ../nbs/12_train.ipynb #eb0d29d6
 def seed_everything(seed: int) -> None:
     "Seed the global Python, NumPy (if installed) and torch (CPU and every CUDA device) generators."
     seed = check_int(seed, "seed", 0, 2**63 - 1)
@@ -301,7 +301,7 @@ def seed_everything(seed: int) -> None:
     if np is not None: np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
 
-
+# %% ../nbs/12_train.ipynb #552bd2d7
 def get_rng_state() -> dict:
     "The global random states (Python, NumPy, torch CPU, CUDA if initialised), as tensors and tuples torch.load(weights_only=True) accepts."
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
@@ -312,7 +312,7 @@ def get_rng_state() -> dict:
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
-
+# %% ../nbs/12_train.ipynb #28317af3
 def set_rng_state(state: dict) -> None:
     "Restore the global random states saved by `get_rng_state`."
     random.setstate(state["python"])
@@ -337,7 +337,7 @@ class DistEnv:
     @property
     def distributed(self) -> bool: return self.world_size > 1
 
-
+# %% ../nbs/12_train.ipynb #97b2d308
 def dist_env() -> DistEnv:
     "The distributed environment set by torchrun, or a single process if there is none."
     if dist.is_available() and dist.is_initialized():
@@ -345,7 +345,7 @@ def dist_env() -> DistEnv:
     world = int(os.environ.get("WORLD_SIZE", 1))
     return DistEnv(int(os.environ.get("RANK", 0)), world, int(os.environ.get("LOCAL_RANK", 0)))
 
-
+# %% ../nbs/12_train.ipynb #ea7ab994
 def init_distributed(device_type: str) -> tuple[DistEnv, bool]:
     "Join the process group of a torchrun launch (NCCL on CUDA, Gloo otherwise); returns the env and whether it was created here."
     env = dist_env()
@@ -355,7 +355,7 @@ def init_distributed(device_type: str) -> tuple[DistEnv, bool]:
     dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
     return dist_env(), True
 
-
+# %% ../nbs/12_train.ipynb #bcf43b3a
 class ShardSampler(Sampler):
     "Indices rank, rank + world, rank + 2 world, ... of a data set: a partition over processes, without padding."
     def __init__(self, n: int, rank: int = 0, world_size: int = 1):
