@@ -33,7 +33,7 @@ def esp_grad_alg2(e: torch.Tensor, k: int) -> torch.Tensor:
         deltas.append(sigma[..., j - 1:j] - e * deltas[-1])      # eq. (18)
     return torch.stack(deltas, -2)
 
-
+# %% ../nbs/02_esp_backward.ipynb #1e8d75cc
 def esp_grad_recursion(x: torch.Tensor, log_sigma: torch.Tensor, k: int) -> torch.Tensor:
     "pi_{j,i} = d log sigma_j / d x_i for j = 1..k by eq. (18) divided by sigma_j (no stabilisation); shape (..., k, n)."
     pis, prev = [], torch.zeros_like(x)
@@ -47,7 +47,7 @@ def default_order(k: int) -> int:
     "The paper's rule of thumb for the order of the approximation: p ~ 0.2 k (at least 1)."
     return max(1, round(0.2 * k))
 
-
+# %% ../nbs/02_esp_backward.ipynb #f021c24a
 def esp_grad_stabilised(x: torch.Tensor, log_sigma: torch.Tensor, k: int, p: int, rho: float = 0.1) -> torch.Tensor:
     "pi_{j,i}, j = 1..k: the normalised recursion of eq. (18), with the p-th order approximation where it cancels; (..., k, n).\n\n`log_sigma` holds log sigma_0..k+p (log 0 beyond n)."
     orders = torch.arange(p + 1, dtype=x.dtype, device=x.device)
@@ -79,7 +79,7 @@ def leave_one_out_log_esp(x: torch.Tensor, k: int, inputs: list[torch.Tensor], n
     shifted = F.pad(outside[..., :-1], (1, 0), value=neg) + sib          # (1 + e_sib X): o_j + e_sib o_{j-1}
     return torch.logaddexp(outside, shifted)[..., :n, :]
 
-
+# %% ../nbs/02_esp_backward.ipynb #ca82f603
 def esp_grad_leave_one_out(x: torch.Tensor, log_sigma: torch.Tensor, k: int, inputs: list[torch.Tensor],
                            neg: float) -> torch.Tensor:
     "pi_{j,i}, j = 1..k, from the leave-one-out polynomials (subtraction-free); shape (..., k, n)."
@@ -357,7 +357,7 @@ def grad_error(grad: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     scale = ref.double().abs().amax(-1).clamp_min(torch.finfo(torch.float64).tiny)
     return (grad.double() - ref.double()).abs().amax(-1) / scale
 
-
+# %% ../nbs/02_esp_backward.ipynb #d806db9e
 def grad_target(x: torch.Tensor, k: int) -> torch.Tensor:
     "Attainable float32 accuracy of the gradient: max(1e-4, 2 u M_k), M_k the sum of the k largest |x|; shape x.shape[:-1]."
     m_k = x.double().abs().topk(k, dim=-1).values.sum(-1)
