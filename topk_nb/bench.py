@@ -154,11 +154,11 @@ class OpCall(NamedTuple):
     dtypes: frozenset
     where: str = ""
 
-
+# %% ../nbs/14_bench.ipynb #d49951de
 def _tensors(tree) -> list[torch.Tensor]:
     return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
-
+# %% ../nbs/14_bench.ipynb #ffff6d26
 def _op_names(func, args, kwargs, ins, outs) -> list[str]:
     "The names counted for one call: a boolean-mask index adds the nonzero it runs inside; copies to the host and tensor repeats are marked."
     name = func.overloadpacket.__name__
@@ -171,7 +171,7 @@ def _op_names(func, args, kwargs, ins, outs) -> list[str]:
         return ["repeat_interleave (tensor repeats)"]
     return [name]
 
-
+# %% ../nbs/14_bench.ipynb #a806fa20
 def _caller() -> str:
     "module.function of the innermost package frame on the stack (this chapter's and the fwd_bwd closure left out), else 'autograd'."
     for f in reversed(traceback.extract_stack()):
@@ -197,7 +197,7 @@ class _OpRecorder(TorchDispatchMode):
             self.calls.append(OpCall(name, dtypes, _caller() if name in SYNCING_OPS else ""))
         return out
 
-
+# %% ../nbs/14_bench.ipynb #f90a728b
 def op_calls(fn: Callable[[], object]  # called once, with no arguments
              ) -> list[OpCall]:
     "Every aten operator that one call of `fn()` dispatches, forward and backward, in order."
@@ -205,7 +205,7 @@ def op_calls(fn: Callable[[], object]  # called once, with no arguments
         fn()
     return recorder.calls
 
-
+# %% ../nbs/14_bench.ipynb #0c25eef6
 def aten_ops(fn: Callable[[], object],        # called once, with no arguments
              dtype: torch.dtype | None = None,  # count only the calls that touch a tensor of this dtype
              where: bool = False,               # key syncing ops as 'name @ module.function'
@@ -214,7 +214,7 @@ def aten_ops(fn: Callable[[], object],        # called once, with no arguments
     return Counter(f"{c.name} @ {c.where}" if where and c.where else c.name
                    for c in op_calls(fn) if dtype is None or dtype in c.dtypes)
 
-
+# %% ../nbs/14_bench.ipynb #a3dd228d
 def syncing_ops(counter: Counter  # from `aten_ops`
                 ) -> Counter:
     "The entries of an `aten_ops` counter that make the host wait for the GPU: values read on the host, data-dependent sizes, copies to the host."
@@ -256,7 +256,7 @@ class _LargestStorage(TorchDispatchMode):
             self.bytes = max(self.bytes, t.untyped_storage().nbytes())
         return out
 
-
+# %% ../nbs/14_bench.ipynb #9766afb5
 def largest_tensor(fn: Callable[[], object]  # called once, with no arguments
                    ) -> int:
     "Bytes of the largest storage an aten operator produces during one call of `fn()`, forward and backward."

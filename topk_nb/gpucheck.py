@@ -73,7 +73,7 @@ def loss_and_grad(fn: Callable,           # fn(scores, target, **kwargs) -> scal
     loss.backward()
     return loss.detach().double().cpu(), leaf.grad.double().cpu()
 
-
+# %% ../nbs/15_gpucheck.ipynb #b9a1a249
 def compare_to_reference(fn: Callable,      # the loss to check, on `device`, in float32
                          ref: Callable,     # the same loss on the CPU, run in float64
                          scores: torch.Tensor, target: torch.Tensor,
@@ -95,7 +95,7 @@ def compare_to_reference(fn: Callable,      # the loss to check, on `device`, in
 def _counts(n: int) -> dict:
     return {"class_counts": torch.arange(1, n + 1)}
 
-
+# %% ../nbs/15_gpucheck.ipynb #8a803fbc
 def loss_variants(name: str, n: int, k: int) -> list[tuple[str, Callable, Callable, bool]]:
     "(variant, loss to check, its reference, takes explicit noise) for one registry loss; stochastic losses by epsilon=0 and by explicit noise."
     entry = LOSSES[name]
@@ -106,7 +106,7 @@ def loss_variants(name: str, n: int, k: int) -> list[tuple[str, Callable, Callab
     return [("epsilon=0", bench_loss(name, n, k, epsilon=0.0, **counts), bench_loss(name, n, k, epsilon=0.0, **counts), False),
             ("noise=", fn, fn, True)]
 
-
+# %% ../nbs/15_gpucheck.ipynb #970c497c
 def check_correctness(device="cuda",                       # where the losses run in float32
                       cases: Sequence[tuple[int, int, int]] = ((256, 1000, 5),),  # (B, n, k)
                       names: Sequence[str] | None = None,  # registry losses; all by default
@@ -142,7 +142,7 @@ def _debug_mode_syncs(step: Callable[[], object]) -> str:
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
-
+# %% ../nbs/15_gpucheck.ipynb #ea8647e5
 def check_syncs(device="cuda", batch: int = 256, n: int = 1000, k: int = 5,
                 names: Sequence[str] | None = None) -> dict:
     "Host syncs of each loss's forward+backward, with check_finite=False and by default: aten ops that sync (any device), CUDA sync debug mode (CUDA only)."
@@ -174,7 +174,7 @@ def speed_table(device="cuda", ns: Sequence[int] = (100, 1000, 10_000, 100_000),
     rows = [dict(r, k=None) for r in rows] + (loss_speed(topk, ns, ks, batch, device, repeats) if topk else [])
     return {"status": "ok", "batch": batch, "ns": list(ns), "ks": list(ks), "rows": rows}
 
-
+# %% ../nbs/15_gpucheck.ipynb #ee934574
 def epoch_overhead(device="cuda", model: str = "densenet40_40", n_classes: int = 100, batch: int = 64,
                    rounds: int = 50, k: int = 5) -> dict:
     "Training-step time of `model` on CIFAR-shaped random data with smooth_svm and noised_bal vs cross-entropy, taking turns (bench.epoch_times)."
@@ -192,7 +192,7 @@ def _training_setup(name: str, device, batch: int, features: int, n: int, k: int
     x, y = torch.randn(batch, features, device=device), torch.randint(0, n, (batch,), device=device)
     return model, opt, crit, x, y
 
-
+# %% ../nbs/15_gpucheck.ipynb #9fe3560c
 def _step_error(model, forward, x, y, ref_loss, ref_grad) -> float:
     "Run forward(x, y).backward(); the larger of the loss's relative error and the weight gradient's error relative to its largest entry."
     model.zero_grad(set_to_none=True)
@@ -202,7 +202,7 @@ def _step_error(model, forward, x, y, ref_loss, ref_grad) -> float:
     return max(((loss - ref_loss).abs() / ref_loss.abs().clamp_min(1e-12)).item(),
                ((grad - ref_grad).abs().max() / ref_grad.abs().max().clamp_min(1e-12)).item())
 
-
+# %% ../nbs/15_gpucheck.ipynb #200b95ea
 @contextlib.contextmanager
 def _quiet_compile_logs():
     "Compile warnings (graph breaks) off the console while the section runs: the record keeps the reason."
@@ -258,7 +258,7 @@ def _root_cause(e: BaseException) -> BaseException:
     while e.__context__ is not None and e.__context__ is not e: e = e.__context__
     return e
 
-
+# %% ../nbs/15_gpucheck.ipynb #130ebd32
 def capture_step(name: str, device="cuda", batch: int = 256, features: int = 64, n: int = 1000, k: int = 5,
                  tol: float = TOLERANCE) -> dict:
     "Capture one training step (forward, backward, SGD step) of `name` in a CUDA graph, replay it, compare its loss with eager on the same weights."
@@ -324,7 +324,7 @@ def environment(device="cuda") -> dict:
         pass                                                                  # not a git checkout, or no git
     return env
 
-
+# %% ../nbs/15_gpucheck.ipynb #59f59679
 def device_slug(name: str) -> str:
     "A file-name slug of a device name: 'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3'."
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "device"
@@ -341,7 +341,7 @@ def run_section(fn: Callable[[], dict]) -> dict:
         result = {"status": "error", "error": one_line(e)}
     return {**result, "seconds": round(time.perf_counter() - t0, 2)}
 
-
+# %% ../nbs/15_gpucheck.ipynb #cab42540
 def section_calls(device, preset: dict) -> dict[str, Callable[[], dict]]:
     "The sections of the check, in the order they run: the ones that compile or capture come last."
     B, d, n, k = preset["step"]
@@ -360,22 +360,22 @@ def _table(header: Sequence[str], rows: list[Sequence]) -> list[str]:
     return ["| " + " | ".join(map(cell, header)) + " |", "|" + " --- |" * len(header),
             *("| " + " | ".join(map(cell, r)) + " |" for r in rows), ""]
 
-
+# %% ../nbs/15_gpucheck.ipynb #91c8fa5c
 def _e(x) -> str | None:
     return None if x is None else f"{x:.1e}"
 
-
+# %% ../nbs/15_gpucheck.ipynb #3c2bebc5
 def _syncs(d: dict) -> str:
     return ", ".join(f"{name} x{c}" for name, c in d.items()) or "none"
 
-
+# %% ../nbs/15_gpucheck.ipynb #3e9b82b5
 def _md_correctness(s: dict) -> list[str]:
     return _table(["loss", "ok", "loss error", "gradient error", "variants"],
                   [[name, "yes" if v["ok"] else "**NO**", _e(v["loss_err"]), _e(v["grad_err"]),
                     "; ".join(dict.fromkeys(c["variant"] + (f" ({c['error']})" if "error" in c else "") for c in v["checks"]))]
                    for name, v in s["losses"].items()])
 
-
+# %% ../nbs/15_gpucheck.ipynb #04d0788a
 def _md_syncs(s: dict) -> list[str]:
     cuda, rows = s.get("debug_mode") == "run", []
     for name, v in s["losses"].items():
@@ -396,19 +396,19 @@ def _md_speed(s: dict) -> list[str]:
         out.append([name, k, *(f"{ratio[n]:.1f}x" if n in ratio else None for n in ns)])
     return _table(["loss", "k", *(f"n={n}" for n in ns)], out)
 
-
+# %% ../nbs/15_gpucheck.ipynb #5c898cdc
 def _md_epoch(s: dict) -> list[str]:
     return _table(["loss", "k", "step (ms)", "epoch of 45,000 images (s)", "overhead vs CE"],
                   [[r["loss"], r.get("k"), f"{r['step_ms']:.1f}", f"{r['epoch_s']:.1f}",
                     None if r["overhead"] is None else f"{100 * r['overhead']:+.1f} %"] for r in s["rows"]])
 
-
+# %% ../nbs/15_gpucheck.ipynb #3e60433b
 def _md_compile(s: dict) -> list[str]:
     return _table(["loss", "fullgraph=True", "with graph breaks", "compiled vs eager"],
                   [[name, v.get("fullgraph", v.get("error")), v.get("graph_breaks"), _e(v.get("err"))]
                    for name, v in s["losses"].items()])
 
-
+# %% ../nbs/15_gpucheck.ipynb #b33fa328
 def _md_graphs(s: dict) -> list[str]:
     return _table(["loss", "capture", "replay finite", "replay vs eager"],
                   [[name, v["capture"], v.get("finite"), _e(v.get("err"))] for name, v in s["losses"].items()])
@@ -449,7 +449,7 @@ def _plain(obj):
     if isinstance(obj, float) and not math.isfinite(obj): return str(obj)
     return obj
 
-
+# %% ../nbs/15_gpucheck.ipynb #3a0c0baa
 def gpu_check(device="cuda",          # cuda, cuda:N; cpu is a dry run of every section at tiny sizes
               quick: bool = False,    # n=100, k=5 only, a tiny network for the epoch and few rounds
               out="results/gpu",      # folder of <device-slug>-<YYYY-MM-DD>.json and .md
@@ -482,7 +482,7 @@ def _device_arg(text: str) -> torch.device:
         raise argparse.ArgumentTypeError(f"must be cuda, cuda:N or cpu (a dry run), got {text!r}")
     return torch.device(text)
 
-
+# %% ../nbs/15_gpucheck.ipynb #f9b38757
 def main(argv: Sequence[str] | None = None) -> int:
     "`python -m topk_nb.gpucheck [--quick] [--out DIR] [--device cuda|cuda:N|cpu]`: 0 if every section passed, 1 if not or without CUDA, 2 on bad flags."
     parser = argparse.ArgumentParser(prog="python -m topk_nb.gpucheck", description="One-command GPU check of every "

@@ -45,6 +45,7 @@ def _TR_pv(label, net, aug, metric, value, std):
     where = {"loss": _TR_LOSSES[label], "model": _TR_MODELS[net], "augment": aug, "select_metric": f"val_{metric}"}
     return PaperValue("Sawada, Tab. I", f"{label}, {net} with {aug.capitalize()}", where, metric, value / 100, std / 100)
 
+# %% ../../nbs/experiments/cifar100_transition.ipynb #ae1f3bc7
 def _TR_fig6(net, aug):
     return {"model": _TR_MODELS[net], "augment": aug, "select_metric": "val_top5"}
 
