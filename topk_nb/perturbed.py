@@ -117,6 +117,17 @@ class TopkSample(NamedTuple):
     stats: dict
 
 
+# %% ../nbs/04_perturbed.ipynb #b76fca6f
+def _drawer(generator: torch.Generator | None, # the random source of every call
+            device: torch.device,              # where the draws go
+            ) -> Callable:
+    "draw(fn, *args, **kw): the random call `fn` made with `generator` (on the generator's device), its result moved to `device`."
+    gdev = generator.device if generator is not None else device
+    def draw(fn, *args, **kw):
+        if fn is torch.poisson: return fn(args[0].to(gdev), generator=generator).to(device)
+        return fn(*args, generator=generator, device=gdev, **kw).to(device)
+    return draw
+
 # %% ../nbs/04_perturbed.ipynb #564bbd7b
 def _normal_cdf(x: torch.Tensor) -> torch.Tensor:
     "Phi(x) without the lower-tail cancellation of torch.special.ndtr."
@@ -167,6 +178,18 @@ def _dense_pairs(s: torch.Tensor, pairs: torch.Tensor, cand_i: torch.Tensor, per
     t = full.topk(k, dim=1)
     return t.values[:, -1], t.indices[:, -1]
 
+# %% ../nbs/04_perturbed.ipynb #fd170b14
+def _all_dense(s: torch.Tensor,      # (B, n) scores
+               cand_i: torch.Tensor, # (B, M) the candidates' classes
+               pert: torch.Tensor,   # (S, B, M) the candidates' perturbed scores
+               epsilon: float, k: int, draw: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+    "The K-th value and its index (S, B) of every (draw, row) by noise on the whole row, the candidates keeping their noise."
+    S, (B, M), n = pert.shape[0], cand_i.shape, s.shape[1]
+    full = draw(torch.randn, (S, B, n), dtype=s.dtype).mul_(epsilon).add_(s)    # (S, B, n)
+    full.scatter_(2, cand_i.expand(S, B, M), pert)
+    t = full.topk(k, dim=-1)
+    return t.values[..., -1], t.indices[..., -1]
+
 # %% ../nbs/04_perturbed.ipynb #f23e5786
 @torch.compiler.disable                              # data-dependent sizes: run eagerly inside compiled code
 def sample_perturbed_topk(scores: torch.Tensor, k: int, epsilon: float, n_samples: int,
@@ -177,18 +200,14 @@ def sample_perturbed_topk(scores: torch.Tensor, k: int, epsilon: float, n_sample
     k, S = check_int(k, "k", 1, n), check_int(n_samples, "n_samples", 1)
     epsilon = check_real(epsilon, "epsilon", 0.0, lo_open=True)
     extra = 2 * k + 8 if n_extra is None else check_int(n_extra, "n_extra", 0)
-    batch, dev, dt = scores.shape[:-1], scores.device, scores.dtype
-    s = scores.detach().reshape(-1, n)
+    batch, draw = scores.shape[:-1], _drawer(generator, scores.device)
+    s = scores.detach().reshape(-1, n)                                         # (B, n)
     B, M = s.shape[0], min(n, k + extra)
-    gdev = generator.device if generator is not None else dev
-    def draw(fn, *args, **kw):                                                 # every random call takes the generator
-        if fn is torch.poisson: return fn(args[0].to(gdev), generator=generator).to(dev)
-        return fn(*args, generator=generator, device=gdev, **kw).to(dev)
     def done(val, idx): return TopkSample(val.reshape(S, *batch), idx.reshape(S, *batch), stats)
     stats = dict(candidates=M, points=0, exceeders=0, dense_rows=0)
     top = s.topk(min(n, M + 1), dim=1)                                         # candidates, then the largest tail score
-    cand_s, cand_i = top.values[:, :M], top.indices[:, :M]
-    pert = draw(torch.randn, (S, B, M), dtype=dt).mul_(epsilon).add_(cand_s)    # step 1
+    cand_s, cand_i = top.values[:, :M], top.indices[:, :M]                     # (B, M)
+    pert = draw(torch.randn, (S, B, M), dtype=s.dtype).mul_(epsilon).add_(cand_s)   # step 1: (S, B, M)
     kth = pert.topk(k, dim=-1, sorted=False)
     low = kth.values.min(-1, keepdim=True)
     val = low.values.reshape(-1).clone()                                       # v for each (draw, row): S * B
@@ -200,11 +219,8 @@ def sample_perturbed_topk(scores: torch.Tensor, k: int, epsilon: float, n_sample
     dense = n * lam_bar > dense_ratio * (n - M)                                # expected points vs tail size
     n_dense = int(dense.sum())
     if 2 * n_dense > S * B:                                                    # mostly dense: every row at once
-        full = draw(torch.randn, (S, B, n), dtype=dt).mul_(epsilon).add_(s)
-        full.scatter_(2, cand_i.expand(S, B, M), pert)                         # the candidates keep their noise
-        t = full.topk(k, dim=-1)
         stats["dense_rows"] = S * B
-        return done(t.values[..., -1], t.indices[..., -1])
+        return done(*_all_dense(s, cand_i, pert, epsilon, k, draw))
     own, cls, x, stats["points"] = _tail_exceeders(s, epsilon, v, lam_bar, torch.where(dense, 0.0, n * lam_bar),
                                                    cand_i, draw)
     if own.numel():                                                            # step 4 for rows with exceeders
@@ -214,7 +230,6 @@ def sample_perturbed_topk(scores: torch.Tensor, k: int, epsilon: float, n_sample
         val[rows], idx[rows] = _dense_pairs(s, rows, cand_i, pert, epsilon, k, draw)
         stats["dense_rows"] = n_dense
     return done(val, idx)
-
 
 # %% ../nbs/04_perturbed.ipynb #ff841422
 class _SampledTopk(torch.autograd.Function):

@@ -10,12 +10,10 @@ import contextlib
 import dataclasses
 import hashlib
 import inspect
-import io
 import json
 import math
 import os
 import random
-import secrets
 import sys
 import time
 from dataclasses import dataclass
@@ -600,16 +598,33 @@ def _result(history: list, has_val: bool, best_epoch: int, best_value, best_test
             "device": str(device), "amp": amp, "channels_last": channels_last,
             "n_params": sum(p.numel() for p in model.parameters()), "config": config.to_dict()}
 
+# %% ../nbs/12_train.ipynb #7aada2a4
+def _outputs(config: TrainConfig, env: DistEnv) -> tuple[Path | None, Path | None, bool]:
+    "(output folder, checkpoint path, whether this process writes): only the main process writes, and only with `out_dir`; it first removes temporary files a killed run left."
+    out_dir = Path(config.out_dir) if config.out_dir is not None else None
+    write = env.is_main and out_dir is not None
+    if write: remove_temporary_files(out_dir)
+    return out_dir, (out_dir / "checkpoint.pt" if out_dir is not None else None), write
+
+# %% ../nbs/12_train.ipynb #c0d57021
+def _select(record: dict,      # the epoch's metrics
+            epoch: int,        # the epoch just run, from 0
+            has_val: bool,     # whether there is a validation set to select on
+            metric: str,       # the validation metric that selects (larger is better)
+            model: nn.Module,  # its weights are kept when the epoch is the best so far
+            best: tuple,       # (best epoch, its value, its weights) so far
+            ) -> tuple:
+    "The model selection after an epoch: (best epoch, its value, its weights on the CPU); without validation, the last epoch."
+    value = record.get(metric) if has_val else None
+    if not has_val or best[1] is None or value > best[1]:
+        return epoch + 1, value, (_cpu_state(model) if has_val else None)
+    return best
+
 # %% ../nbs/12_train.ipynb #f8a747b9
 def _fit(model, loss_fn, train_set, val_set, test_set, config, env, start_time, meta):
     "`fit` once the process group is up: set-up, resume, the epochs (each checkpointed), the test of the selected epoch."
     device, amp, channels_last = _run_settings(config, env)
-    on_gpu = device.type == "cuda"
-    out_dir = Path(config.out_dir) if config.out_dir is not None else None
-    ckpt_path = out_dir / "checkpoint.pt" if out_dir is not None else None
-    write = env.is_main and out_dir is not None
-    if write: remove_temporary_files(out_dir)          # left by a run killed while writing
-
+    out_dir, ckpt_path, write = _outputs(config, env)
     seed_everything(derive_seed(config.seed, "train", env.rank))
     model = _place(model, loss_fn, device, channels_last, env, config)
     optimizer, loss_gens = make_optimizer(model, config), _loss_generators(loss_fn)
@@ -619,8 +634,8 @@ def _fit(model, loss_fn, train_set, val_set, test_set, config, env, start_time, 
         ckpt_path, config, env, model, optimizer, scheduler, scaler, loss_gens, out_dir, write)
     if write: atomic_write(out_dir / "config.json", lambda f: json.dump(config.to_dict(), f, indent=1), "w")
 
-    net = DistributedDataParallel(model, device_ids=[device.index] if on_gpu else None) if env.distributed else model
-    train_loader, sampler, loader_gen, eval_loader = _loaders(train_set, config, env, on_gpu)
+    net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None) if env.distributed else model
+    train_loader, sampler, loader_gen, eval_loader = _loaders(train_set, config, env, device.type == "cuda")
     val_loader = eval_loader(val_set)
     eval_kw = dict(ks=config.ks, device=device, amp=amp, amp_dtype=config.amp_dtype, channels_last=channels_last,
                    multicrop=config.multicrop, tau=config.multicrop_tau, all_reduce=env.distributed)
@@ -630,10 +645,8 @@ def _fit(model, loss_fn, train_set, val_set, test_set, config, env, start_time, 
         record = _run_epoch(epoch, net, model, loss_fn, loaders, optimizer, scheduler, scaler, config, env, device,
                             amp, channels_last, eval_kw)
         history.append(record)
-        value = record.get(config.select_metric) if val_loader is not None else None
-        if val_loader is None or best_value is None or value > best_value:
-            best_epoch, best_value = epoch + 1, value
-            best_state = _cpu_state(model) if val_loader is not None else None
+        best_epoch, best_value, best_state = _select(record, epoch, val_loader is not None, config.select_metric,
+                                                     model, (best_epoch, best_value, best_state))
         rng = _gather({"global": get_rng_state(), "loss": [g.get_state() for g in loss_gens]}, env)
         if write:
             _save_epoch(out_dir, ckpt_path, record, {
@@ -648,8 +661,7 @@ def _fit(model, loss_fn, train_set, val_set, test_set, config, env, start_time, 
     result = {**_result(history, val_loader is not None, best_epoch, best_value, best_test, final_test, start_epoch,
                         config, env, device, amp, channels_last, model), "wall_time_s": time.perf_counter() - start_time,
               **meta}
-    if write:
-        atomic_write(out_dir / "result.json", lambda f: json.dump(result, f, indent=1), "w")
+    if write: atomic_write(out_dir / "result.json", lambda f: json.dump(result, f, indent=1), "w")
     return result
 
 # %% ../nbs/12_train.ipynb #b199f5c0
