@@ -110,21 +110,12 @@ def poly_mul_lin(p: torch.Tensor, q: torch.Tensor, d: int) -> torch.Tensor:
 
 
 # %% ../nbs/02_esp_backward.ipynb #370d4152
-@functools.lru_cache(maxsize=None)
-def _lags(m: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    "For (m+1) x (m+1) matrices: the lags j - i clamped at 0, and where j > i (cached: made outside inference mode)."
-    with torch.inference_mode(False):
-        j = torch.arange(m + 1, device=device)
-        lag = j[:, None] - j
-        return lag.clamp(min=0), lag > 0
-
-
-# %% ../nbs/02_esp_backward.ipynb #d040d8f2
-def _lower_toeplitz(c: torch.Tensor) -> torch.Tensor:
-    "The strictly lower triangular Toeplitz matrices M[j, i] = c_{j-i} (j > i) of the vectors c_1..c_m (..., m)."
-    lag, below = _lags(c.shape[-1], c.device)
-    return F.pad(c, (1, 0))[..., lag] * below
-
+def _lower_toeplitz(c: torch.Tensor # (..., m): the vectors c_1..c_m
+                    ) -> torch.Tensor:
+    "The strictly lower triangular Toeplitz matrices M[j, i] = c_{j-i} (j > i) of the vectors c_1..c_m, (..., m+1, m+1)."
+    m = c.shape[-1]
+    q = F.pad(c, (m + 1, 0))                                          # (..., 2m+1): m+1 zeros, then c_1..c_m
+    return q.unfold(-1, m + 1, 1).flip(-1)                            # [j, i] = q[m + j - i]: a window per row, no gather
 
 # %% ../nbs/02_esp_backward.ipynb #c658dc2e
 @functools.lru_cache(maxsize=None)
@@ -170,10 +161,9 @@ def head_leave_one_out(prefixes: torch.Tensor, v: torch.Tensor, sig_t: torch.Ten
         suffixes.append(cur)
         cur = torch.cat([torch.addcmul(cur[:, :-1], col, cur[:, 1:]), cur[:, -1:]], 1)
     rev = torch.stack(suffixes[::-1], 1)                             # (B, h, k): v_{i+1..h-1} and the tail, degree k-1-a at a
-    top = (prefixes * rev).sum(-1)                                   # sum_a prefix_a suffix_{k-1-a}
-    below = (prefixes[..., :k - 1] * rev[..., 1:]).sum(-1) if k >= 2 else torch.zeros_like(top)   # sum_a prefix_a suffix_{k-2-a}
+    top = torch.einsum("bha,bha->bh", prefixes, rev)                 # sum_a prefix_a suffix_{k-1-a}: batched dots, no (B, h, k) product
+    below = torch.einsum("bha,bha->bh", prefixes[..., :k - 1], rev[..., 1:]) if k >= 2 else torch.zeros_like(top)   # sum_a prefix_a suffix_{k-2-a}
     return below, top
-
 
 # %% ../nbs/02_esp_backward.ipynb #a43880df
 def head_size(m: int, k: int) -> int:
