@@ -16,9 +16,9 @@ from .esp import _check_esp_input, dc_tree, esp_summation, log_poly_mul, log_zer
 
 # %% auto #0
 __all__ = ['UNIT_ROUNDOFF_64', 'TINY_64', 'POWER_FWD_TOL', 'POWER_GRAD_TOL', 'POWER_FWD_TOL_64', 'POWER_GRAD_TOL_64',
-           'LOG_SIGMA_METHODS', 'esp_grad_alg2', 'esp_grad_recursion', 'default_order', 'esp_grad_stabilised',
-           'leave_one_out_log_esp', 'esp_grad_leave_one_out', 'power_tolerances', 'poly_mul_lin', 'newton_esp',
-           'head_esps', 'head_leave_one_out', 'head_size', 'power_shift', 'power_inputs', 'power_forward',
+           'LOOP_DEGREE', 'LOG_SIGMA_METHODS', 'esp_grad_alg2', 'esp_grad_recursion', 'default_order',
+           'esp_grad_stabilised', 'leave_one_out_log_esp', 'esp_grad_leave_one_out', 'power_tolerances', 'poly_mul_lin',
+           'newton_esp', 'head_esps', 'head_leave_one_out', 'head_size', 'power_shift', 'power_inputs', 'power_forward',
            'power_backward', 'PowerLogSigma', 'power_log_sigma', 'LogSigmaFunction', 'log_sigma', 'grad_error',
            'grad_target']
 
@@ -100,14 +100,31 @@ def power_tolerances(dtype: torch.dtype) -> tuple[float, float]:
 
 
 # %% ../nbs/02_esp_backward.ipynb #83deb7e2
-def poly_mul_lin(p: torch.Tensor, q: torch.Tensor, d: int) -> torch.Tensor:
-    "Coefficients 0..d-1 of the products of polynomials p (..., a) and q (..., b) in standard space (broadcast)."
+LOOP_DEGREE = 32   # on a CPU, degrees above which a loop of batched vector ops beats one (k x k) matrix per row
+
+
+def poly_mul_lin(p: torch.Tensor, # (..., a) coefficients 0..a-1
+                 q: torch.Tensor, # (..., b) coefficients 0..b-1
+                 d: int,          # how many coefficients of the product to return
+                 ) -> torch.Tensor:
+    "Coefficients 0..d-1 of the products of polynomials p and q in standard space (broadcast), (..., d)."
     a, b = p.shape[-1], q.shape[-1]
-    prod = (p[..., :, None] * q[..., None, :]).flatten(-2)            # p_i q_j, at degree i + j
+    if p.device.type == "cpu" and min(a, b, d) > LOOP_DEGREE // 2:
+        return _poly_mul_loop(p, q, d)
+    prod = (p[..., :, None] * q[..., None, :]).flatten(-2)            # (..., a b): p_i q_j, at degree i + j
     degree = (torch.arange(a, device=p.device)[:, None] + torch.arange(b, device=p.device)).flatten()
     out = prod.new_zeros(*prod.shape[:-1], max(a + b - 1, d)).index_add_(-1, degree, prod)
     return out[..., :d]
 
+# %% ../nbs/02_esp_backward.ipynb #e50286fa
+def _poly_mul_loop(p: torch.Tensor, q: torch.Tensor, d: int) -> torch.Tensor:
+    "`poly_mul_lin` by one multiply-add a coefficient of p: O(a) vector ops on (..., b) instead of an (..., a, b) product."
+    out = torch.zeros(*torch.broadcast_shapes(p.shape[:-1], q.shape[:-1]), d, dtype=torch.result_type(p, q), device=p.device)
+    b = q.shape[-1]
+    for i in range(min(p.shape[-1], d)):
+        m = min(b, d - i)
+        out[..., i:i + m].addcmul_(p[..., i:i + 1], q[..., :m])       # p_i q_j at degree i + j
+    return out
 
 # %% ../nbs/02_esp_backward.ipynb #370d4152
 def _lower_toeplitz(c: torch.Tensor # (..., m): the vectors c_1..c_m
@@ -129,18 +146,37 @@ def _newton_constants(k: int, dtype: torch.dtype, device: torch.device) -> tuple
 
 
 # %% ../nbs/02_esp_backward.ipynb #918f2bb7
-def newton_esp(power_sums: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    "sigma_0..k from the power sums p_1..p_k (..., k) by Newton's identities, and a bound on each absolute error."
+def newton_esp(power_sums: torch.Tensor, # (..., k) the power sums p_1..p_k
+               n: int,                   # how many values they sum (enters the bound)
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    "sigma_0..k (..., k+1) from the power sums by Newton's identities, and a bound on each absolute error (..., k+1)."
     k = power_sums.shape[-1]
+    rounding = 2 * (n + 4 * k + 8) * UNIT_ROUNDOFF_64          # errors of the power sums and of the recurrence
+    if power_sums.device.type == "cpu" and k > LOOP_DEGREE:
+        return _newton_substitution(power_sums, rounding)
     diag, sign, first = _newton_constants(k, power_sums.dtype, power_sums.device)
-    p = _lower_toeplitz(power_sums)                                   # p_{j-i} below the diagonal
+    p = _lower_toeplitz(power_sums)                                   # (..., k+1, k+1): p_{j-i} below the diagonal
     # j sigma_j + sum_r (-1)^r p_r sigma_{j-r} = 0 (j >= 1), sigma_0 = 1: one triangular solve
     sig = torch.linalg.solve_triangular(diag + sign * p, first.expand(*p.shape[:-1], 1), upper=False)
     # j E_j = sum_r p_r E_{j-r} + c u sum_r p_r sigma_{j-r}, E_0 = 0
-    rounding = 2 * (n + 4 * k + 8) * UNIT_ROUNDOFF_64          # errors of the power sums and of the recurrence
     err = torch.linalg.solve_triangular(diag - p, rounding * (p @ sig), upper=False)
     return sig[..., 0], err[..., 0]
 
+# %% ../nbs/02_esp_backward.ipynb #5fc2b442
+def _newton_substitution(power_sums: torch.Tensor, # (..., k) the power sums p_1..p_k
+                         rounding: float,          # c u of the bound
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    "`newton_esp`'s two triangular systems by forward substitution, one degree at a time: O(k) batched dots, no (k+1)^2 matrix per row."
+    k = power_sums.shape[-1]
+    pf = power_sums.flip(-1)                                           # (..., k): p_r at k - r
+    odd = torch.arange(k, 0, -1, device=pf.device) % 2 == 1
+    qf = torch.where(odd, -pf, pf)                                     # (-1)^r p_r at k - r
+    sig = F.pad(torch.ones_like(pf[..., :1]), (0, k))                  # (..., k+1): sigma_0 = 1
+    err = torch.zeros_like(sig)                                        # (..., k+1): E_0 = 0
+    for j in range(1, k + 1):                                          # pairs p_{j-i} with sigma_i, E_i, i < j
+        sig[..., j] = torch.linalg.vecdot(qf[..., k - j:], sig[..., :j]) / -j
+        err[..., j] = torch.linalg.vecdot(pf[..., k - j:], torch.add(err[..., :j], sig[..., :j], alpha=rounding)) / j
+    return sig, err
 
 # %% ../nbs/02_esp_backward.ipynb #eb9afc4b
 def head_esps(v: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,7 +187,6 @@ def head_esps(v: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         prefixes.append(cur[:, :k])
         cur = torch.cat([cur[:, :1], torch.addcmul(cur[:, 1:], col, cur[:, :-1])], 1)
     return cur, torch.stack(prefixes, 1)
-
 
 # %% ../nbs/02_esp_backward.ipynb #5a6c0442
 def head_leave_one_out(prefixes: torch.Tensor, v: torch.Tensor, sig_t: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
