@@ -57,3 +57,68 @@ def test_rows_too_long_or_k_too_large_take_the_pytorch_path():
         assert not kernels.triton_ok(torch.zeros(2, kernels.MAX_ROW + 1), 1)
         assert not kernels.triton_ok(torch.zeros(2, 10), kernels.MAX_KTH + 1)
     assert not kernels.triton_ok(torch.zeros(2, 10), 1)           # CPU tensors outside force_triton
+
+
+# --- the smooth top-k SVM kernels ---------------------------------------------------------------------------
+
+from topk_nb.bench import aten_ops, syncing_ops  # noqa: E402
+from topk_nb.core import force_sync_free  # noqa: E402
+from topk_nb.svm import smooth_svm, smooth_topk_svm_bruteforce  # noqa: E402
+
+
+@pytest.mark.parametrize("n, k, tau, block", [(5, 1, 1.0, None), (8, 3, 0.2, 4), (11, 4, 5.0, 4), (9, 8, 1.0, 4),
+                                              (10, 2, 1e-4, 8)])
+def test_svm_kernels_equal_subset_enumeration(n, k, tau, block):
+    g = torch.Generator().manual_seed(n + k)
+    s = (4 * torch.randn(3, n, generator=g, dtype=torch.float64)).requires_grad_()
+    y = torch.randint(0, n, (3,), generator=g)
+    loss = kernels.smooth_svm_triton(s, y, k, tau, alpha=0.5, block_n=block)
+    grad, = torch.autograd.grad(loss.sum(), s)
+    s_ref = s.detach().clone().requires_grad_()
+    ref = smooth_topk_svm_bruteforce(s_ref, y, k, tau, alpha=0.5)
+    grad_ref, = torch.autograd.grad(ref.sum(), s_ref)
+    torch.testing.assert_close(loss, ref, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(grad, grad_ref, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("n, k, tau, scale", [(120, 5, 1.0, 3.0), (100, 10, 1e-4, 1.0), (80, 79, 1.0, 1.0),
+                                              (90, 20, 100.0, 1.0), (150, 3, 0.05, 100.0)])
+def test_svm_kernels_float32_within_targets_of_float64(n, k, tau, scale):
+    g = torch.Generator().manual_seed(n)
+    s = (scale * torch.randn(2, n, generator=g)).requires_grad_()
+    y = torch.randint(0, n, (2,), generator=g)
+    loss = kernels.smooth_svm_triton(s, y, k, tau, block_n=32)
+    grad, = torch.autograd.grad(loss.sum(), s)
+    ref_in = s.detach().double().requires_grad_()
+    ref = smooth_svm(ref_in, y, k, tau, reduction="none", hard_switch=False)
+    ref_grad, = torch.autograd.grad(ref.sum(), ref_in)
+    assert loss.dtype == torch.float32 and torch.isfinite(grad).all()
+    assert ((loss.double() - ref).abs() <= 1e-4 * ref.abs() + 1e-30).all()
+    assert (grad.double() - ref_grad).abs().max() <= 1e-4 * ref_grad.abs().max()
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_smooth_svm_takes_the_kernels_without_syncs(reduction):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 40, generator=g).requires_grad_()
+    y = torch.randint(0, 40, (4,), generator=g)
+    ref = smooth_svm(x.detach().double(), y, 5, 0.5, reduction=reduction)
+    step = lambda: smooth_svm(x, y, 5, 0.5, reduction=reduction).sum().backward()
+    with force_sync_free(), kernels.force_triton():
+        out = smooth_svm(x, y, 5, 0.5, reduction=reduction)
+        launches = kernels.count_launches(step)
+        ops = aten_ops(step)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-7)
+    assert launches == 2 and not syncing_ops(ops)
+    assert sum(ops.values()) + launches <= 30                     # the CUDA path's op budget per forward+backward
+
+
+def test_svm_kernels_refuse_what_they_cannot_take():
+    x = torch.randn(2, 10)
+    with kernels.force_triton():
+        assert kernels.svm_triton_ok(x, 9) and not kernels.svm_triton_ok(x, 10)
+        assert not kernels.svm_triton_ok(torch.randn(2, 500), kernels.SVM_MAX_K + 1)
+        assert not kernels.svm_triton_ok(torch.randn(10), 3)
+    assert not kernels.svm_triton_ok(x, 3)                          # CPU tensors outside force_triton
+    with pytest.raises(ValueError, match="k"):
+        kernels.smooth_svm_triton(x, torch.zeros(2, dtype=torch.long), 10, 1.0)

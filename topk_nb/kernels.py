@@ -5,9 +5,9 @@
 # %% ../nbs/16_kernels.ipynb #78937b33
 from __future__ import annotations
 
-import math
 import os
 import threading
+from typing import Callable
 
 import torch
 
@@ -21,7 +21,8 @@ except ImportError:                            # pragma: no cover - CPU-only tor
     HAS_TRITON = False
 
 # %% auto #0
-__all__ = ['MAX_ROW', 'MAX_KTH', 'force_triton', 'triton_ok', 'perturbed_kth_triton', 'triton_sampled_topk_value']
+__all__ = ['MAX_ROW', 'MAX_KTH', 'SVM_MAX_K', 'force_triton', 'triton_ok', 'count_launches', 'perturbed_kth_triton',
+           'triton_sampled_topk_value', 'svm_triton_ok', 'svm_blocks', 'smooth_svm_triton']
 
 # %% ../nbs/16_kernels.ipynb #c63387a8
 _FORCE = threading.local()
@@ -44,6 +45,30 @@ def triton_ok(t: torch.Tensor, # the scores, classes along the last dimension
     if not (t.is_cuda or (getattr(_FORCE, "on", False) and os.environ.get("TRITON_INTERPRET") == "1")):
         return False                           # a CPU tensor runs a kernel only in the interpreter, when forced
     return t.ndim >= 1 and 1 <= t.shape[-1] <= MAX_ROW and k <= MAX_KTH and t.numel() > 0
+
+# %% ../nbs/16_kernels.ipynb #a4641772
+_LAUNCHES = threading.local()
+
+
+def _launch(kernel,          # a Triton kernel
+            grid: tuple,     # its launch grid
+            *args, **kwargs):
+    "Launch `kernel[grid](*args, **kwargs)` as one unit: counted for `count_launches`, and outside any dispatch mode (Triton's interpreter works through aten operators of its own, which a GPU launch does not make)."
+    if getattr(_LAUNCHES, "on", False):
+        _LAUNCHES.count += 1
+    with torch.utils._python_dispatch._disable_current_modes():
+        kernel[grid](*args, **kwargs)
+
+# %% ../nbs/16_kernels.ipynb #500724af
+def count_launches(fn: Callable[[], object] # called once, with no arguments
+                   ) -> int:
+    "How many Triton kernels this module launches during `fn()`."
+    _LAUNCHES.on, _LAUNCHES.count = True, 0
+    try:
+        fn()
+        return _LAUNCHES.count
+    finally:
+        _LAUNCHES.on = False
 
 # %% ../nbs/16_kernels.ipynb #38b03ee8
 if HAS_TRITON:
@@ -96,9 +121,8 @@ def perturbed_kth_triton(scores: torch.Tensor,   # (..., n) scores
     given = noise is not None
     z = noise.reshape(S, B, n).contiguous() if given else s               # unused pointer when not given
     block = triton.next_power_of_2(n)
-    _perturbed_kth_kernel[(B,)](s, z, _device_seed(generator, s.device), mean, idx, B, n, epsilon,
-                                KTH=k, N_SAMPLES=S, GIVEN_NOISE=given, BLOCK=block,
-                                num_warps=min(16, max(1, block // 256)))
+    _launch(_perturbed_kth_kernel, (B,), s, z, _device_seed(generator, s.device), mean, idx, B, n, epsilon,
+            KTH=k, N_SAMPLES=S, GIVEN_NOISE=given, BLOCK=block, num_warps=min(16, max(1, block // 256)))
     return mean.reshape(scores.shape[:-1]), idx.reshape(S, *scores.shape[:-1])
 
 # %% ../nbs/16_kernels.ipynb #103ba18c
@@ -124,3 +148,179 @@ def triton_sampled_topk_value(scores: torch.Tensor, k: int, epsilon: float, n_sa
                               generator: torch.Generator | None = None) -> torch.Tensor:
     "mean_b top_K(s + eps Z_b) over the last dim by the fused kernel, differentiable (eq. 11, 12)."
     return _TritonSampledTopk.apply(scores, k, epsilon, n_samples, generator)
+
+# %% ../nbs/16_kernels.ipynb #b0b16e9c
+SVM_MAX_K = 100           # the largest k the smooth SVM kernels take (the degrees are unrolled into k scans)
+
+
+def svm_triton_ok(s: torch.Tensor, # (B, n) scores
+                  k: int,          # the k of top-k
+                  ) -> bool:
+    "Whether `smooth_svm` takes the fused kernels: CUDA (or `force_triton()`), Triton present, not tracing, 1 <= k <= SVM_MAX_K."
+    if not HAS_TRITON or torch.compiler.is_compiling():
+        return False
+    if not (s.is_cuda or (getattr(_FORCE, "on", False) and os.environ.get("TRITON_INTERPRET") == "1")):
+        return False
+    return s.ndim == 2 and s.shape[0] >= 1 and 1 <= k <= min(SVM_MAX_K, s.shape[1] - 1)
+
+# %% ../nbs/16_kernels.ipynb #e4704943
+if HAS_TRITON:
+    @triton.jit
+    def _lae(a, b):
+        "log(exp(a) + exp(b)) elementwise; -inf (+) -inf = -inf without a NaN."
+        m = tl.maximum(a, b)
+        return m + tl.log(1.0 + tl.exp(tl.minimum(a, b) - tl.where(m == float("-inf"), 0.0, m)))
+
+# %% ../nbs/16_kernels.ipynb #3bbab625
+if HAS_TRITON:
+    @triton.jit
+    def _excl_combine(t1, e1, t2, e2):
+        "The pair product (T1, E1).(T2, E2) = (T1 (+) T2, T1 (+) E2): E of an inclusive scan is the exclusive log-sum."
+        return _lae(t1, t2), _lae(t1, e2)
+
+# %% ../nbs/16_kernels.ipynb #d799c036
+if HAS_TRITON:
+    @triton.jit
+    def _lse(b):
+        "log sum exp of a block (BLOCK,) -> scalar; -inf for an empty sum."
+        m = tl.max(b, 0)
+        m0 = tl.where(m == float("-inf"), 0.0, m)
+        return m0 + tl.log(tl.sum(tl.exp(b - m0), 0))
+
+# %% ../nbs/16_kernels.ipynb #9d1a0244
+if HAS_TRITON:
+    @triton.jit
+    def _pick(v, rk, j):
+        "Lane j of the log-space vector v (BLOCK_K,), by one max over the lanes."
+        return tl.max(tl.where(rk == j, v, float("-inf")), 0)
+
+# %% ../nbs/16_kernels.ipynb #87dd07f3
+if HAS_TRITON:
+    @triton.jit
+    def _degree_step(x, a_prev, carry, rk, j):
+        "Degree j over one block: A_j = carry_j (+) exclusive-scan(x + A_{j-1}) (BLOCK_N,), and carry_j (+)= the block's total."
+        b = x + a_prev                                                   # (BLOCK_N,) log e_l A_{j-1}(l)
+        _, excl = tl.associative_scan((b, tl.full(b.shape, float("-inf"), tl.float64)), 0, _excl_combine)
+        c = _pick(carry, rk, j)
+        return _lae(c, excl), tl.where(rk == j, _lae(c, _lse(b)), carry)
+
+# %% ../nbs/16_kernels.ipynb #e3ddee69
+if HAS_TRITON:
+    @triton.jit
+    def _svm_forward_kernel(s_ptr, y_ptr, loss_ptr, lsig_ptr, rho_ptr, ckpt_ptr, n, n_blocks, inv_ktau, alpha_tau, tau,
+                            K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        "Program `row`: log sigma_{k-1}, log sigma_k of the others by scans, the loss, rho, and the carry at each block's start."
+        row = tl.program_id(0)
+        rk, lanes = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_N)          # degrees (BLOCK_K,), classes (BLOCK_N,)
+        y = tl.load(y_ptr + row)
+        carry = tl.where(rk == 0, 0.0, float("-inf")).to(tl.float64)     # (BLOCK_K,) log sigma_j before the block
+        for blk in range(0, n_blocks):
+            offs = blk * BLOCK_N + lanes
+            s = tl.load(s_ptr + row * n + offs, mask=offs < n, other=0.0).to(tl.float64)
+            x = tl.where((offs < n) & (offs != y), s * inv_ktau, float("-inf"))    # (BLOCK_N,) x = s / (k tau), others only
+            tl.store(ckpt_ptr + (row * n_blocks + blk) * BLOCK_K + rk, carry)
+            a = tl.zeros([BLOCK_N], dtype=tl.float64)                     # A_0 = log 1
+            for j in range(1, K + 1):
+                a, carry = _degree_step(x, a, carry, rk, j)
+        lk1, lk = _pick(carry, rk, K - 1), _pick(carry, rk, K)
+        z = alpha_tau + lk - lk1 - tl.load(s_ptr + row * n + y).to(tl.float64) * inv_ktau   # b - a of eq. (10)
+        u = tl.exp(-tl.abs(z))
+        log1p_u = tl.where(u < 1e-4, u * (1.0 - u * (0.5 - u / 3.0)), tl.log(1.0 + u))   # log1p, accurate for small u
+        tl.store(loss_ptr + row, tau * (tl.maximum(z, 0.0) + log1p_u))               # tau softplus(z)
+        tl.store(lsig_ptr + 2 * row, lk1)
+        tl.store(lsig_ptr + 2 * row + 1, lk)
+        tl.store(rho_ptr + row, tl.where(z >= 0, 1.0, u) / (1.0 + u))                 # sigmoid(z), u = exp(-|z|)
+
+# %% ../nbs/16_kernels.ipynb #2e02a397
+if HAS_TRITON:
+    @triton.jit
+    def _svm_backward_kernel(s_ptr, y_ptr, go_ptr, lsig_ptr, rho_ptr, ckpt_ptr, scratch_ptr, g_ptr, n, n_blocks, inv_ktau,
+                             K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        "Program `row`: dL/ds by leave-one-out prefixes (recomputed from the checkpoint) and suffixes, blocks last to first."
+        row = tl.program_id(0)
+        rk, lanes = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_N)
+        rev = BLOCK_N - 1 - lanes                                         # lane r holds class rev[r] of the block
+        y = tl.load(y_ptr + row)
+        lk1, lk = tl.load(lsig_ptr + 2 * row), tl.load(lsig_ptr + 2 * row + 1)
+        w = tl.load(rho_ptr + row) * tl.load(go_ptr + row).to(tl.float64) / K    # dL/ds_i = w (pi_k,i - pi_k-1,i)
+        scr = scratch_ptr + row * K * BLOCK_N                             # (K, BLOCK_N) this row's prefixes A_0..A_{K-1}
+        sc = tl.where(rk == 0, 0.0, float("-inf")).to(tl.float64)        # (BLOCK_K,) log sigma_j after the block
+        for bb in range(0, n_blocks):
+            blk = n_blocks - 1 - bb
+            offs, roffs = blk * BLOCK_N + lanes, blk * BLOCK_N + rev
+            x = tl.load(s_ptr + row * n + offs, mask=offs < n, other=0.0).to(tl.float64)
+            x = tl.where((offs < n) & (offs != y), x * inv_ktau, float("-inf"))
+            carry, a = tl.load(ckpt_ptr + (row * n_blocks + blk) * BLOCK_K + rk), tl.zeros([BLOCK_N], dtype=tl.float64)
+            tl.store(scr + lanes, a)
+            for j in range(1, K):                                         # prefixes, in class order
+                a, carry = _degree_step(x, a, carry, rk, j)
+                tl.store(scr + j * BLOCK_N + lanes, a)
+            tl.debug_barrier()
+            xr = tl.load(s_ptr + row * n + roffs, mask=roffs < n, other=0.0).to(tl.float64)
+            xr = tl.where((roffs < n) & (roffs != y), xr * inv_ktau, float("-inf"))   # (BLOCK_N,) the block backwards
+            sfx = tl.zeros([BLOCK_N], dtype=tl.float64)                   # S_0 = log 1
+            hi = tl.load(scr + (K - 1) * BLOCK_N + rev)                   # sum_a A_a S_{K-1-a}, from a = K-1
+            lo = tl.load(scr + (K - 2) * BLOCK_N + rev, mask=(lanes >= 0) & (K >= 2), other=float("-inf"))
+            for j in range(1, K):                                         # suffixes S_1..S_{K-1}
+                sfx, sc = _degree_step(xr, sfx, sc, rk, j)
+                hi = _lae(hi, tl.load(scr + (K - 1 - j) * BLOCK_N + rev) + sfx)
+                term = tl.load(scr + (K - 2 - j) * BLOCK_N + rev, mask=(lanes >= 0) & (j <= K - 2), other=float("-inf"))
+                lo = _lae(lo, term + sfx)
+            g = tl.exp(xr + hi - lk) - tl.exp(xr + lo - lk1)              # pi_{k,i} - pi_{k-1,i} (the second is 0 at k = 1)
+            tl.store(g_ptr + row * n + roffs, tl.where(roffs == y, -w, w * g), mask=roffs < n)
+            tl.debug_barrier()
+
+# %% ../nbs/16_kernels.ipynb #05485d33
+def svm_blocks(n: int,                    # classes per row
+               k: int,                    # the k of top-k
+               block_n: int | None = None # classes per block; by default as many as fit with k+1 degrees
+               ) -> tuple[int, int, int]:
+    "(BLOCK_N, blocks per row, BLOCK_K) of the smooth SVM kernels: the block shrinks as k grows, so k x BLOCK_N stays about 8192."
+    block_k = triton.next_power_of_2(k + 1)
+    if block_n is None:
+        block_n = min(triton.next_power_of_2(n), max(32, 8192 // block_k))
+    return block_n, triton.cdiv(n, block_n), block_k
+
+# %% ../nbs/16_kernels.ipynb #2bca8c51
+class _SmoothSVMTriton(torch.autograd.Function):
+    "Per-sample L_{k,tau} (B,) by the forward kernel; its gradient by the backward kernel (two launches, a few allocations)."
+
+    @staticmethod
+    def forward(ctx, s, target, k, tau, alpha, block_n):
+        B, n = s.shape
+        s, target = s.contiguous(), target.contiguous()
+        BN, nb, BK = svm_blocks(n, k, block_n)
+        f64 = dict(dtype=torch.float64, device=s.device)
+        loss, lsig, rho = torch.empty(B, **f64), torch.empty(B, 2, **f64), torch.empty(B, **f64)
+        ckpt = torch.empty(B, nb, BK, **f64)                          # the carry at each block's start
+        _launch(_svm_forward_kernel, (B,), s, target, loss, lsig, rho, ckpt, n, nb, 1.0 / (k * tau), alpha / tau, tau,
+                K=k, BLOCK_N=BN, BLOCK_K=BK)
+        ctx.save_for_backward(s, target, lsig, rho, ckpt)
+        ctx.k, ctx.inv_ktau, ctx.block_n = k, 1.0 / (k * tau), block_n
+        return loss.to(s.dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        s, target, lsig, rho, ckpt = ctx.saved_tensors
+        (B, n), k = s.shape, ctx.k
+        BN, nb, BK = svm_blocks(n, k, ctx.block_n)
+        scratch = torch.empty(B, k, BN, dtype=torch.float64, device=s.device)   # each row's prefixes of one block
+        out = torch.empty_like(s)
+        _launch(_svm_backward_kernel, (B,), s, target, grad.contiguous(), lsig, rho, ckpt, scratch, out, n, nb,
+                ctx.inv_ktau, K=k, BLOCK_N=BN, BLOCK_K=BK)
+        return out, None, None, None, None, None
+
+# %% ../nbs/16_kernels.ipynb #38b9b185
+def smooth_svm_triton(scores: torch.Tensor,          # (B, n) float32 or float64 scores
+                      target: torch.Tensor,          # (B,) class indices
+                      k: int,                        # the k of top-k, 1 <= k <= n - 1
+                      tau: float,                    # temperature, > 0
+                      alpha: float = 1.0,            # margin
+                      block_n: int | None = None,    # classes per block (tests use small blocks)
+                      ) -> torch.Tensor:
+    "Per-sample smooth top-k SVM loss L_{k,tau} (B,) by the fused kernels, differentiable; exact on every row."
+    n = scores.shape[-1]
+    k = check_int(k, "k", 1, min(SVM_MAX_K, n - 1))
+    tau, alpha = check_real(tau, "tau", 0.0, lo_open=True), check_real(alpha, "alpha", 0.0)
+    return _SmoothSVMTriton.apply(scores, target, k, tau, alpha, block_n)

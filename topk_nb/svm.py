@@ -197,7 +197,7 @@ def smooth_svm(scores: torch.Tensor,             # (B, n) scores
                tau: float = 1.0,                 # temperature: tau -> 0 gives the top-k hinge
                alpha: float = 1.0,               # margin
                reduction: str = "mean",          # "mean", "sum" or "none"
-               hard_switch: bool = True,         # rows where the smooth loss equals the hinge to rounding take the hinge
+               hard_switch: bool = True,         # rows where the smooth loss equals the hinge to rounding take the hinge (the fused kernels compute every row exactly, equal to rounding)
                check_finite: bool | None = None, # check the scores are finite (None: on the host path only)
                ) -> torch.Tensor:
     "Smooth top-k SVM loss L_{k,tau} (Berrada 2018, eq. 9-10) with margin alpha."
@@ -208,6 +208,9 @@ def smooth_svm(scores: torch.Tensor,             # (B, n) scores
     out_dtype = loss_dtype(scores)
     with torch.autocast(scores.device.type, enabled=False):
         s = scores if scores.dtype in (torch.float32, torch.float64) else scores.float()
+        from topk_nb.kernels import smooth_svm_triton, svm_triton_ok   # chapter 16, imported where it is used
+        if svm_triton_ok(s, k):                                      # CUDA: the fused kernels, every row exact
+            return reduce_loss(smooth_svm_triton(s, target, k, tau, alpha), reduction).to(out_dtype)
         loss, ok = _SmoothTopkSVMFunction.apply(s, target, k, tau, alpha, hard_switch)   # (B,), (B,)
         if sync_free(s):                                             # no read-back: the tree on every row, kept where refused
             loss = torch.where(ok, loss, _tree_part(s, target, k, tau, alpha))
@@ -218,7 +221,6 @@ def smooth_svm(scores: torch.Tensor,             # (B, n) scores
 
 
 smooth_topk_svm = smooth_svm    # the earlier name, kept
-
 
 # %% ../nbs/03_smooth_svm.ipynb #9f2f81b1
 class SmoothSVM(LossModule):
