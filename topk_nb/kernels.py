@@ -182,10 +182,11 @@ if HAS_TRITON:
 if HAS_TRITON:
     @triton.jit
     def _lse(b):
-        "log sum exp of a block (BLOCK,) -> scalar; -inf for an empty sum."
+        "log sum exp of a block (BLOCK,) -> scalar; -inf for an empty sum (without taking the log of 0)."
         m = tl.max(b, 0)
         m0 = tl.where(m == float("-inf"), 0.0, m)
-        return m0 + tl.log(tl.sum(tl.exp(b - m0), 0))
+        total = tl.sum(tl.exp(b - m0), 0)                               # >= 1 unless every entry is -inf
+        return tl.where(m == float("-inf"), m, m0 + tl.log(tl.maximum(total, 1.0)))
 
 # %% ../nbs/16_kernels.ipynb #9d1a0244
 if HAS_TRITON:
