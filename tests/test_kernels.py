@@ -122,3 +122,33 @@ def test_svm_kernels_refuse_what_they_cannot_take():
     assert not kernels.svm_triton_ok(x, 3)                          # CPU tensors outside force_triton
     with pytest.raises(ValueError, match="k"):
         kernels.smooth_svm_triton(x, torch.zeros(2, dtype=torch.long), 10, 1.0)
+
+
+_COMPILE = """
+import sys
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import triton
+import topk_nb.kernels as K
+ptrs = lambda names, kinds: dict(zip(names, kinds))
+fwd = ptrs(["s_ptr", "y_ptr", "loss_ptr", "lsig_ptr", "rho_ptr", "ckpt_ptr"], ["*fp32", "*i64"] + ["*fp64"] * 4)
+fwd.update(n="i32", n_blocks="i32", inv_ktau="fp64", alpha_tau="fp64", tau="fp64")
+bwd = ptrs(["s_ptr", "y_ptr", "go_ptr", "lsig_ptr", "rho_ptr", "ckpt_ptr", "scratch_ptr", "g_ptr"],
+           ["*fp32", "*i64", "*fp32"] + ["*fp64"] * 4 + ["*fp32"])
+bwd.update(n="i32", n_blocks="i32", inv_ktau="fp64")
+for k in (1, 3):
+    for fn, sig in ((K._svm_forward_kernel, fwd), (K._svm_backward_kernel, bwd)):
+        sig = {**sig, "K": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"}
+        src = ASTSource(fn=fn, signature=sig, constexprs={"K": k, "BLOCK_N": 64, "BLOCK_K": triton.next_power_of_2(k + 1)})
+        assert triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
+print("compiled")
+"""
+
+
+def test_svm_kernels_compile_for_a_gpu():
+    "The interpreter is lenient; the real compiler (PTX, then an sm_90 cubin) must accept the kernels too."
+    import os, subprocess, sys
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    out = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0 and "compiled" in out.stdout, out.stderr[-2000:]
