@@ -35,7 +35,7 @@ def force_triton(enabled: bool = True # run the kernels on CPU tensors too (need
     "Context manager: the kernels also run on CPU tensors, through Triton's interpreter."
     return thread_flag(_FORCE, enabled)
 
-
+# %% ../nbs/16_kernels.ipynb #8f221bf8
 def triton_ok(t: torch.Tensor, # the scores, classes along the last dimension
               k: int,          # the K of the top_K the kernel selects
               ) -> bool:
@@ -103,7 +103,7 @@ def _device_seed(generator: torch.Generator | None, device: torch.device) -> tor
     seed = torch.randint(0, 2**31 - 1, (1,), generator=generator, device=gen_device, dtype=torch.int64)
     return seed.to(device, non_blocking=True)
 
-
+# %% ../nbs/16_kernels.ipynb #43d9a900
 def perturbed_kth_triton(scores: torch.Tensor,   # (..., n) scores
                          k: int,                  # the K of top_K
                          epsilon: float,          # noise scale
@@ -143,7 +143,7 @@ class _TritonSampledTopk(torch.autograd.Function):
         out.scatter_add_(1, idx.reshape(S, -1).T, (grad / S).reshape(1, -1).expand(S, -1).T)
         return out.view(ctx.shape), None, None, None, None
 
-
+# %% ../nbs/16_kernels.ipynb #d4a487d1
 def triton_sampled_topk_value(scores: torch.Tensor, k: int, epsilon: float, n_samples: int,
                               generator: torch.Generator | None = None) -> torch.Tensor:
     "mean_b top_K(s + eps Z_b) over the last dim by the fused kernel, differentiable (eq. 11, 12)."

@@ -36,14 +36,14 @@ def topk_hinge(scores: torch.Tensor, target: torch.Tensor, k: int = 5, alpha: fl
 def _subsets(n: int, k: int, device=None) -> torch.Tensor:
     return torch.tensor(list(itertools.combinations(range(n), k)), device=device).reshape(-1, k)
 
-
+# %% ../nbs/03_smooth_svm.ipynb #ebeb9446
 def subset_sums_bruteforce(scores: torch.Tensor, target: torch.Tensor, k: int):
     "All k-subset sums of each row, (B, C), and whether each subset contains the target, (B, C)."
     idx = _subsets(scores.shape[1], k, scores.device)
     sums = scores[:, idx].sum(-1)
     return sums, (idx[None] == target[:, None, None]).any(-1)
 
-
+# %% ../nbs/03_smooth_svm.ipynb #f96ee572
 def smooth_topk_svm_bruteforce(scores: torch.Tensor, target: torch.Tensor, k: int, tau: float,
                                alpha: float = 1.0) -> torch.Tensor:
     "Per-sample L_{k,tau} by enumerating all k-subsets (eq. 9), differentiable; for small n and float64 checks."
@@ -72,7 +72,7 @@ def _top_others(scores: torch.Tensor, target: torch.Tensor, k: int) -> tuple[tor
     keep = (idx == target[:, None]).to(torch.uint8).argsort(dim=1, stable=True)[:, :count]
     return top.gather(1, keep), idx.gather(1, keep), scores.gather(1, target[:, None])[:, 0]
 
-
+# %% ../nbs/03_smooth_svm.ipynb #ede9ad27
 def _hard_mask(top: torch.Tensor, s_y: torch.Tensor, n: int, k: int, tau: float, alpha: float) -> torch.Tensor:
     "The criterion of the claim above, in log space, from the sorted top other scores."
     h = alpha + (top[:, k - 1] - s_y) / k
@@ -85,7 +85,7 @@ def _hard_mask(top: torch.Tensor, s_y: torch.Tensor, n: int, k: int, tau: float,
         ok &= log_binom(n - 1, k) - (top[:, k - 1] - top[:, k]) / (k * tau) <= log_budget
     return ok
 
-
+# %% ../nbs/03_smooth_svm.ipynb #8499a1a2
 def hard_enough(scores: torch.Tensor, target: torch.Tensor, k: int, tau: float, alpha: float) -> torch.Tensor:
     "Boolean (B,): samples whose smooth loss equals the hard top-k hinge to within u * tau (u the unit roundoff)."
     top, _, s_y = _top_others(scores.detach(), target, k)
@@ -104,7 +104,7 @@ def _masked_forward(ctx, s, target, k, tau, alpha, top, idx, s_y, hard, loss, kt
     ctx.save_for_backward(target, kth, gain, e, v, head, sig, soft_ok, torch.sigmoid(z), *state)
     return loss, hard | ok_s
 
-
+# %% ../nbs/03_smooth_svm.ipynb #9021f8ae
 def _masked_backward(ctx, grad):
     "The sync-free backward: the hinge's two entries on hard rows plus the power path's gradient on certified soft rows, (B, n)."
     target, kth, gain, e, v, head, sig, soft_ok, rho, *state = ctx.saved_tensors
@@ -116,14 +116,13 @@ def _masked_backward(ctx, grad):
     g_hard = grad * gain                                                      # 0 on soft rows and where the hinge is flat
     return out.index_put_((rows, kth), g_hard, accumulate=True).index_put_((rows, target), -g_hard, accumulate=True)
 
-
+# %% ../nbs/03_smooth_svm.ipynb #a39da6f2
 def _tree_part(s, target, k, tau, alpha):
     "Per-sample L_{k,tau} of every row by the exact log-space tree (autograd), for the rows the certificate refuses."
     x = scores_without_target(s, target) / (k * tau)                          # (B, n-1)
     log_sig = dc_tree(x, k, log_zero(x.dtype, k))[0][..., k - 1:k + 1]        # (B, 2): log sigma_{k-1}, log sigma_k
     s_y = s.gather(1, target[:, None])[:, 0]
     return tau * F.softplus(alpha / tau + log_sig[:, 1] - s_y / (k * tau) - log_sig[:, 0])
-
 
 # %% ../nbs/03_smooth_svm.ipynb #491dffe0
 def _host_forward(ctx, s, target, k, tau, alpha, top, idx, s_y, hard, loss, ok, kth, gain):
@@ -144,7 +143,7 @@ def _host_forward(ctx, s, target, k, tau, alpha, top, idx, s_y, hard, loss, ok, 
     ctx.save_for_backward(target, kth, gain, soft, e, v, head, sig, ok_s, torch.sigmoid(z), *state)
     return loss, ok
 
-
+# %% ../nbs/03_smooth_svm.ipynb #02afa687
 def _host_backward(ctx, grad):
     "The host backward: the hinge's two entries on hard rows plus the power path's gradient on the soft rows, (B, n)."
     target, kth, gain, *soft_state = ctx.saved_tensors
@@ -163,7 +162,6 @@ def _host_backward(ctx, grad):
         part.scatter_add_(1, target[soft, None], -g[:, None].to(part.dtype))
         if not ctx.every: out.index_copy_(0, soft, part)
     return out
-
 
 # %% ../nbs/03_smooth_svm.ipynb #850e8522
 class _SmoothTopkSVMFunction(torch.autograd.Function):
