@@ -54,3 +54,11 @@ def test_op_table():
     with pytest.raises(ValueError, match="path must be"):
         op_table(["topk_hinge"], path="gpu")
     assert rows[2]["float64_ops"] > 0                           # the power path works in float64
+    assert ce["launches"] == ce["ops"] - 4                      # three detach and one expand: views launch nothing
+    assert rows[2]["triton"] == 0 and rows[2]["launches"] < rows[2]["ops"]
+
+
+def test_op_table_cuda_path_counts_the_fused_kernels():
+    ops = {r["loss"]: r for r in op_table(["smooth_svm", "noised_bal", "topk_hinge"], batch=2, n=40, k=3, path="cuda")}
+    assert ops["smooth_svm"]["triton"] == 2 and ops["noised_bal"]["triton"] == 1 and ops["topk_hinge"]["triton"] == 0
+    assert ops["smooth_svm"]["launches"] <= 30 and all(not r["syncing"] for r in ops.values())

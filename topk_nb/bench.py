@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import traceback
 from collections import Counter
@@ -149,10 +150,11 @@ SYNCING_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "_unique2", "u
 
 
 class OpCall(NamedTuple):
-    "One aten operator call: its name, the dtypes of its tensor inputs and outputs, and for a syncing op the package function that ran it."
+    "One aten operator call: its name, the dtypes of its tensor inputs and outputs, for a syncing op the package function that ran it, and whether it runs a kernel."
     name: str
     dtypes: frozenset
     where: str = ""
+    kernel: bool = True   # False for views (an output aliasing an input) and uninitialised allocations, which launch nothing
 
 # %% ../nbs/14_bench.ipynb #d49951de
 def _tensors(tree) -> list[torch.Tensor]:
@@ -193,8 +195,9 @@ class _OpRecorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         ins, outs = _tensors((args, kwargs)), _tensors(out)
         dtypes = frozenset(t.dtype for t in ins + outs)
+        kernel = not (func.is_view or func.overloadpacket.__name__ in ("empty", "empty_like", "empty_strided"))
         for name in _op_names(func, args, kwargs, ins, outs):
-            self.calls.append(OpCall(name, dtypes, _caller() if name in SYNCING_OPS else ""))
+            self.calls.append(OpCall(name, dtypes, _caller() if name in SYNCING_OPS else "", kernel))
         return out
 
 # %% ../nbs/14_bench.ipynb #f90a728b
@@ -223,22 +226,27 @@ def syncing_ops(counter: Counter  # from `aten_ops`
 # %% ../nbs/14_bench.ipynb #40f803bd
 def op_table(names: Sequence[str] | None = None,  # registry losses; all by default
              batch: int = 256, n: int = 1000, k: int = 5, seed: int = 0,
-             path: str = "sync-free",                # 'sync-free' (what a GPU runs) or 'host' (CPU eager)
+             path: str = "sync-free",  # 'sync-free' (PyTorch code a GPU runs), 'cuda' (with the fused kernels of chapter 16, through Triton's interpreter on a CPU) or 'host' (CPU eager)
              ) -> list[dict]:
-    "Forward+backward aten op counts of F.cross_entropy and registry losses (check_finite=False): all, float64, host-syncing with their callers."
-    if path not in ("sync-free", "host"):
-        raise ValueError(f"path must be 'sync-free' or 'host', got {path!r}")
+    "Forward+backward aten op counts of F.cross_entropy and registry losses (check_finite=False): all, kernel launches (aten kernels plus Triton), float64, host-syncing with their callers."
+    if path not in ("sync-free", "cuda", "host"):
+        raise ValueError(f"path must be 'sync-free', 'cuda' or 'host', got {path!r}")
+    from topk_nb import kernels
+    if path == "cuda" and not (kernels.HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1"):
+        raise RuntimeError("path='cuda' counts the fused kernels on CPU tensors: it needs Triton and TRITON_INTERPRET=1 "
+                           "(set before the first import of torch; topk_nb sets it on machines without CUDA)")
     scores, target = bench_scores(batch, n, seed=seed)
     fns = {"F.cross_entropy": F.cross_entropy, **{name: bench_loss(name, n, k, check_finite=False) for name in names or LOSSES}}
     rows = []
     for name, fn in fns.items():
-        step = fwd_bwd(fn, scores, target)
-        with force_sync_free(path == "sync-free"):
-            step()                                              # first call: cached constants, workspaces
+        step, calls = fwd_bwd(fn, scores, target), []
+        with force_sync_free(path != "host"), kernels.force_triton(path == "cuda"):
+            step()                                              # first call: cached constants, workspaces, kernel builds
             torch.manual_seed(seed)
-            calls = op_calls(step)
+            triton = kernels.count_launches(lambda: calls.extend(op_calls(step)))
         syncs = Counter(f"{c.name} @ {c.where}" for c in calls if c.where)
-        rows.append({"loss": name, "batch": batch, "n": n, "k": k, "ops": len(calls),
+        rows.append({"loss": name, "batch": batch, "n": n, "k": k, "ops": len(calls), "triton": triton,
+                     "launches": sum(c.kernel for c in calls) + triton,
                      "float64_ops": sum(torch.float64 in c.dtypes for c in calls), "syncing": dict(syncs)})
     return rows
 
