@@ -16,11 +16,11 @@ from .esp import _check_esp_input, dc_tree, esp_summation, log_poly_mul, log_zer
 
 # %% auto #0
 __all__ = ['UNIT_ROUNDOFF_64', 'TINY_64', 'POWER_FWD_TOL', 'POWER_GRAD_TOL', 'POWER_FWD_TOL_64', 'POWER_GRAD_TOL_64',
-           'LOOP_DEGREE', 'LOG_SIGMA_METHODS', 'esp_grad_alg2', 'esp_grad_recursion', 'default_order',
+           'LOOP_DEGREE', 'STEP_TABLE', 'LOG_SIGMA_METHODS', 'esp_grad_alg2', 'esp_grad_recursion', 'default_order',
            'esp_grad_stabilised', 'leave_one_out_log_esp', 'esp_grad_leave_one_out', 'power_tolerances', 'poly_mul_lin',
-           'newton_esp', 'head_esps', 'head_leave_one_out', 'head_size', 'power_shift', 'power_inputs', 'power_forward',
-           'power_backward', 'PowerLogSigma', 'power_log_sigma', 'LogSigmaFunction', 'log_sigma', 'grad_error',
-           'grad_target']
+           'newton_esp', 'head_esps', 'head_prefixes', 'head_leave_one_out', 'head_size', 'power_shift', 'power_inputs',
+           'tail_bounds', 'tail_esps', 'power_forward', 'power_backward', 'PowerLogSigma', 'power_log_sigma',
+           'LogSigmaFunction', 'log_sigma', 'grad_error', 'grad_target']
 
 # %% ../nbs/02_esp_backward.ipynb #89094acf
 def esp_grad_alg2(e: torch.Tensor, k: int) -> torch.Tensor:
@@ -91,7 +91,7 @@ def esp_grad_leave_one_out(x: torch.Tensor, log_sigma: torch.Tensor, k: int, inp
 UNIT_ROUNDOFF_64 = torch.finfo(torch.float64).eps / 2
 TINY_64 = torch.finfo(torch.float64).tiny          # what one underflowing product can lose (flush to zero)
 POWER_FWD_TOL, POWER_GRAD_TOL = 1e-6, 1e-6      # float32 (and half) results: relative error of the loss <= 2e-6
-POWER_FWD_TOL_64, POWER_GRAD_TOL_64 = 64 * UNIT_ROUNDOFF_64, 1e-12   # float64 results: float64 accuracy
+POWER_FWD_TOL_64, POWER_GRAD_TOL_64 = 1e-13, 1e-12   # float64 results: 13 digits
 
 
 def power_tolerances(dtype: torch.dtype) -> tuple[float, float]:
@@ -179,25 +179,55 @@ def _newton_substitution(power_sums: torch.Tensor, # (..., k) the power sums p_1
     return sig, err
 
 # %% ../nbs/02_esp_backward.ipynb #eb9afc4b
-def head_esps(v: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    "sigma_0..k of the head values v (B, h), and sigma_0..k-1 of each prefix v_0..v_{i-1}, (B, h, k): positive terms only."
+def head_esps(v: torch.Tensor, # (B, h) head values
+              k: int) -> torch.Tensor:
+    "sigma_0..k of the head values, (B, k+1), by the summation recurrence: positive terms only."
     cur = F.pad(v.new_ones(v.shape[0], 1), (0, k))                   # (B, k+1): the polynomial 1
-    prefixes = []
-    for col in v.unsqueeze(-1).unbind(1):                            # (B, 1): one head value
-        prefixes.append(cur[:, :k])
-        cur = torch.cat([cur[:, :1], torch.addcmul(cur[:, 1:], col, cur[:, :-1])], 1)
-    return cur, torch.stack(prefixes, 1)
+    for i in range(v.shape[1]):                                      # times (1 + v_i z)
+        cur = torch.cat([cur[:, :1], torch.addcmul(cur[:, 1:], v[:, i:i + 1], cur[:, :-1])], 1)
+    return cur
 
 # %% ../nbs/02_esp_backward.ipynb #5a6c0442
-def head_leave_one_out(prefixes: torch.Tensor, v: torch.Tensor, sig_t: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def head_prefixes(v: torch.Tensor, # (B, h) head values
+                  k: int) -> torch.Tensor:
+    "sigma_0..k-1 of each prefix v_0..v_{i-1}, (B, h, k), in the scratch buffer of `workspace` (valid until its next use)."
+    B, h = v.shape
+    pre = workspace((B, h, k), v.dtype, v.device)                    # (B, h, k): row i is the polynomial of v_0..v_{i-1}
+    pre[:, :, 0] = 1.0
+    pre[:, 0, 1:] = 0.0
+    for i in range(1, h):
+        pre[:, i, 1:] = torch.addcmul(pre[:, i - 1, 1:], v[:, i - 1:i], pre[:, i - 1, :-1])
+    return pre
+
+# %% ../nbs/02_esp_backward.ipynb #5788f62f
+def _add_value(suf: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    "The suffix polynomial (B, k), degree k-1-a at a, times (1 + x z), truncated to degree k-1."
+    return torch.cat([torch.addcmul(suf[:, :-1], x, suf[:, 1:]), suf[:, -1:]], 1)
+
+# %% ../nbs/02_esp_backward.ipynb #a2226bb8
+STEP_TABLE = 2 ** 18   # on a CPU, (B, h, k) tables larger than this use each suffix as it is made instead of tabling them all
+
+
+def head_leave_one_out(v: torch.Tensor,     # (B, h) head values
+                       sig_t: torch.Tensor, # (B, k+1) sigma_0..k of the tail
+                       k: int,
+                       table: bool | None = None, # tabulate every suffix (None: off a CPU, or when (B, h, k) is at most STEP_TABLE)
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     "sigma_{k-2} and sigma_{k-1} of the row without head entry i, (B, h) each: prefix(i) times (suffix(i) times the tail)."
-    cur, suffixes = sig_t[:, :k].flip(-1), []                         # (B, k), degrees k-1..0: the tail, empty suffix
-    for col in reversed(v.unsqueeze(-1).unbind(1)):                  # (B, 1): head values, last first
-        suffixes.append(cur)
-        cur = torch.cat([torch.addcmul(cur[:, :-1], col, cur[:, 1:]), cur[:, -1:]], 1)
-    rev = torch.stack(suffixes[::-1], 1)                             # (B, h, k): v_{i+1..h-1} and the tail, degree k-1-a at a
-    top = torch.einsum("bha,bha->bh", prefixes, rev)                 # sum_a prefix_a suffix_{k-1-a}: batched dots, no (B, h, k) product
-    below = torch.einsum("bha,bha->bh", prefixes[..., :k - 1], rev[..., 1:]) if k >= 2 else torch.zeros_like(top)   # sum_a prefix_a suffix_{k-2-a}
+    (B, h), pre = v.shape, head_prefixes(v, k)                       # pre: (B, h, k), degree a at a
+    sufs = [sig_t[:, :k].flip(-1)]                                   # (B, k): the tail alone, degree k-1-a at a
+    if table is None:
+        table = v.device.type != "cpu" or B * h * k <= STEP_TABLE
+    if table:                                                        # all the suffixes, then two batched dots
+        for i in range(h - 1, 0, -1):
+            sufs.append(_add_value(sufs[-1], v[:, i:i + 1]))
+        suf = torch.stack(sufs[::-1], 1)                             # (B, h, k)
+        return torch.linalg.vecdot(pre[..., :k - 1], suf[..., 1:]), torch.linalg.vecdot(pre, suf)
+    below, top, suf = v.new_empty(B, h), v.new_empty(B, h), sufs[0]
+    for i in range(h - 1, -1, -1):                                   # each suffix once, last head entry first
+        below[:, i] = torch.linalg.vecdot(pre[:, i, :k - 1], suf[:, 1:])   # sum_a prefix_a suffix_{k-2-a}
+        top[:, i] = torch.linalg.vecdot(pre[:, i], suf)                    # sum_a prefix_a suffix_{k-1-a}
+        if i: suf = _add_value(suf, v[:, i:i + 1])
     return below, top
 
 # %% ../nbs/02_esp_backward.ipynb #a43880df
@@ -228,39 +258,58 @@ def power_inputs(x: torch.Tensor, top: torch.Tensor, head: torch.Tensor, exclude
     return c, v, t, e.exp_().scatter_(1, drop, 0.0)
 
 
-# %% ../nbs/02_esp_backward.ipynb #20475d24
-def power_forward(e: torch.Tensor, v: torch.Tensor, t: torch.Tensor, k: int, fwd_tol: float, grad_tol: float):
-    "sigma_0..k (B, k+1) of the values [v, e] (head v, tail e, float64, e <= t <= v), which rows are certified, and the backward's state."
-    n = e.shape[1]
+# %% ../nbs/02_esp_backward.ipynb #c1210cc5
+def tail_bounds(err: torch.Tensor,  # (B, k+1) bounds on the absolute errors of sigma_0..k
+                sig: torch.Tensor,  # (B, k+1) sigma_0..k of the row
+                t: torch.Tensor,    # (B,) the largest tail value, 0 <= t <= 1
+                k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    "F_{k-2} and F_{k-1} (B,) each, where F_m = d_m + t F_{m-1}, F_0 = 0, bounds the error of the tail recursion r_m = sigma_m - e r_{m-1}."
+    if k < 2:
+        return torch.zeros_like(t), torch.zeros_like(t)
+    d = err[:, 1:k] + 2 * UNIT_ROUNDOFF_64 * (sig[:, 1:k] + t[:, None] * sig[:, :k - 1])   # (B, k-1): d_1..d_{k-1}
+    pw = t[:, None] ** torch.arange(k - 2, -1, -1, dtype=t.dtype, device=t.device)      # (B, k-1): t^{k-1-m} at d_m
+    return torch.linalg.vecdot(pw[:, 1:], d[:, :-1]), torch.linalg.vecdot(pw, d)        # F_m = sum_{i <= m} t^{m-i} d_i
+
+# %% ../nbs/02_esp_backward.ipynb #43ede627
+def tail_esps(e: torch.Tensor, # (B, n) tail values in [0, 1], float64 (head and excluded entries 0)
+              k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    "sigma_0..k of the tail (B, k+1) by power sums and Newton's identities, and the bound on their errors (B, k+1)."
     work = workspace(e.shape, device=e.device) if k >= 2 else None        # the one scratch buffer
-    powers = [e.sum(1)]
+    powers = [e.sum(1)]                                                   # p_1..p_k, each (B,)
     for r in range(2, k + 1):
         if r == 2: torch.mul(e, e, out=work)
         else: work.mul_(e)
         powers.append(work.sum(1))
-    sig_t, err_t = newton_esp(torch.stack(powers, -1), n)
-    sig_h, prefixes = head_esps(v, k)
-    sig = poly_mul_lin(sig_h, sig_t, k + 1)                          # sigma(all) = sigma(head) * sigma(tail)
-    err = poly_mul_lin(sig_h, err_t, k + 1) + (k + 2) * UNIT_ROUNDOFF_64 * sig \
-        + (n + k + 2) * (k + 2) * TINY_64 * sig.sum(1, keepdim=True)     # products lost to underflow
-    ok = (sig[:, k] > 0) & torch.isfinite(sig[:, k])
-    # error F_m of the tail recursion r_m = sigma_m - e r_{m-1}: F_m = d_m + t F_{m-1}, F_0 = 0
-    if k >= 2:
-        d = err[:, 1:k] + 2 * UNIT_ROUNDOFF_64 * (sig[:, 1:k] + t[:, None] * sig[:, :k - 1])
-        t_pow = t[:, None] ** torch.arange(1, k - 1, dtype=t.dtype, device=t.device)    # t^1..t^{k-2}
-        bounds = F.pad((_lower_toeplitz(t_pow) @ d[..., None])[..., 0] + d, (1, 0))    # F_0..F_{k-1}
-    else:
-        bounds = torch.zeros_like(sig[:, :1])
-    for j in {max(k - 1, 1), k}:
-        ok &= (err[:, j] <= fwd_tol * sig[:, j]) & (t * bounds[:, j - 1] * n <= grad_tol * j * sig[:, j])
-    return sig, ok, (sig_t, prefixes)
+    return newton_esp(torch.stack(powers, -1), e.shape[1])
 
+# %% ../nbs/02_esp_backward.ipynb #20475d24
+def power_forward(e: torch.Tensor,  # (B, n) tail values, float64, e <= t (head and excluded entries 0)
+                  v: torch.Tensor,  # (B, h) head values, float64, v >= t
+                  t: torch.Tensor,  # (B,) the largest tail value (0 when there is no tail)
+                  k: int, fwd_tol: float, grad_tol: float,
+                  tail: bool = True,  # False: the head is the whole row and e holds zeros only
+                  ):
+    "sigma_0..k (B, k+1) of the values [v, e], which rows are certified, and the backward's state."
+    n, h, sig_h = e.shape[1], v.shape[1], head_esps(v, k)
+    if tail:
+        sig_t, err_t = tail_esps(e, k)
+        sig = poly_mul_lin(sig_h, sig_t, k + 1)                      # sigma(all) = sigma(head) * sigma(tail)
+        err = poly_mul_lin(sig_h, err_t, k + 1) + (k + 2) * UNIT_ROUNDOFF_64 * sig
+    else:                                                           # sigma(tail) = 1 exactly: nothing to multiply
+        sig_t, sig, err = F.pad(torch.ones_like(sig_h[:, :1]), (0, k)), sig_h, torch.zeros_like(sig_h)
+    err = err + (h + k) * UNIT_ROUNDOFF_64 * sig \
+        + (n + k + 2) * (k + 2) * TINY_64 * sig.sum(1, keepdim=True)     # the head's recurrence; products lost to underflow
+    ok = (sig[:, k] > 0) & torch.isfinite(sig[:, k])
+    bounds = dict(zip((k - 2, k - 1), tail_bounds(err, sig, t, k)))   # F_{k-2}, F_{k-1} of the tail recursion
+    for j in {max(k - 1, 1), k}:
+        ok &= (err[:, j] <= fwd_tol * sig[:, j]) & (t * bounds[j - 1] * n <= grad_tol * j * sig[:, j])
+    return sig, ok, (sig_t,)
 
 # %% ../nbs/02_esp_backward.ipynb #9fa93975
 def power_backward(e: torch.Tensor, v: torch.Tensor, head: torch.Tensor, sig: torch.Tensor, ok: torch.Tensor, state,
                    weight: torch.Tensor, k: int, out: torch.Tensor) -> torch.Tensor:
     "Writes d(w_0 log sigma_{k-1} + w_1 log sigma_k)/dx (x = log of [v, e]) into `out` (B, n), head entries at `head`; 0 on rows not `ok`."
-    sig_t, prefixes = state
+    sig_t, = state
     good = ok[:, None]                 # rows not certified get their gradient elsewhere: keep their arithmetic finite
     sig, sig_t, weight = torch.where(good, sig, 1.0), torch.where(good, sig_t, 0.0), torch.where(good, weight, 0.0)
     w1 = weight[:, 1:] / sig[:, k:k + 1]
@@ -275,11 +324,10 @@ def power_backward(e: torch.Tensor, v: torch.Tensor, head: torch.Tensor, sig: to
         for m in range(2, k):
             torch.addcmul(c[:, m - 1:m], e, work, value=-1.0, out=work)
         torch.mul(e, work, out=out)
-    # head: exact leave-one-out, prefix times suffix times the tail: O(h k) per row
-    loo_lo, loo_hi = head_leave_one_out(prefixes, v, sig_t, k)
+    # head: exact leave-one-out, prefix times suffix times the tail: O(h k) per row (the scratch buffer is free again)
+    loo_lo, loo_hi = head_leave_one_out(v, sig_t, k)
     gh = loo_hi * w1 + loo_lo * w0
     return out.scatter_add_(1, head, (v * gh).to(out.dtype))
-
 
 # %% ../nbs/02_esp_backward.ipynb #9ac64105
 class PowerLogSigma(torch.autograd.Function):
@@ -288,7 +336,8 @@ class PowerLogSigma(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, k, top, head, exclude):
         c, v, t, e = power_inputs(x, top, head, exclude, k=k)
-        sig, ok, state = power_forward(e, v, t, k, *power_tolerances(x.dtype))
+        tail = head.shape[1] < x.shape[1] - (exclude is not None)      # False: the head is the whole row
+        sig, ok, state = power_forward(e, v, t, k, *power_tolerances(x.dtype), tail=tail)
         out = sig[:, k - 1:k + 1].log() + c * torch.tensor([k - 1, k], dtype=c.dtype, device=c.device)
         ctx.save_for_backward(e, v, head, sig, ok, *state)
         ctx.k = k

@@ -97,7 +97,7 @@ def _masked_forward(ctx, s, target, k, tau, alpha, top, idx, s_y, hard, loss, kt
     h, scale = head_size(s.shape[1] - 1, k), 1.0 / (k * tau)
     head = idx[:, :h]                                                         # (B, h)
     c, v, t, e = power_inputs(s, top, head, target, scale, k)               # e: (B, n) float64
-    sig, ok_s, state = power_forward(e, v, t, k, *power_tolerances(s.dtype))  # sig: (B, k+1)
+    sig, ok_s, state = power_forward(e, v, t, k, *power_tolerances(s.dtype), tail=h < s.shape[1] - 1)  # sig: (B, k+1)
     z = alpha / tau + sig[:, k].log() - sig[:, k - 1].log() + (c[:, 0] - s_y.double()) * scale   # (B,), NaN on some hard rows
     loss = torch.where(hard, loss, (tau * F.softplus(z)).to(s.dtype))
     soft_ok = ok_s & ~hard                                                    # rows whose gradient is the power path's
@@ -137,7 +137,7 @@ def _host_forward(ctx, s, target, k, tau, alpha, top, idx, s_y, hard, loss, ok, 
     h, scale = head_size(n - 1, k), 1.0 / (k * tau)
     head = idx_s[:, :h]                                                       # (S, h)
     c, v, t, e = power_inputs(s_s, top_s, head, y_s, scale, k)               # e: (S, n) float64, x = s / (k tau), shifted
-    sig, ok_s, state = power_forward(e, v, t, k, *power_tolerances(s.dtype))  # sig: (S, k+1)
+    sig, ok_s, state = power_forward(e, v, t, k, *power_tolerances(s.dtype), tail=h < n - 1)  # sig: (S, k+1)
     z = alpha / tau + sig[:, k].log() - sig[:, k - 1].log() + (c[:, 0] - s_y[soft].double()) * scale   # b - a, eq. (10)
     loss[soft], ok[soft] = (tau * F.softplus(z)).to(s.dtype), ok_s
     ctx.save_for_backward(target, kth, gain, soft, e, v, head, sig, ok_s, torch.sigmoid(z), *state)
