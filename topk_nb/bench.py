@@ -252,7 +252,7 @@ def op_table(names: Sequence[str] | None = None,  # registry losses; all by defa
 
 # %% ../nbs/14_bench.ipynb #9787921e
 class _LargestStorage(TorchDispatchMode):
-    "Dispatch mode that keeps the size of the largest storage any operator's output lives in."
+    "Dispatch mode that keeps the largest number of bytes any operator's output holds: its storage, or its own extent where that is less."
 
     def __init__(self):
         super().__init__()
@@ -260,8 +260,8 @@ class _LargestStorage(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in _tensors(out):
-            self.bytes = max(self.bytes, t.untyped_storage().nbytes())
+        for t in _tensors(out):       # a broadcast view holds its storage; a window of a reused scratch pool, its extent
+            self.bytes = max(self.bytes, min(t.untyped_storage().nbytes(), t.numel() * t.element_size()))
         return out
 
 # %% ../nbs/14_bench.ipynb #9766afb5
