@@ -179,6 +179,26 @@ def test_failure_is_recorded_and_the_grid_goes_on(tmp_path, monkeypatch):
     assert not list((tmp_path / "nbs").rglob(RECORD))
 
 
+def test_a_kernel_that_does_not_start_is_started_again(tmp_path, monkeypatch):
+    "Busy machines sometimes lose a kernel before its first reply (two kernels racing for a port): the cell starts it again."
+    import papermill
+    nb, real, starts = fake_notebook(tmp_path / "t.ipynb", WRITE), papermill.execute_notebook, []
+    def flaky(*args, **kwargs):
+        starts.append(kwargs["start_timeout"])
+        if len(starts) == 1: raise RuntimeError("Kernel didn't respond in 60 seconds")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(papermill, "execute_notebook", flaky)
+    rec = batch.run_cell(nb, {"x": 4}, tmp_path / "cell")
+    assert rec["status"] == "ok" and rec["metrics"]["final"][0]["y"] == 40 and starts == [batch.KERNEL_START_TIMEOUT] * 2
+    def never(*args, **kwargs):
+        starts.append(1)
+        raise RuntimeError("Kernel didn't respond in 120 seconds")
+    monkeypatch.setattr(papermill, "execute_notebook", never)
+    starts.clear()
+    rec = batch.run_cell(nb, {"x": 5}, tmp_path / "cell5")
+    assert rec["status"] == "failed" and "Kernel didn't respond" in rec["error"] and len(starts) == batch.KERNEL_START_TRIES
+
+
 def test_one_job_per_gpu(tmp_path):
     nb = fake_notebook(tmp_path / "gpu.ipynb", WRITE)
     summary = run_grid(str(nb), grid={"x": [1, 2]}, out_dir=tmp_path / "runs", gpus=["3", "5"], progress=False)

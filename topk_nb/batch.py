@@ -25,7 +25,7 @@ import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from tqdm import tqdm
 
@@ -35,10 +35,11 @@ from .records import (EXECUTED, RECORD, RecordError, atomic_write_json, inspect_
                              load_records, read_record, training_metrics, write_record)
 
 # %% auto #0
-__all__ = ['EXPERIMENTS', 'LOCK', 'JOB_BUSY', 'discover_experiments', 'get_experiment', 'parse_value', 'parse_grid',
-           'expand_grid', 'cell_id', 'cell_slug', 'cell_dir', 'with_parameters_tag', 'CellBusy', 'claim_cell',
-           'record_stamp', 'notebook_final', 'cell_done', 'run_cell', 'die_with_parent', 'short_error', 'pending_cells',
-           'grid_summary', 'notebook_parameters', 'check_parameters', 'plan_grid', 'run_grid', 'main']
+__all__ = ['EXPERIMENTS', 'LOCK', 'KERNEL_START_TRIES', 'KERNEL_START_TIMEOUT', 'JOB_BUSY', 'discover_experiments',
+           'get_experiment', 'parse_value', 'parse_grid', 'expand_grid', 'cell_id', 'cell_slug', 'cell_dir',
+           'with_parameters_tag', 'CellBusy', 'claim_cell', 'record_stamp', 'notebook_final', 'cell_done', 'run_cell',
+           'die_with_parent', 'short_error', 'pending_cells', 'grid_summary', 'notebook_parameters', 'check_parameters',
+           'plan_grid', 'run_grid', 'main']
 
 # %% ../nbs/13_batch.ipynb #3744057c
 def discover_experiments(package: str = "topk_nb.experiments",  # the package whose modules declare the entries
@@ -241,6 +242,27 @@ def _finished_record(directory: Path, since: list | None) -> dict | None:
     if since is not None and record_stamp(directory) not in ([], since): return read_record(directory / RECORD)
     return None
 
+# %% ../nbs/13_batch.ipynb #f815db58
+def _kernel_did_not_start(e: BaseException) -> bool:
+    "Whether `e` says the kernel never came up (no reply to its first request, or its ports taken): nothing of the notebook ran."
+    text = f"{type(e).__name__}: {e}"
+    return any(s in text for s in ("Kernel didn't respond", "Kernel died before replying to kernel_info",
+                                   "Address already in use"))
+
+# %% ../nbs/13_batch.ipynb #56625240
+KERNEL_START_TRIES = 3   # attempts at starting a notebook's kernel before the cell fails
+KERNEL_START_TIMEOUT = 120.0   # seconds a kernel may take to answer its first request (a loaded machine)
+
+
+def _with_kernel_retries(run: Callable[[], object], tries: int = KERNEL_START_TRIES):
+    "`run()`, run again when its kernel did not start (a transient of busy machines, e.g. two kernels racing for a port)."
+    for attempt in range(1, tries + 1):
+        try:
+            return run()
+        except Exception as e:
+            if attempt == tries or not _kernel_did_not_start(e): raise
+            print(f"the kernel did not start ({e}); trying again ({attempt + 1} of {tries})", file=sys.stderr)
+
 # %% ../nbs/13_batch.ipynb #ef74f347
 def _execute(notebook, params: dict, directory: Path, experiment, timeout, log_output, identity=None) -> dict:
     "Run one attempt in a folder this process owns, publish its notebook and record (with `identity` added); returns the record."
@@ -250,10 +272,10 @@ def _execute(notebook, params: dict, directory: Path, experiment, timeout, log_o
     record, executed = directory / f".record.{attempt}.json", directory / f".notebook.{attempt}.ipynb"
     start, interrupted = time.perf_counter(), None
     try:
-        pm.execute_notebook(with_parameters_tag(notebook), str(executed),
-                            parameters={**params, "record_path": str(record)},
-                            kernel_name="python3", cwd=str(Path(notebook).parent), progress_bar=False,
-                            log_output=log_output, execution_timeout=timeout)
+        _with_kernel_retries(lambda: pm.execute_notebook(
+            with_parameters_tag(notebook), str(executed), parameters={**params, "record_path": str(record)},
+            kernel_name="python3", cwd=str(Path(notebook).parent), progress_bar=False, log_output=log_output,
+            execution_timeout=timeout, start_timeout=KERNEL_START_TIMEOUT))
         written = read_record(record)
         if written is None:
             raise RuntimeError("the notebook ran but wrote no record to record_path")
