@@ -245,6 +245,9 @@ def _finished_record(directory: Path, since: list | None) -> dict | None:
 # %% ../nbs/13_batch.ipynb #f815db58
 def _kernel_did_not_start(e: BaseException) -> bool:
     "Whether `e` says the kernel never came up (no reply to its first request, or its ports taken): nothing of the notebook ran."
+    from papermill.exceptions import PapermillExecutionError
+    if isinstance(e, PapermillExecutionError):    # a cell of the notebook raised: whatever it says, the kernel was up
+        return False
     text = f"{type(e).__name__}: {e}"
     return any(s in text for s in ("Kernel didn't respond", "Kernel died before replying to kernel_info",
                                    "Address already in use"))
