@@ -416,13 +416,14 @@ def _forward(self, scores: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         else:
             keep = t != self.ignore_index                                  # (N,)
             labels = torch.where(keep, t, 0)
-            w = keep.to(s.dtype) if self.weight is None else keep * self.weight.to(s)[labels]
+            w = keep if self.weight is None else keep * self.weight.to(s)[labels]   # (N,) bool, or weights
             if self.label_smoothing > 0:                                   # the smoothed target's expectation, weighted inside
                 eps, n = self.label_smoothing, s.shape[1]
                 smooth = torch.full_like(s, eps / n).scatter_add_(1, labels[:, None], torch.full_like(s[:, :1], 1 - eps))
                 loss = torch.where(keep, self.per_sample_soft(s, smooth), 0.0)
             else:
-                loss = torch.where(keep, self.per_sample(s, labels), 0.0) * w
+                loss = torch.where(keep, self.per_sample(s, labels), 0.0)        # ignored rows count 0, even NaN
+                loss = loss if self.weight is None else loss * w
             total = w.sum()
     if self.reduction == "mean": loss = loss.sum() / total
     elif self.reduction == "sum": loss = loss.sum()
@@ -431,4 +432,3 @@ def _forward(self, scores: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 LossModule.forward = _forward
-

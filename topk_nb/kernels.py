@@ -292,13 +292,14 @@ class _SmoothSVMTriton(torch.autograd.Function):
         s, target = s.contiguous(), target.contiguous()
         BN, nb, BK = svm_blocks(n, k, block_n)
         f64 = dict(dtype=torch.float64, device=s.device)
-        loss, lsig, rho = torch.empty(B, **f64), torch.empty(B, 2, **f64), torch.empty(B, **f64)
+        loss = torch.empty(B, dtype=s.dtype, device=s.device)        # the kernel's store rounds to the scores' dtype
+        lsig, rho = torch.empty(B, 2, **f64), torch.empty(B, **f64)
         ckpt = torch.empty(B, nb, BK, **f64)                          # the carry at each block's start
         _launch(_svm_forward_kernel, (B,), s, target, loss, lsig, rho, ckpt, n, nb, 1.0 / (k * tau), alpha / tau, tau,
                 K=k, BLOCK_N=BN, BLOCK_K=BK)
         ctx.save_for_backward(s, target, lsig, rho, ckpt)
         ctx.k, ctx.inv_ktau, ctx.block_n = k, 1.0 / (k * tau), block_n
-        return loss.to(s.dtype)
+        return loss
 
     @staticmethod
     @torch.autograd.function.once_differentiable
