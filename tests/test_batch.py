@@ -16,6 +16,7 @@ from topk_nb import report as reports
 from topk_nb.batch import (RECORD, Experiment, Figure, Finding, PaperValue, cell_dir, cell_id,
                            expand_grid, load_records, main, parse_grid, read_record, run_grid, write_record)
 from topk_nb.report import report
+from topk_nb.data import fake_image_folder
 
 CIRCLES_TRADEOFFS = batch.EXPERIMENTS["circles_tradeoffs"]
 
@@ -100,6 +101,10 @@ def test_a_fine_tuning_preset_refuses_to_start_without_its_weights(tmp_path, cap
                  str(tmp_path / "runs")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "needs the parameter weights" in err and not (tmp_path / "runs").exists()
+    with pytest.raises(ValueError, match="holds no plantnet300k data set"):     # the weights given, the data set missing
+        batch.plan_grid("plantnet_imbalanced", "paper", {"weights": ["resnet50.pth"]}, data_root=tmp_path)
+    for split in ("train", "val", "test"):
+        fake_image_folder(tmp_path / "images" / split, 2, 1)
     _, cells = batch.plan_grid("plantnet_imbalanced", "paper", {"weights": ["resnet50.pth"]}, data_root=tmp_path)
     assert len(cells) == (5 * 4 + 3) * 3 and all(c["weights"] == "resnet50.pth" for c in cells)
 

@@ -293,6 +293,8 @@ def test_report_names_unreadable_records_and_refuses_a_missing_out(tmp_path):
     (["--timeout", "0"], "argument --timeout: must be a positive number"),
     (["--data-root", "/nowhere/at/all"], "data_root='/nowhere/at/all' is not a directory"),
     (["--preset", "paper", "--jobs", "2", "--bogus"], "unrecognized arguments: --bogus"),
+    (["--grid", "sigma=abc"], "--grid sigma=abc: sigma takes a number (its default in circles_tradeoffs.ipynb is"),
+    (["--grid", "epochs=2.5"], "--grid epochs=2.5: epochs takes an integer"),
 ])
 def test_runner_mistakes_stop_before_anything_runs(tmp_path, words, expected):
     res = subprocess.run([sys.executable, "-m", "topk_nb.batch", "run", "circles_tradeoffs", "--out",
@@ -300,6 +302,47 @@ def test_runner_mistakes_stop_before_anything_runs(tmp_path, words, expected):
     assert res.returncode == 2 and res.stdout == "", res
     assert res.stderr.count("\n") == 1 and res.stderr.startswith(("topk-nb run: error: ", "topk-nb: error: ")) and expected in res.stderr, res.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_data_root_without_the_data_set_stops_before_anything_runs(tmp_path):
+    empty = tmp_path / "data"
+    empty.mkdir()
+    res = subprocess.run([sys.executable, "-m", "topk_nb.batch", "run", "cifar100_noise", "--preset", "paper",
+                          "--data-root", str(empty), "--out", str(tmp_path / "runs")],
+                         env=ENV, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and res.stdout == "" and res.stderr.count("\n") == 1, res
+    assert "holds no cifar100 data set (cifar-100-python/train not found)" in res.stderr, res.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_an_out_that_cannot_be_written_stops_before_anything_runs(tmp_path):
+    (tmp_path / "file").write_text("")
+    res = subprocess.run([sys.executable, "-m", "topk_nb.batch", "run", "circles_tradeoffs", "--out",
+                          str(tmp_path / "file" / "runs")], env=ENV, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and res.stdout == "" and res.stderr.count("\n") == 1, res
+    assert "is not a folder this process can write to" in res.stderr, res.stderr
+
+
+def test_list_name_shows_the_parameters_and_the_presets_values():
+    res = subprocess.run([sys.executable, "-m", "topk_nb.batch", "list", "imagenet_lt"], env=ENV, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res
+    assert "parameters (their defaults are a CPU smoke run): " in res.stdout and "milestones=[60, 80]" in res.stdout
+    assert "preset paper: 60 cells (needs --data-root)" in res.stdout and "milestones=[60, 80]" in res.stdout.split("preset paper")[1]
+    bad = subprocess.run([sys.executable, "-m", "topk_nb.batch", "list", "nope"], env=ENV, capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "unknown experiment 'nope'" in bad.stderr, bad
+
+
+def test_help_describes_every_option():
+    for command in ("run", "report", "list"):
+        res = subprocess.run([sys.executable, "-m", "topk_nb.batch", command, "--help"], env=ENV, capture_output=True,
+                             text=True, timeout=120)
+        assert res.returncode == 0, res
+        parser = batch._parser()._subparsers._group_actions[0].choices[command]
+        for action in parser._actions:
+            assert action.help, (command, action.dest)          # each option and argument says what it does
+            assert any(opt in res.stdout for opt in action.option_strings or [action.dest]), (command, action.dest)
 
 
 def _train_cli(*words) -> tuple[int, str]:

@@ -19,6 +19,7 @@ import re
 import secrets
 import signal
 import subprocess
+import tempfile
 import sys
 import threading
 import time
@@ -38,8 +39,8 @@ from .records import (EXECUTED, RECORD, RecordError, atomic_write_json, inspect_
 __all__ = ['EXPERIMENTS', 'LOCK', 'KERNEL_START_TRIES', 'KERNEL_START_TIMEOUT', 'JOB_BUSY', 'discover_experiments',
            'get_experiment', 'parse_value', 'parse_grid', 'expand_grid', 'cell_id', 'cell_slug', 'cell_dir',
            'with_parameters_tag', 'CellBusy', 'claim_cell', 'record_stamp', 'notebook_final', 'cell_done', 'run_cell',
-           'die_with_parent', 'short_error', 'pending_cells', 'grid_summary', 'notebook_parameters', 'check_parameters',
-           'plan_grid', 'run_grid', 'main']
+           'die_with_parent', 'short_error', 'pending_cells', 'grid_summary', 'notebook_parameters', 'value_mismatch',
+           'check_parameters', 'plan_grid', 'check_out_dir', 'run_grid', 'describe_experiment', 'main']
 
 # %% ../nbs/13_batch.ipynb #3744057c
 def discover_experiments(package: str = "topk_nb.experiments",  # the package whose modules declare the entries
@@ -464,12 +465,29 @@ def notebook_parameters(notebook,  # an experiment notebook
             params.update({t.id: value for t in targets if isinstance(t, ast.Name)})
     return params
 
+# %% ../nbs/13_batch.ipynb #3396b5d5
+def value_mismatch(default,  # the parameter's default in the notebook's parameters cell (None: any value)
+                   value,    # a value given for it
+                   ) -> str | None:
+    "The kind of value a parameter takes, judged by its default, if `value` is not of that kind; else None. A default of None admits anything, and None is admitted everywhere (the notebooks read it as 'the training preset's value')."
+    if default is None or value is None:
+        return None
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if isinstance(default, bool): ok, kind = isinstance(value, bool), "true or false"
+    elif isinstance(default, int): ok, kind = number and isinstance(value, int), "an integer"
+    elif isinstance(default, float): ok, kind = number, "a number"
+    elif isinstance(default, str): ok, kind = isinstance(value, str), "a string"
+    elif isinstance(default, (list, tuple)): ok, kind = isinstance(value, list), "a list"
+    elif isinstance(default, dict): ok, kind = isinstance(value, dict), "a JSON object"
+    else: return None
+    return None if ok else kind
+
 # %% ../nbs/13_batch.ipynb #7e305007
 def check_parameters(exp: Experiment,  # the catalogue entry
                      preset: str | None = None,  # the preset to run (None: the notebook's defaults)
                      grid: dict | None = None,  # the `--grid` overrides {parameter: [values]}
                      ) -> None:
-    "Raise ValueError, in one line naming the key and the notebook's parameters, if the preset or `grid` sets a name its parameters cell does not assign (or `record_path`, which the runner sets)."
+    "Raise ValueError, in one line naming the key and the notebook's parameters, if the preset or `grid` sets a name its parameters cell does not assign (or `record_path`, which the runner sets), or a value of another kind than the parameter's default."
     known = notebook_parameters(exp.notebook_path())
     if known is None:
         return                                   # a parameters cell that does not parse: papermill will say so
@@ -477,11 +495,17 @@ def check_parameters(exp: Experiment,  # the catalogue entry
     for key in grid or {}:
         if key == "record_path" or key not in known:
             raise ValueError(f"--grid {key}=...: {key!r} is not a parameter of {name}; its parameters: {allowed}")
+        for value in grid[key]:
+            if kind := value_mismatch(known[key], value):
+                raise ValueError(f"--grid {key}={json.dumps(value) if not isinstance(value, str) else value}: {key} takes "
+                                 f"{kind} (its default in {name} is {known[key]!r})")
     for cell in expand_grid(exp.presets[preset]) if preset is not None else []:
         for key in cell:
             if key == "record_path" or key not in known:
                 raise ValueError(f"preset {preset!r} of {exp.name} sets {key!r}, which is not a parameter of {name}; "
                                  f"its parameters: {allowed}")
+            if kind := value_mismatch(known[key], cell[key]):
+                raise ValueError(f"preset {preset!r} of {exp.name} sets {key}={cell[key]!r}, but {key} takes {kind}")
 
 # %% ../nbs/13_batch.ipynb #a624eb95
 def plan_grid(experiment: str | Experiment,  # a catalogue name, or the path of a notebook
@@ -498,16 +522,33 @@ def plan_grid(experiment: str | Experiment,  # a catalogue name, or the path of 
         raise ValueError(f"unknown preset {preset!r} of {exp.name}; valid presets: {', '.join(exp.presets) or 'none'}")
     check_parameters(exp, preset, grid)
     if data_root is not None:
-        if not Path(data_root).is_dir():
+        if not Path(data_root).expanduser().is_dir():
             raise ValueError(f"data_root={str(data_root)!r} is not a directory")
-        grid = {**(grid or {}), "data_root": [str(Path(data_root).resolve())]}
+        grid = {**(grid or {}), "data_root": [str(Path(data_root).expanduser().resolve())]}
     elif preset in exp.data_presets and "data_root" not in (grid or {}):
         raise ValueError(f"preset {preset!r} of {exp.name} trains on the real data set: give its folder with --data-root")
     for key, why in exp.requires.get(preset, {}).items():
         if all(v is None for v in (grid or {}).get(key, [None])):
             raise ValueError(f"preset {preset!r} of {exp.name} needs the parameter {key}: {why}; "
                              f"give it with --grid {key}=...")
+    if exp.dataset is not None:                  # the data set's files, last, before any cell starts
+        from topk_nb.data import check_data_root
+        for root in (grid or {}).get("data_root", []):
+            if root is not None: check_data_root(exp.dataset, root)
     return exp, expand_grid(exp.presets.get(preset), grid, seeds, exp.seeds_param)
+
+# %% ../nbs/13_batch.ipynb #791b0eab
+def check_out_dir(out_dir,  # the folder of a run's cells (made if missing)
+                  ) -> Path:
+    "The folder, made if missing; a one-line ValueError if it cannot be made or written to."
+    out = Path(out_dir).expanduser()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):           # a file can be made there (not a read-only mount, not a file)
+            pass
+    except OSError as e:
+        raise ValueError(f"--out {str(out_dir)!r} is not a folder this process can write to ({e.strerror or e})") from None
+    return out
 
 # %% ../nbs/13_batch.ipynb #f387e342
 def _run_pool(cells: list[dict], run, devices: list, bar) -> list[dict]:
@@ -544,6 +585,7 @@ def run_grid(experiment: str | Experiment,  # a catalogue name, or the path of a
     if timeout is not None and not (isinstance(timeout, (int, float)) and 0 < timeout < math.inf):
         raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
     exp, cells = plan_grid(experiment, preset, grid, seeds, data_root)
+    out_dir = check_out_dir(out_dir)
     todo = pending_cells(exp, cells, out_dir)
     since = {cell_id(c): record_stamp(cell_dir(out_dir, exp, c)) for c in todo}
     devices = [str(g) for g in gpus] if gpus else [None] * jobs
@@ -578,26 +620,45 @@ def _gpu_list(text):
         raise argparse.ArgumentTypeError(f"must be comma-separated GPU ids such as 0,1, got {text!r}")
     return ids
 
+# %% ../nbs/13_batch.ipynb #066f9b2c
+def describe_experiment(exp: Experiment,  # a catalogue entry
+                        ) -> str:
+    "What `topk-nb list NAME` prints: the entry, its notebook's parameters with their defaults, and each preset's values."
+    params = notebook_parameters(exp.notebook_path()) or {}
+    lines = [f"{exp.name}: {exp.description}", f"  notebook: {exp.notebook_path()}",
+             "  parameters (their defaults are a CPU smoke run): "
+             + ", ".join(f"{k}={json.dumps(v)}" for k, v in params.items() if k != "record_path")]
+    for name, preset in exp.presets.items():
+        needs = " (needs --data-root)" if name in exp.data_presets else ""
+        lines.append(f"  preset {name}: {len(expand_grid(preset))} cells{needs}")
+        for grid in [preset] if isinstance(preset, dict) else preset:
+            lines.append("    " + " ".join(f"{k}={','.join(map(json.dumps, v)) if isinstance(v, list) else json.dumps(v)}"
+                                           for k, v in grid.items()))
+    return "\n".join(lines)
+
 # %% ../nbs/13_batch.ipynb #698cca2c
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="topk-nb", description="Run and report the experiments of topk_nb.")
+    p = _Parser(prog="topk-nb", description="Run and report the experiments of topk_nb: each experiment is a notebook, "
+                "each cell of its grid one papermill run with one JSON record.")
     sub = p.add_subparsers(dest="command", required=True)
-    sub.add_parser("list", help="list the experiments and their presets")
+    ls = sub.add_parser("list", help="list the experiments and their presets; with NAME, its parameters and presets' values")
+    ls.add_argument("name", nargs="?", default=None, help="an experiment: show its parameters and the values of its presets")
     r = sub.add_parser("run", help="run the cells of a grid that are not done")
-    r.add_argument("experiment")
-    r.add_argument("--preset", default=None)
-    r.add_argument("--grid", nargs="*", default=[], metavar="KEY=V1,V2")
-    r.add_argument("--seeds", type=_positive(int), default=None)
-    r.add_argument("--out", default="runs")
-    r.add_argument("--data-root", default=None, help="folder of the real data set (paper-scale presets)")
+    r.add_argument("experiment", help="a catalogue name (see `topk-nb list`) or the path of a notebook")
+    r.add_argument("--preset", default=None, help="a preset of the experiment (its grid); none: the notebook's defaults")
+    r.add_argument("--grid", nargs="*", default=[], metavar="KEY=V1,V2",
+                   help="set or sweep notebook parameters (values are JSON, else strings); every combination is a cell")
+    r.add_argument("--seeds", type=_positive(int), default=None, help="run each cell with seeds 0..N-1")
+    r.add_argument("--out", default="runs", help="folder of the cells' records and executed notebooks (default: runs)")
+    r.add_argument("--data-root", default=None, help="folder of the real data set (paper-scale presets); checked before a run")
     r.add_argument("--gpus", type=_gpu_list, default=None, help="comma-separated GPU ids: one job per GPU")
-    r.add_argument("--jobs", type=_positive(int), default=1, help="parallel jobs without GPUs")
-    r.add_argument("--timeout", type=_positive(float), default=None, help="seconds per notebook cell")
-    r.add_argument("--no-progress", action="store_true")
+    r.add_argument("--jobs", type=_positive(int), default=1, help="parallel jobs without GPUs (default: 1)")
+    r.add_argument("--timeout", type=_positive(float), default=None, help="seconds per notebook cell (default: none)")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar")
     q = sub.add_parser("report", help="write the markdown report and figures")
-    q.add_argument("experiment")
-    q.add_argument("--out", default="runs")
-    q.add_argument("--report-dir", default=None)
+    q.add_argument("experiment", help="a catalogue name")
+    q.add_argument("--out", default="runs", help="the folder `topk-nb run` wrote (default: runs)")
+    q.add_argument("--report-dir", default=None, help="where the report goes (default: OUT/EXPERIMENT/report)")
     j = sub.add_parser("job")              # internal: one cell, in its own process
     j.add_argument("spec")
     return p
@@ -615,6 +676,11 @@ def main(argv: Sequence[str] | None = None,  # the words after `topk-nb` (sys.ar
     if args.command == "job":
         return _job_main(args.spec)
     if args.command == "list":
+        if args.name is not None:
+            if args.name not in EXPERIMENTS:
+                return _fail("list", ValueError(f"unknown experiment {args.name!r}; valid names: {', '.join(EXPERIMENTS)}"))
+            print(describe_experiment(EXPERIMENTS[args.name]))
+            return 0
         for e in EXPERIMENTS.values():
             print(f"{e.name}: {e.description}\n  notebook: {experiments_dir() / e.notebook}\n  presets: {', '.join(e.presets)}")
         return 0
@@ -629,6 +695,7 @@ def main(argv: Sequence[str] | None = None,  # the words after `topk-nb` (sys.ar
         return 0
     try:
         plan_grid(args.experiment, args.preset, parse_grid(args.grid), args.seeds, args.data_root)
+        check_out_dir(args.out)                  # last: a mistake above leaves no folder behind
     except (ValueError, OSError) as e:
         return _fail("run", e)
     summary = run_grid(args.experiment, args.preset, parse_grid(args.grid), args.seeds, args.out, args.gpus, args.jobs,

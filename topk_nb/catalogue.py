@@ -76,6 +76,7 @@ class Experiment:
     data_presets: tuple = ()             # presets that need real data: `--data-root` (the parameter `data_root`)
     requires: dict = field(default_factory=dict)   # {preset: {parameter: why the paper needs it}}: refused without it
     drawings: tuple = ()                 # functions `f(records, report_dir) -> report lines`: the entry's own figures
+    dataset: str | None = None           # the data set a `--data-root` holds (a key of `topk_nb.data.DATA_LAYOUTS`): checked before a run
 
     def notebook_path(self) -> Path:
         "The experiment notebook papermill runs."

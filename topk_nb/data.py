@@ -26,13 +26,13 @@ from torchvision.datasets.folder import default_loader
 from .core import check_int, check_real
 
 # %% auto #0
-__all__ = ['SPLITS', 'DATA_ENV', 'CIFAR100_MEAN', 'CIFAR100_STD', 'IMAGENET_MEAN', 'IMAGENET_STD', 'DATASETS', 'class_counts',
-           'DataBundle', 'LabelledSubset', 'make_loader', 'resolve_root', 'fake_cifar100', 'fake_image_folder',
-           'fake_imagenet_lt', 'DataError', 'read_cifar_pickle', 'cifar100_label_maps', 'superclass_noise', 'Cutout',
-           'cifar_transforms', 'split_indices', 'cifar100', 'mixup', 'long_tail_counts', 'per_class_indices',
-           'cifar100_lt', 'imagenet_transforms', 'ClassListImageFolder', 'imagenet_subset', 'ImageList', 'shot_groups',
-           'plantnet300k', 'imagenet_lt', 'sample_circles', 'circles_posterior', 'PointsDataset', 'circles',
-           'SyntheticImages', 'synthetic_images', 'get_dataset']
+__all__ = ['SPLITS', 'DATA_ENV', 'CIFAR100_MEAN', 'CIFAR100_STD', 'IMAGENET_MEAN', 'IMAGENET_STD', 'DATASETS', 'DATA_LAYOUTS',
+           'class_counts', 'DataBundle', 'LabelledSubset', 'make_loader', 'resolve_root', 'fake_cifar100',
+           'fake_image_folder', 'fake_imagenet_lt', 'DataError', 'read_cifar_pickle', 'cifar100_label_maps',
+           'superclass_noise', 'Cutout', 'cifar_transforms', 'split_indices', 'cifar100', 'mixup', 'long_tail_counts',
+           'per_class_indices', 'cifar100_lt', 'imagenet_transforms', 'ClassListImageFolder', 'imagenet_subset',
+           'ImageList', 'shot_groups', 'plantnet300k', 'imagenet_lt', 'sample_circles', 'circles_posterior',
+           'PointsDataset', 'circles', 'SyntheticImages', 'synthetic_images', 'get_dataset', 'check_data_root']
 
 # %% ../nbs/10_data.ipynb #ca4992f3
 SPLITS = ("train", "val", "test")
@@ -723,3 +723,33 @@ def get_dataset(name: str, **params) -> DataBundle:
     if unknown:
         raise TypeError(f"{name} got unknown parameter(s) {unknown}; its parameters are {allowed}")
     return builder(**params)
+
+# %% ../nbs/10_data.ipynb #3d34dd43
+_CIFAR_FILES = ("cifar-100-python/train", "cifar-100-python/test", "cifar-100-python/meta")
+DATA_LAYOUTS: dict[str, tuple[tuple[str, ...], ...]] = {   # data set -> layouts (paths under the root), the first the usual one
+    "cifar100": (_CIFAR_FILES,),
+    "cifar100_lt": (_CIFAR_FILES,),
+    "imagenet_subset": (("train", "val"),),
+    "plantnet300k": (("images/train", "images/val", "images/test"), ("train", "val", "test")),
+    "imagenet_lt": (("ImageNet_LT_train.txt", "ImageNet_LT_val.txt", "ImageNet_LT_test.txt"),),
+}
+
+# %% ../nbs/10_data.ipynb #36708885
+def check_data_root(name: str,  # a data set of `DATA_LAYOUTS`
+                    root,       # the folder given as its root
+                    ) -> Path:
+    "The root, if it holds data set `name` in one of its layouts; else a one-line DataError naming what is missing and the layout expected."
+    if name not in DATA_LAYOUTS:
+        raise ValueError(f"no on-disk layout is known for data set {name!r}; known: {', '.join(DATA_LAYOUTS)}")
+    root = Path(root).expanduser()
+    if not root.is_dir():
+        raise DataError(f"{name}: the data root {root} is not a directory")
+    for paths in DATA_LAYOUTS[name]:
+        if all((root / p).exists() for p in paths):
+            empty = [p for p in paths if (root / p).is_dir() and not any(q.is_dir() for q in (root / p).iterdir())]
+            if empty:
+                raise DataError(f"{name}: {root / empty[0]} holds no class folder (expected {empty[0]}/<class>/<images>)")
+            return root
+    missing = next(p for p in DATA_LAYOUTS[name][0] if not (root / p).exists())
+    layouts = " or ".join("{" + ", ".join(paths) + "}" for paths in DATA_LAYOUTS[name])
+    raise DataError(f"{name}: {root} holds no {name} data set ({missing} not found); expected under it: {layouts}")

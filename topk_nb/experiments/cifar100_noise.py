@@ -99,6 +99,7 @@ ENTRY = Experiment(
                 "noise, CE vs L_{5,1} vs the noised balanced loss, DenseNet 40-40",
     presets=_PRESETS,
     data_presets=("berrada", "garcin", "paper"),
+    dataset="cifar100",   # what --data-root holds: checked before a run
     group_by=("loss", "noise_p"),
     figures=_FIGURES,
     paper=_PAPER,

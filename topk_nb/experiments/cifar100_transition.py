@@ -128,4 +128,5 @@ ENTRY = Experiment(
     paper=_PAPER,
     findings=_FINDINGS,
     data_presets=("paper",),
+    dataset="cifar100",   # what --data-root holds: checked before a run
 )

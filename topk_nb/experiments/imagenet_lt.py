@@ -12,7 +12,7 @@ from ..catalogue import Experiment, Figure, Finding, PaperValue
 # Garcin 2022 (draft), §4.5.2: "We train a ResNet34 with several losses for [K] for 100 epochs with a learning rate
 # of [lost] divided by 10 at epoch 60 and 80. We use a batch size of 128 and set the weight decay to [lost]."
 # The learning rate and weight decay are lost in this copy of the draft: 0.1 and 5e-4 are ours.
-_LT_PAPER = dict(model="resnet34", image_size=224, resize=256, epochs=100, batch_size=128, milestones=[60, 80],
+_LT_PAPER = dict(model="resnet34", image_size=224, resize=256, epochs=100, batch_size=128, milestones=[[60, 80]],   # one list value, not two cells
               lr=0.1, weight_decay=5e-4,
               many_shot=100, few_shot=20,        # many-shot: > 100 training images, few-shot: < 20 (Liu et al. 2019)
               ldam_scale=30.0, imbal_scale=50.0,  # App. E: "30 and 50 are good default values for respectively [LDAM] and [noised imbal.]"
@@ -51,4 +51,5 @@ ENTRY = Experiment(
     paper=(),   # every number of the draft's Tab. 6 is lost in our copy
     findings=_FINDINGS,
     data_presets=("paper",),
+    dataset="imagenet_lt",   # what --data-root holds: checked before a run
 )

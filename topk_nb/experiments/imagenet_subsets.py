@@ -94,4 +94,5 @@ ENTRY = Experiment(
     paper=_PAPER,
     findings=_FINDINGS,
     data_presets=("tab2", "margin"),
+    dataset="imagenet_subset",   # what --data-root holds: checked before a run
 )

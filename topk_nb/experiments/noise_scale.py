@@ -72,6 +72,7 @@ ENTRY = Experiment(
                 "the noised balanced loss, DenseNet 40-40 on CIFAR-100",
     presets=_PRESETS,
     data_presets=("tab2", "tab3", "fig2", "paper"),
+    dataset="cifar100",   # what --data-root holds: checked before a run
     group_by=("epsilon", "n_samples", "loss"),
     figures=_FIGURES,
     paper=_PAPER,

@@ -80,6 +80,7 @@ ENTRY = Experiment(
     paper=_PAPER,
     findings=_FINDINGS,
     data_presets=("paper",),
+    dataset="plantnet300k",   # what --data-root holds: checked before a run
     requires={"paper": {"weights": "Garcin 2022, §4.5 fine-tunes \"a ResNet-50 (He et al., 2016) pre-trained on "
                                    "ImageNet\": give the local file of its ImageNet weights"}},
 )

@@ -60,6 +60,7 @@ ENTRY = Experiment(
                 "top-5 training / testing accuracy and the share of non-zero loss derivatives at initialisation",
     presets={"smoke": {"tau": [0.0, 0.001, 1.0, 100.0]}, **_TE_TEMPERATURE},
     data_presets=("paper", "fig2b"),
+    dataset="cifar100",   # what --data-root holds: checked before a run
     group_by=("tau", "loss"),
     figures=_FIGURES,
     paper=_PAPER,
