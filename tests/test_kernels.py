@@ -152,3 +152,50 @@ def test_svm_kernels_compile_for_a_gpu():
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     out = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0 and "compiled" in out.stdout, out.stderr[-2000:]
+
+
+def _graph_targets():
+    "A torch.compile backend (AOT autograd, no code generation) and the operators its forward and backward graphs call."
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from functorch.compile import make_boxed_func
+    seen = []
+
+    def keep(gm, inputs):
+        seen.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return make_boxed_func(gm.forward)
+
+    return (lambda gm, inputs: aot_module_simplified(gm, inputs, fw_compiler=keep, bw_compiler=keep)), seen
+
+
+@pytest.mark.parametrize("name, extra", [("smooth_svm", {"k": 5, "tau": 0.5}), ("noised_bal", {"k": 3}),
+                                         ("noised_imbal", {"k": 3, "class_counts": list(range(1, 41))})])
+def test_compiled_losses_call_the_kernels_and_equal_eager(name, extra):
+    """Under torch.compile(fullgraph=True) the fused kernels are operators of the graph (topk_nb::...), not a
+    PyTorch re-trace of the loss: the graph calls them, two launches (smooth SVM) or one (noised), and the loss and
+    gradient equal eager's on the same draws."""
+    from topk_nb.losses import get_loss
+    g = torch.Generator().manual_seed(3)
+    s, y = torch.randn(4, 40, generator=g), torch.randint(0, 40, (4,), generator=g)
+    crit = get_loss(name, check_finite=False, **extra)
+
+    def run(fn):
+        torch.manual_seed(0)                                   # the kernel's seed is drawn from the global generator
+        x = s.clone().requires_grad_()
+        loss = fn(x)
+        loss.backward()
+        return loss.detach(), x.grad
+
+    backend, seen = _graph_targets()
+    torch._dynamo.reset()
+    with kernels.force_triton():
+        eager = run(lambda x: crit(x, y))
+        compiled_fn = torch.compile(lambda x: crit(x, y), fullgraph=True, backend=backend)
+        compiled = run(compiled_fn)
+        launches = kernels.count_launches(lambda: run(compiled_fn))
+    ops = [t for t in seen if t.startswith("topk_nb.")]
+    expected = (["topk_nb.smooth_svm_forward.default", "topk_nb.smooth_svm_backward.default"] if name == "smooth_svm"
+                else ["topk_nb.perturbed_kth.default"])
+    assert ops == expected, seen
+    assert launches == len(expected)
+    torch.testing.assert_close(compiled[0], eager[0], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(compiled[1], eager[1], rtol=1e-6, atol=1e-7)

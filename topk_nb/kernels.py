@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -19,6 +19,10 @@ try:                                           # triton ships with the CUDA buil
     HAS_TRITON = True
 except ImportError:                            # pragma: no cover - CPU-only torch builds
     HAS_TRITON = False
+
+# The kernels' operators are registered under "topk_nb::"; this chapter's own run of its cells (as a notebook, not
+# the package) registers its copies under another name, so that they never replace the package's.
+_OPS = "topk_nb" if __name__.startswith("topk_nb") else "topk_nb_chapter"
 
 # %% auto #0
 __all__ = ['MAX_ROW', 'MAX_KTH', 'SVM_MAX_K', 'force_triton', 'triton_ok', 'count_launches', 'perturbed_kth_triton',
@@ -39,8 +43,8 @@ def force_triton(enabled: bool = True # run the kernels on CPU tensors too (need
 def triton_ok(t: torch.Tensor, # the scores, classes along the last dimension
               k: int,          # the K of the top_K the kernel selects
               ) -> bool:
-    "Whether the fused kernel takes this call: CUDA (or `force_triton()`), Triton present, not tracing, a row that fits."
-    if not HAS_TRITON or torch.compiler.is_compiling():
+    "Whether the fused kernel takes this call: CUDA (or `force_triton()`), Triton present, a row that fits; under `torch.compile` too (the kernel is an operator the graph calls)."
+    if not HAS_TRITON:
         return False
     if not (t.is_cuda or (getattr(_FORCE, "on", False) and os.environ.get("TRITON_INTERPRET") == "1")):
         return False                           # a CPU tensor runs a kernel only in the interpreter, when forced
@@ -103,6 +107,25 @@ def _device_seed(generator: torch.Generator | None, device: torch.device) -> tor
     seed = torch.randint(0, 2**31 - 1, (1,), generator=generator, device=gen_device, dtype=torch.int64)
     return seed.to(device, non_blocking=True)
 
+# %% ../nbs/16_kernels.ipynb #ab2af40b
+@torch.library.custom_op(f"{_OPS}::perturbed_kth", mutates_args=())
+def _perturbed_kth_op(s: torch.Tensor,                # (B, n) scores, contiguous
+                      seed: torch.Tensor,             # (1,) int64 on the scores' device
+                      noise: Optional[torch.Tensor],  # (S, B, n) explicit noise, contiguous, or None: drawn in the kernel
+                      k: int, epsilon: float, n_samples: int,
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    "The selection kernel as an operator: mean_b top_K(s + eps Z_b) (B,) in float32 and each draw's index (S, B); one launch."
+    (B, n), block = s.shape, triton.next_power_of_2(s.shape[1])
+    mean, idx = _perturbed_kth_fake(s, seed, noise, k, epsilon, n_samples)
+    _launch(_perturbed_kth_kernel, (B,), s, s if noise is None else noise, seed, mean, idx, B, n, epsilon,
+            KTH=k, N_SAMPLES=n_samples, GIVEN_NOISE=noise is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)))
+    return mean, idx
+
+
+@_perturbed_kth_op.register_fake
+def _perturbed_kth_fake(s, seed, noise, k, epsilon, n_samples):
+    return s.new_empty(s.shape[0], dtype=torch.float32), s.new_empty(n_samples, s.shape[0], dtype=torch.int64)
+
 # %% ../nbs/16_kernels.ipynb #43d9a900
 def perturbed_kth_triton(scores: torch.Tensor,   # (..., n) scores
                          k: int,                  # the K of top_K
@@ -111,43 +134,41 @@ def perturbed_kth_triton(scores: torch.Tensor,   # (..., n) scores
                          generator: torch.Generator | None = None, # random source of the seed
                          noise: torch.Tensor | None = None,        # explicit noise (n_samples, ..., n), for tests
                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    "mean_b top_K(s + eps Z_b) (...,) in float32 and the index of each draw's K-th value (n_samples, ...), by the fused kernel."
+    "mean_b top_K(s + eps Z_b) (...,) in float32 and the index of each draw's K-th value (n_samples, ...), by the fused kernel; differentiable in `scores` (eq. 12)."
     n = scores.shape[-1]
     k, S, epsilon = check_int(k, "k", 1, n), check_int(n_samples, "n_samples", 1), check_real(epsilon, "epsilon", 0.0)
-    s = scores.detach().reshape(-1, n).contiguous()                       # (B, n)
-    B = s.shape[0]
-    mean = torch.empty(B, dtype=torch.float32, device=s.device)
-    idx = torch.empty(S, B, dtype=torch.int64, device=s.device)
-    given = noise is not None
-    z = noise.reshape(S, B, n).contiguous() if given else s               # unused pointer when not given
-    block = triton.next_power_of_2(n)
-    _launch(_perturbed_kth_kernel, (B,), s, z, _device_seed(generator, s.device), mean, idx, B, n, epsilon,
-            KTH=k, N_SAMPLES=S, GIVEN_NOISE=given, BLOCK=block, num_warps=min(16, max(1, block // 256)))
+    s = scores.reshape(-1, n).contiguous()                                # (B, n)
+    z = None if noise is None else noise.to(s.dtype).reshape(S, s.shape[0], n).contiguous()
+    mean, idx = _perturbed_kth_op(s, _device_seed(generator, s.device), z, k, epsilon, S)   # differentiable in s
     return mean.reshape(scores.shape[:-1]), idx.reshape(S, *scores.shape[:-1])
 
 # %% ../nbs/16_kernels.ipynb #103ba18c
-class _TritonSampledTopk(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, scores, k, epsilon, n_samples, generator):
-        mean, idx = perturbed_kth_triton(scores, k, epsilon, n_samples, generator)    # (...,), (S, ...)
-        ctx.save_for_backward(idx)
-        ctx.shape = scores.shape
-        return mean.to(scores.dtype)
+def _kth_setup_context(ctx, inputs, output):
+    "Keep each draw's index and the scores' shape and dtype."
+    ctx.save_for_backward(output[1])
+    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)          # no zero tensor for the indices' gradient
+    ctx.shape, ctx.dtype = inputs[0].shape, inputs[0].dtype
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):
-        (idx,) = ctx.saved_tensors
-        S, n = idx.shape[0], ctx.shape[-1]
-        out = torch.zeros(ctx.shape, dtype=grad.dtype, device=grad.device).view(-1, n)  # (B, n)
-        out.scatter_add_(1, idx.reshape(S, -1).T, (grad / S).reshape(1, -1).expand(S, -1).T)
-        return out.view(ctx.shape), None, None, None, None
+
+def _kth_grad(ctx, grad, unused):
+    "Eq. (12): the mean over draws of the one-hot vector at each draw's K-th index, by one scatter_add into zeros (B, n)."
+    if grad is None:                                                              # the value took no part
+        return None, None, None, None, None, None
+    (idx,) = ctx.saved_tensors                                                    # (S, B)
+    S = idx.shape[0]
+    src = (grad / S).to(ctx.dtype)[None].expand(idx.shape)                        # (S, B)
+    out = torch.zeros(ctx.shape, dtype=ctx.dtype, device=grad.device).scatter_add_(1, idx.T, src.T)
+    return out, None, None, None, None, None
+
+
+_perturbed_kth_op.register_autograd(_kth_grad, setup_context=_kth_setup_context)
 
 # %% ../nbs/16_kernels.ipynb #d4a487d1
 def triton_sampled_topk_value(scores: torch.Tensor, k: int, epsilon: float, n_samples: int,
                               generator: torch.Generator | None = None) -> torch.Tensor:
     "mean_b top_K(s + eps Z_b) over the last dim by the fused kernel, differentiable (eq. 11, 12)."
-    return _TritonSampledTopk.apply(scores, k, epsilon, n_samples, generator)
+    return perturbed_kth_triton(scores, k, epsilon, n_samples, generator)[0].to(scores.dtype)
 
 # %% ../nbs/16_kernels.ipynb #b0b16e9c
 SVM_MAX_K = 100           # the largest k the smooth SVM kernels take (the degrees are unrolled into k scans)
@@ -156,8 +177,8 @@ SVM_MAX_K = 100           # the largest k the smooth SVM kernels take (the degre
 def svm_triton_ok(s: torch.Tensor, # (B, n) scores
                   k: int,          # the k of top-k
                   ) -> bool:
-    "Whether `smooth_svm` takes the fused kernels: CUDA (or `force_triton()`), Triton present, not tracing, 1 <= k <= SVM_MAX_K."
-    if not HAS_TRITON or torch.compiler.is_compiling():
+    "Whether `smooth_svm` takes the fused kernels: CUDA (or `force_triton()`), Triton present, 1 <= k <= SVM_MAX_K; under `torch.compile` too (the kernels are operators the graph calls)."
+    if not HAS_TRITON:
         return False
     if not (s.is_cuda or (getattr(_FORCE, "on", False) and os.environ.get("TRITON_INTERPRET") == "1")):
         return False
@@ -283,35 +304,72 @@ def svm_blocks(n: int,                    # classes per row
     return block_n, triton.cdiv(n, block_n), block_k
 
 # %% ../nbs/16_kernels.ipynb #2bca8c51
-class _SmoothSVMTriton(torch.autograd.Function):
-    "Per-sample L_{k,tau} (B,) by the forward kernel; its gradient by the backward kernel (two launches, a few allocations)."
+def _svm_state(s: torch.Tensor,  # (B, n) scores
+               k: int,           # the k of top-k
+               block_n: int,     # classes per block (0: the default of `svm_blocks`)
+               ) -> tuple[torch.Tensor, ...]:
+    "Uninitialised outputs of the forward kernel: the loss (B,) in the scores' dtype (the kernel's store rounds to it), log sigma_{k-1}, log sigma_k (B, 2), rho (B,) and the carry at each block's start (B, blocks, BLOCK_K), in float64."
+    (B, n), (_, nb, BK) = s.shape, svm_blocks(s.shape[1], k, block_n or None)
+    f64 = dict(dtype=torch.float64, device=s.device)
+    return s.new_empty(B), torch.empty(B, 2, **f64), torch.empty(B, **f64), torch.empty(B, nb, BK, **f64)
 
-    @staticmethod
-    def forward(ctx, s, target, k, tau, alpha, block_n):
-        B, n = s.shape
-        s, target = s.contiguous(), target.contiguous()
-        BN, nb, BK = svm_blocks(n, k, block_n)
-        f64 = dict(dtype=torch.float64, device=s.device)
-        loss = torch.empty(B, dtype=s.dtype, device=s.device)        # the kernel's store rounds to the scores' dtype
-        lsig, rho = torch.empty(B, 2, **f64), torch.empty(B, **f64)
-        ckpt = torch.empty(B, nb, BK, **f64)                          # the carry at each block's start
-        _launch(_svm_forward_kernel, (B,), s, target, loss, lsig, rho, ckpt, n, nb, 1.0 / (k * tau), alpha / tau, tau,
-                K=k, BLOCK_N=BN, BLOCK_K=BK)
-        ctx.save_for_backward(s, target, lsig, rho, ckpt)
-        ctx.k, ctx.inv_ktau, ctx.block_n = k, 1.0 / (k * tau), block_n
-        return loss
+# %% ../nbs/16_kernels.ipynb #3b3831cc
+@torch.library.custom_op(f"{_OPS}::smooth_svm_forward", mutates_args=())
+def _svm_forward_op(s: torch.Tensor,       # (B, n) float32 or float64 scores, contiguous
+                    target: torch.Tensor,  # (B,) int64 class indices, contiguous
+                    k: int, tau: float, alpha: float,
+                    block_n: int,          # classes per block (0: the default of `svm_blocks`)
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    "The forward kernel as an operator: (loss (B,), log sigma (B, 2), rho (B,), checkpoints); one launch, and `torch.compile` calls it as it is."
+    (B, n), (BN, nb, BK) = s.shape, svm_blocks(s.shape[1], k, block_n or None)
+    loss, lsig, rho, ckpt = _svm_state(s, k, block_n)
+    _launch(_svm_forward_kernel, (B,), s, target, loss, lsig, rho, ckpt, n, nb, 1.0 / (k * tau), alpha / tau, tau,
+            K=k, BLOCK_N=BN, BLOCK_K=BK)
+    return loss, lsig, rho, ckpt
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):
-        s, target, lsig, rho, ckpt = ctx.saved_tensors
-        (B, n), k = s.shape, ctx.k
-        BN, nb, BK = svm_blocks(n, k, ctx.block_n)
-        scratch = torch.empty(B, k, BN, dtype=torch.float64, device=s.device)   # each row's prefixes of one block
-        out = torch.empty_like(s)
-        _launch(_svm_backward_kernel, (B,), s, target, grad.contiguous(), lsig, rho, ckpt, scratch, out, n, nb,
-                ctx.inv_ktau, K=k, BLOCK_N=BN, BLOCK_K=BK)
-        return out, None, None, None, None, None
+
+@_svm_forward_op.register_fake
+def _svm_forward_fake(s, target, k, tau, alpha, block_n):
+    return _svm_state(s, k, block_n)
+
+# %% ../nbs/16_kernels.ipynb #70e9befa
+@torch.library.custom_op(f"{_OPS}::smooth_svm_backward", mutates_args=())
+def _svm_backward_op(s: torch.Tensor, target: torch.Tensor,
+                     grad: torch.Tensor,   # (B,) dL/d loss
+                     lsig: torch.Tensor, rho: torch.Tensor, ckpt: torch.Tensor,   # from the forward operator
+                     k: int, tau: float, block_n: int) -> torch.Tensor:
+    "The backward kernel as an operator: dL/ds (B, n) in the scores' dtype; one launch and a float64 scratch of (B, k, BLOCK_N)."
+    (B, n), (BN, nb, BK) = s.shape, svm_blocks(s.shape[1], k, block_n or None)
+    scratch = torch.empty(B, k, BN, dtype=torch.float64, device=s.device)   # each row's prefixes of one block
+    out = torch.empty_like(s)
+    _launch(_svm_backward_kernel, (B,), s, target, grad.contiguous(), lsig, rho, ckpt, scratch, out, n, nb,
+            1.0 / (k * tau), K=k, BLOCK_N=BN, BLOCK_K=BK)
+    return out
+
+
+@_svm_backward_op.register_fake
+def _svm_backward_fake(s, target, grad, lsig, rho, ckpt, k, tau, block_n):
+    return torch.empty_like(s)
+
+# %% ../nbs/16_kernels.ipynb #b192b8a1
+def _svm_setup_context(ctx, inputs, output):
+    "Keep what the backward operator reads: the scores, labels, log sigma, rho and checkpoints."
+    s, target, k, tau, alpha, block_n = inputs
+    ctx.save_for_backward(s, target, *output[1:])
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.set_materialize_grads(False)          # no zero tensors for the gradients of the outputs above
+    ctx.k, ctx.tau, ctx.block_n = k, tau, block_n
+
+
+def _svm_grad(ctx, grad, *unused):
+    "dL/ds by the backward operator; the other outputs (log sigma, rho, checkpoints) carry no gradient."
+    if grad is None:                          # the loss itself took no part in what is differentiated
+        return None, None, None, None, None, None
+    s, target, lsig, rho, ckpt = ctx.saved_tensors
+    return _svm_backward_op(s, target, grad, lsig, rho, ckpt, ctx.k, ctx.tau, ctx.block_n), None, None, None, None, None
+
+
+_svm_forward_op.register_autograd(_svm_grad, setup_context=_svm_setup_context)
 
 # %% ../nbs/16_kernels.ipynb #38b9b185
 def smooth_svm_triton(scores: torch.Tensor,          # (B, n) float32 or float64 scores
@@ -325,4 +383,4 @@ def smooth_svm_triton(scores: torch.Tensor,          # (B, n) float32 or float64
     n = scores.shape[-1]
     k = check_int(k, "k", 1, min(SVM_MAX_K, n - 1))
     tau, alpha = check_real(tau, "tau", 0.0, lo_open=True), check_real(alpha, "alpha", 0.0)
-    return _SmoothSVMTriton.apply(scores, target, k, tau, alpha, block_n)
+    return _svm_forward_op(scores.contiguous(), target.contiguous(), k, tau, alpha, block_n or 0)[0]
