@@ -392,3 +392,15 @@ def test_training_command_exit_status(tmp_path):
                          text=True, timeout=300)
     assert (res.returncode, res.stdout) == (2, "") and res.stderr == \
         "topk_nb.train: error: epochs must be an integer in [1, inf], got 0\n"
+
+
+def test_list_into_a_closed_pipe_is_quiet():
+    # `topk-nb list | head -1`: the reader goes away before the listing is written; no traceback
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        res = subprocess.run([sys.executable, "-m", "topk_nb.batch", "list"], stdout=write, stderr=subprocess.PIPE,
+                             env=ENV, text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert res.returncode == 0 and res.stderr == "", res.stderr

@@ -668,6 +668,21 @@ def _fail(command: str, error: Exception, status: int = 2) -> int:
     print(f"topk-nb {command}: error: {' '.join(str(error).split())}", file=sys.stderr)
     return status
 
+# %% ../nbs/13_batch.ipynb #ababdcb9
+def _list(name: str | None,  # an experiment, or None: all of them
+          ) -> int:
+    "`topk-nb list [NAME]`: the experiments and their presets, or one experiment's parameters and presets' values."
+    if name is not None and name not in EXPERIMENTS:
+        return _fail("list", ValueError(f"unknown experiment {name!r}; valid names: {', '.join(EXPERIMENTS)}"))
+    text = describe_experiment(EXPERIMENTS[name]) if name is not None else "\n".join(
+        f"{e.name}: {e.description}\n  notebook: {experiments_dir() / e.notebook}\n  presets: {', '.join(e.presets)}"
+        for e in EXPERIMENTS.values())
+    try:
+        print(text)
+    except BrokenPipeError:                      # `topk-nb list | head`: the reader stopped early, which is no error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
+
 # %% ../nbs/13_batch.ipynb #f79e5574
 def main(argv: Sequence[str] | None = None,  # the words after `topk-nb` (sys.argv[1:] by default)
          ) -> int:
@@ -676,14 +691,7 @@ def main(argv: Sequence[str] | None = None,  # the words after `topk-nb` (sys.ar
     if args.command == "job":
         return _job_main(args.spec)
     if args.command == "list":
-        if args.name is not None:
-            if args.name not in EXPERIMENTS:
-                return _fail("list", ValueError(f"unknown experiment {args.name!r}; valid names: {', '.join(EXPERIMENTS)}"))
-            print(describe_experiment(EXPERIMENTS[args.name]))
-            return 0
-        for e in EXPERIMENTS.values():
-            print(f"{e.name}: {e.description}\n  notebook: {experiments_dir() / e.notebook}\n  presets: {', '.join(e.presets)}")
-        return 0
+        return _list(args.name)
     if args.command == "report":
         from topk_nb.report import report       # the report builds on the runner (grid, catalogue)
         try:
