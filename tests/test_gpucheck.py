@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from topk_nb import gpucheck
 from topk_nb.gpucheck import SECTIONS, TOLERANCE, check_correctness, gpu_check, main, render_markdown
 from topk_nb.losses import LOSSES
 from topk_nb.svm import TopkHinge
@@ -117,3 +118,14 @@ def test_correctness_catches_a_wrong_gradient(monkeypatch):
     assert res["status"] == "failed"
     assert res["losses"]["ce"]["ok"] and not res["losses"]["topk_hinge"]["ok"]
     assert res["losses"]["topk_hinge"]["loss_err"] < TOLERANCE < res["losses"]["topk_hinge"]["grad_err"] < 1e-2
+
+
+def test_compile_section_counts_the_kernels_a_compiled_step_runs():
+    kernels = pytest.importorskip("topk_nb.kernels")
+    if not kernels.HAS_TRITON:
+        pytest.skip("triton is not installed")
+    with kernels.force_triton():                      # as on CUDA: the fused kernels, here in Triton's interpreter
+        out = gpucheck.check_compile("cpu", batch=4, features=8, n=40, k=3, names=["ce", "smooth_svm", "noised_bal"],
+                                     backend="eager")
+    launches = {name: entry["kernel_launches"] for name, entry in out["losses"].items()}
+    assert out["status"] == "ok" and launches == {"ce": 0, "smooth_svm": 2, "noised_bal": 1}, out

@@ -27,6 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .bench import aten_ops, bench_loss, bench_scores, epoch_times, loss_speed, syncing_ops
+from .kernels import count_launches
 from .core import fwd_bwd
 from .losses import LOSSES
 
@@ -226,11 +227,13 @@ def _compile_one(name: str, device, batch: int, features: int, n: int, k: int, b
         for mode, fullgraph in (("fullgraph", True), ("graph_breaks", False)):
             torch._dynamo.reset()                                                 # no cache limit across losses
             try:
-                err = _step_error(model, torch.compile(forward, fullgraph=fullgraph, backend=backend), x, y, ref_loss, ref_grad)
+                compiled = torch.compile(forward, fullgraph=fullgraph, backend=backend)
+                err = _step_error(model, compiled, x, y, ref_loss, ref_grad)
+                launches = count_launches(lambda: _step_error(model, compiled, x, y, ref_loss, ref_grad))
             except Exception as e:
                 entry[mode] = one_line(e)
                 continue
-            entry[mode] = "ok"
+            entry[mode], entry["kernel_launches"] = "ok", launches     # the fused kernels the compiled step runs
             if not LOSSES[name].stochastic: entry["err"] = err
             break
     except Exception as e:
@@ -404,8 +407,8 @@ def _md_epoch(s: dict) -> list[str]:
 
 # %% ../nbs/15_gpucheck.ipynb #3e60433b
 def _md_compile(s: dict) -> list[str]:
-    return _table(["loss", "fullgraph=True", "with graph breaks", "compiled vs eager"],
-                  [[name, v.get("fullgraph", v.get("error")), v.get("graph_breaks"), _e(v.get("err"))]
+    return _table(["loss", "fullgraph=True", "with graph breaks", "compiled vs eager", "Triton launches"],
+                  [[name, v.get("fullgraph", v.get("error")), v.get("graph_breaks"), _e(v.get("err")), v.get("kernel_launches")]
                    for name, v in s["losses"].items()])
 
 # %% ../nbs/15_gpucheck.ipynb #b33fa328
