@@ -228,8 +228,9 @@ def _compile_one(name: str, device, batch: int, features: int, n: int, k: int, b
             torch._dynamo.reset()                                                 # no cache limit across losses
             try:
                 compiled = torch.compile(forward, fullgraph=fullgraph, backend=backend)
-                err = _step_error(model, compiled, x, y, ref_loss, ref_grad)
-                launches = count_launches(lambda: _step_error(model, compiled, x, y, ref_loss, ref_grad))
+                errs = []                                                 # one compiled step: its error and its Triton launches
+                launches = count_launches(lambda: errs.append(_step_error(model, compiled, x, y, ref_loss, ref_grad)))
+                err = errs[0]
             except Exception as e:
                 entry[mode] = one_line(e)
                 continue
