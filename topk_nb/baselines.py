@@ -32,8 +32,8 @@ def working_scores(scores: torch.Tensor) -> torch.Tensor:
 
 # %% ../nbs/06_baselines.ipynb #d3dcbba7
 def split_target(target, scores: torch.Tensor, name: str = "target",
-                 check: bool | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
-    "Validate class indices (B,) or probabilities (B, n); return (indices or None, probabilities (B, n) in the working dtype)."
+                 check: bool | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    "Validate class indices (B,) or probabilities (B, n); return (indices, None) or (None, probabilities (B, n) in the working dtype)."
     batch, n = scores.shape
     dtype = working_scores(scores).dtype
     if isinstance(target, torch.Tensor) and target.is_floating_point():
@@ -51,7 +51,7 @@ def split_target(target, scores: torch.Tensor, name: str = "target",
                 raise ValueError(f"{name} probabilities must sum to 1 over the classes, a row is off by {worst:.3g}")
         return None, target.to(dtype)
     labels = check_target(target, n, batch, name)
-    return labels, one_hot(labels, n, dtype)
+    return labels, None
 
 # %% ../nbs/06_baselines.ipynb #1b47306d
 def expected_loss(loss_fn: Callable, scores: torch.Tensor, probs: torch.Tensor, max_support: int = 8,
@@ -114,7 +114,7 @@ focal_loss = focal    # the earlier name, kept
 
 # %% ../nbs/06_baselines.ipynb #b691383b
 def _ldam_hard(scores, labels, margins, scale, reduction="none"):
-    shifted = scores - one_hot(labels, scores.shape[1], scores.dtype) * margins[labels][:, None]
+    shifted = scores.scatter_add(1, labels[:, None], -margins[labels][:, None])     # s - m_y e_y: one pass, (B, n)
     return F.cross_entropy(scale * shifted, labels, reduction=reduction)
 
 # %% ../nbs/06_baselines.ipynb #37e376bc
@@ -148,7 +148,7 @@ def cvx_hinge(scores: torch.Tensor, target: torch.Tensor, k: int = 5, alpha: flo
     reduction = check_reduction(reduction)
 
     def hard(s, lab, reduction="none"):
-        violations = s + alpha * (1 - one_hot(lab, s.shape[1], s.dtype)) - s.gather(1, lab[:, None])
+        violations = (s - s.gather(1, lab[:, None]) + alpha).scatter(1, lab[:, None], 0.0)   # (B, n): 0 at y
         return F.relu(violations.topk(k, dim=1).values.mean(1))
 
     with torch.autocast(scores.device.type, enabled=False):

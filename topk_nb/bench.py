@@ -25,8 +25,8 @@ from .losses import LOSSES, get_loss
 from .models import get_model
 
 # %% auto #0
-__all__ = ['SYNCING_OPS', 'time_interleaved', 'bench_scores', 'bench_loss', 'loss_speed', 'esp_speed', 'epoch_times', 'OpCall',
-           'op_calls', 'aten_ops', 'syncing_ops', 'op_table', 'largest_tensor', 'cost_rows']
+__all__ = ['SYNCING_OPS', 'time_interleaved', 'bench_scores', 'bench_loss', 'largest_tensor', 'loss_speed', 'esp_speed',
+           'epoch_times', 'OpCall', 'op_calls', 'aten_ops', 'syncing_ops', 'op_table']
 
 # %% ../nbs/14_bench.ipynb #f6ddc67b
 def time_interleaved(fns: Sequence[Callable[[], object]], device="cpu", rounds: int = 5, block: int = 3,
@@ -61,24 +61,61 @@ def bench_loss(name: str, n: int, k: int, **params) -> Callable:
     return get_loss(name, **params)
 
 
+# %% ../nbs/14_bench.ipynb #d49951de
+def _tensors(tree) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+# %% ../nbs/14_bench.ipynb #9787921e
+class _LargestStorage(TorchDispatchMode):
+    "Dispatch mode that keeps the largest number of bytes any operator's output holds: its storage, or its own extent where that is less."
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in _tensors(out):       # a broadcast view holds its storage; a window of a reused scratch pool, its extent
+            self.bytes = max(self.bytes, min(t.untyped_storage().nbytes(), t.numel() * t.element_size()))
+        return out
+
+# %% ../nbs/14_bench.ipynb #9766afb5
+def largest_tensor(fn: Callable[[], object]  # called once, with no arguments
+                   ) -> int:
+    "Bytes of the largest storage an aten operator produces during one call of `fn()`, forward and backward."
+    with _LargestStorage() as mode:
+        fn()
+    return mode.bytes
+
 # %% ../nbs/14_bench.ipynb #5f7c9bbc
-def loss_speed(names: Sequence[str] | None = None, ns: Sequence[int] = (1000,), ks: Sequence[int] = (5,), batch: int = 256,
-               device="cpu", repeats: int = 15, params: dict | None = None) -> list[dict]:
-    "Forward+backward time of registry losses (all by default) vs n and k, with F.cross_entropy timed on the same tensors in the same run."
+def loss_speed(names: Sequence[str] | None = None,        # registry losses; all by default
+               ns: Sequence[int] = (1000,),
+               ks: Sequence[int] = (5,),                   # for the losses that take k; the others run once per n
+               batch: int | Callable[[int], int] = 256,    # or a function of n
+               device="cpu",
+               repeats: int = 15,                          # timed calls of each step, in rounds of `block`
+               params: dict | None = None,                 # {loss name: extra keyword parameters}
+               block: int = 3,                             # timed calls per turn (1: the two steps alternate call by call)
+               memory: bool = True,                        # also record the largest buffer of one step (one more call)
+               ) -> list[dict]:
+    "Forward+backward time of registry losses over n and k as a ratio to F.cross_entropy timed in turns on the same tensors, and the largest buffer in copies of the scores."
     rows = []
     for n in ns:
-        scores, target = bench_scores(batch, n, device)
+        b = batch(n) if callable(batch) else batch
+        scores, target = bench_scores(b, n, device)
         ce_step = fwd_bwd(F.cross_entropy, scores, target)
         for name in names or LOSSES:
-            for k in ks:
+            takes_k = "k" in LOSSES[name].defaults
+            for k in (ks if takes_k else ks[:1]):
                 if k >= n: continue
-                fn = bench_loss(name, n, k, **(params or {}).get(name, {}))
-                t_ce, t = time_interleaved([ce_step, fwd_bwd(fn, scores, target)], device, rounds=max(1, repeats // 3))
-                ce = t_ce["median"]
-                rows.append({"part": "loss", "loss": name, "n": n, "k": k, "batch": batch, "ms": 1e3 * t["median"],
-                             "q25_ms": 1e3 * t["q25"], "q75_ms": 1e3 * t["q75"], "ce_ms": 1e3 * ce, "ratio": t["median"] / ce})
+                step = fwd_bwd(bench_loss(name, n, k, **(params or {}).get(name, {})), scores, target)
+                t_ce, t = time_interleaved([ce_step, step], device, rounds=max(1, repeats // block), block=block)
+                row = {"part": "loss", "loss": name, "n": n, "k": k if takes_k else None, "batch": b,
+                       "ms": 1e3 * t["median"], "q25_ms": 1e3 * t["q25"], "q75_ms": 1e3 * t["q75"],
+                       "ce_ms": 1e3 * t_ce["median"], "ratio": t["median"] / t_ce["median"]}
+                if memory: row["largest_over_scores"] = largest_tensor(step) / scores.untyped_storage().nbytes()
+                rows.append(row)
     return rows
-
 
 # %% ../nbs/14_bench.ipynb #a9031daa
 def _backward_only(fn, inputs: torch.Tensor):
@@ -155,10 +192,6 @@ class OpCall(NamedTuple):
     dtypes: frozenset
     where: str = ""
     kernel: bool = True   # False for views (an output aliasing an input) and uninitialised allocations, which launch nothing
-
-# %% ../nbs/14_bench.ipynb #d49951de
-def _tensors(tree) -> list[torch.Tensor]:
-    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 # %% ../nbs/14_bench.ipynb #ffff6d26
 def _op_names(func, args, kwargs, ins, outs) -> list[str]:
@@ -249,48 +282,4 @@ def op_table(names: Sequence[str] | None = None,  # registry losses; all by defa
         rows.append({"loss": name, "batch": batch, "n": n, "k": k, "ops": len(calls), "triton": triton,
                      "launches": sum(c.kernel for c in calls) + triton,
                      "float64_ops": sum(torch.float64 in c.dtypes for c in calls), "syncing": dict(syncs)})
-    return rows
-
-# %% ../nbs/14_bench.ipynb #9787921e
-class _LargestStorage(TorchDispatchMode):
-    "Dispatch mode that keeps the largest number of bytes any operator's output holds: its storage, or its own extent where that is less."
-
-    def __init__(self):
-        super().__init__()
-        self.bytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in _tensors(out):       # a broadcast view holds its storage; a window of a reused scratch pool, its extent
-            self.bytes = max(self.bytes, min(t.untyped_storage().nbytes(), t.numel() * t.element_size()))
-        return out
-
-# %% ../nbs/14_bench.ipynb #9766afb5
-def largest_tensor(fn: Callable[[], object]  # called once, with no arguments
-                   ) -> int:
-    "Bytes of the largest storage an aten operator produces during one call of `fn()`, forward and backward."
-    with _LargestStorage() as mode:
-        fn()
-    return mode.bytes
-
-# %% ../nbs/14_bench.ipynb #fc2cef4f
-def cost_rows(names: Sequence[str] | None = None,            # registry losses; all by default
-              ks: Sequence[int] = (1, 5, 10, 50, 100),        # for the losses that take k (the others run once per n)
-              ns: Sequence[int] = (100, 1000, 10_000, 100_000),
-              batch: int | Callable[[int], int] = 256,        # or a function of n
-              rounds: int = 3, device="cpu") -> list[dict]:
-    "Forward+backward time of each loss over k and n, as a ratio to F.cross_entropy timed in turns on the same tensors, and its largest buffer over the scores' size."
-    rows = []
-    for n in ns:
-        b = batch(n) if callable(batch) else batch
-        scores, target = bench_scores(b, n, device)
-        ce_step = fwd_bwd(F.cross_entropy, scores, target)
-        for name in names or LOSSES:
-            for k in (ks if "k" in LOSSES[name].defaults else ks[:1]):
-                if k >= n: continue
-                step = fwd_bwd(bench_loss(name, n, k), scores, target)
-                t_ce, t = time_interleaved([ce_step, step], device, rounds=rounds, block=1)
-                rows.append({"loss": name, "n": n, "k": k if "k" in LOSSES[name].defaults else None, "batch": b,
-                             "ms": 1e3 * t["median"], "ce_ms": 1e3 * t_ce["median"], "ratio": t["median"] / t_ce["median"],
-                             "largest_over_scores": largest_tensor(step) / scores.untyped_storage().nbytes()})
     return rows

@@ -88,12 +88,17 @@ def check_real(value, name: str, lo: float | None = None, hi: float | None = Non
 
 
 # %% ../nbs/00_core.ipynb #0d12f9c0
+def _sum_dtype(t: torch.Tensor) -> torch.dtype:
+    "Where to sum `t` to test it for NaN and infinities: float64 for float64, float32 otherwise (half sums overflow early)."
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
 def check_finite(t: torch.Tensor, name: str, check: bool | None = None) -> torch.Tensor:
     "Raise if `t` has NaN or infinite entries; by default only on the host path (see `sync_free`), always when `check` is True."
     if check is None: check = not sync_free(t)
-    if check and t.numel() and not bool(torch.isfinite(torch.stack(torch.aminmax(t))).all()):   # NaN propagates: one pass
-        bad = (~torch.isfinite(t)).sum().item()
-        raise ValueError(f"{name} must be finite, but {bad} of its {t.numel()} entries are NaN or infinite")
+    if check and t.numel() and not math.isfinite(t.sum(dtype=_sum_dtype(t)).item()):   # a NaN or an infinity makes the sum one
+        bad = (~torch.isfinite(t)).sum().item()                  # or the sum overflowed: count exactly
+        if bad: raise ValueError(f"{name} must be finite, but {bad} of its {t.numel()} entries are NaN or infinite")
     return t
 
 
@@ -128,7 +133,8 @@ def check_target(target, n: int, batch: int, name: str = "target") -> torch.Tens
     if batch > 0 and sync_free(target):        # checked on the device, as F.cross_entropy does: no host sync
         torch._assert_async(((target >= 0) & (target < n)).all(), f"{name} must hold class indices in [0, {n - 1}]")
     elif batch > 0:
-        lo, hi = target.min().item(), target.max().item()
+        lo, hi = torch.aminmax(target)                                    # one pass, two numbers back
+        lo, hi = lo.item(), hi.item()
         if lo < 0 or hi >= n:
             raise ValueError(f"{name} must hold class indices in [0, {n - 1}], got values in [{lo}, {hi}]")
     return target.long()
@@ -396,7 +402,8 @@ def check_loss_finite(loss: torch.Tensor,   # per-sample losses
                       check: bool | None = None) -> torch.Tensor:
     "Raise if finite scores gave a non-finite loss (an overflow of the scores' dtype); on the host path, or when `check`."
     if check is None: check = not sync_free(loss)
-    if check and loss.numel() and not bool(torch.isfinite(loss).all()):
+    if check and loss.numel() and not math.isfinite(loss.sum(dtype=_sum_dtype(loss)).item()) \
+            and not bool(torch.isfinite(loss).all()):                   # the sum first: one pass, one number back
         big = scores.detach().abs().max().item()
         raise ValueError(f"{name} overflows {scores.dtype} for these scores (largest |score| {big:.3g}): the scores are "
                          f"too large for the dtype; rescale them or pass float64 scores")

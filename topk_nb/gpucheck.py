@@ -168,11 +168,7 @@ def check_syncs(device="cuda", batch: int = 256, n: int = 1000, k: int = 5,
 def speed_table(device="cuda", ns: Sequence[int] = (100, 1000, 10_000, 100_000), ks: Sequence[int] = (1, 5, 20),
                 batch: int = 256, repeats: int = 15, names: Sequence[str] | None = None) -> dict:
     "Forward+backward time of each loss over that of F.cross_entropy on the same tensors, taking turns (bench.loss_speed); k-free losses once per n."
-    names = list(names or LOSSES)
-    topk = [name for name in names if "k" in LOSSES[name].defaults]
-    free = [name for name in names if name not in topk]
-    rows = loss_speed(free, ns, ks[:1], batch, device, repeats) if free else []
-    rows = [dict(r, k=None) for r in rows] + (loss_speed(topk, ns, ks, batch, device, repeats) if topk else [])
+    rows = loss_speed(list(names or LOSSES), ns, ks, batch, device, repeats)   # with each step's largest buffer
     return {"status": "ok", "batch": batch, "ns": list(ns), "ks": list(ks), "rows": rows}
 
 # %% ../nbs/15_gpucheck.ipynb #ee934574

@@ -42,12 +42,13 @@ def _tree_marginals(x: torch.Tensor, k: int) -> torch.Tensor:
 
 # %% ../nbs/07_predict.ipynb #8d6f8a85
 def _marginals(scores: torch.Tensor, k: int, tau: float) -> torch.Tensor:
-    "Top-k marginals of validated float32/float64 scores along the last dim; no autograd graph."
+    "Top-k marginals of validated float32/float64 scores along the last dim, computed in float64; no autograd graph."
     scores = scores.detach()
     if k == scores.shape[-1]:
         return torch.ones_like(scores)                           # property 3: every label is in the set
-    x = _centred(scores, k, tau)
-    return torch.softmax(x, -1) if k == 1 else _tree_marginals(x, k)   # k = 1: property 3
+    inside = torch.float32 if scores.device.type == "mps" else torch.float64       # MPS has no float64
+    x = _centred(scores.to(inside), k, tau)                      # float64 inside: candidate (c) of the table
+    return (torch.softmax(x, -1) if k == 1 else _tree_marginals(x, k)).to(scores.dtype)   # k = 1: property 3
 
 # %% ../nbs/07_predict.ipynb #c2585780
 def topk_marginals(scores: torch.Tensor, k: int, tau: float = 1.0, check_finite: bool | None = None) -> torch.Tensor:

@@ -38,7 +38,7 @@ _PRESETS = {
     # Berrada 2018, App. B.3.2 / Tab. 3-4: "B = 256 ... k = 5 ... n from 100 to 100,000"; the design's targets at
     # B = 256, n = 1000; Garcin 2022, Fig. 3: DenseNet 40-40, batch 64, K in {1, ..., 10}, B in {1, 3, 10};
     # k up to 100 for the cost of every loss against k (the registry's mixtures over k, Sawada's k = 25)
-    "paper": {"ns": [[100, 1000, 10_000, 100_000]], "ks": [[1, 2, 5, 10, 20, 50, 100]], "esp_ns": [[100, 1000, 10_000, 100_000]],
+    "paper": {"ns": [[100, 1000, 10_000, 100_000, 1_000_000]], "ks": [[1, 2, 5, 10, 20, 50, 100]], "esp_ns": [[100, 1000, 10_000, 100_000]],
               "epoch_ks": [[1, 2, 3, 5, 10]], "epoch_steps": 20, "epoch_model": "densenet40_40", "losses": None}   # None: every registry loss,
 }
 
