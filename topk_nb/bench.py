@@ -9,6 +9,7 @@ import math
 import os
 import statistics
 import traceback
+import weakref
 from collections import Counter
 from pathlib import Path
 from typing import Callable, NamedTuple, Sequence
@@ -18,15 +19,15 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from .core import force_sync_free, fwd_bwd, time_fn
+from .core import _WORKSPACE, force_sync_free, fwd_bwd, time_fn
 from .esp import log_esp, log_esp_summation
 from .esp_backward import LOG_SIGMA_METHODS, log_sigma
 from .losses import LOSSES, get_loss
 from .models import get_model
 
 # %% auto #0
-__all__ = ['SYNCING_OPS', 'time_interleaved', 'bench_scores', 'bench_loss', 'largest_tensor', 'loss_speed', 'esp_speed',
-           'epoch_times', 'OpCall', 'op_calls', 'aten_ops', 'syncing_ops', 'op_table']
+__all__ = ['SYNCING_OPS', 'time_interleaved', 'bench_scores', 'bench_loss', 'largest_tensor', 'peak_memory', 'loss_speed',
+           'esp_speed', 'epoch_times', 'OpCall', 'op_calls', 'aten_ops', 'syncing_ops', 'op_table']
 
 # %% ../nbs/14_bench.ipynb #f6ddc67b
 def time_interleaved(fns: Sequence[Callable[[], object]], device="cpu", rounds: int = 5, block: int = 3,
@@ -87,6 +88,43 @@ def largest_tensor(fn: Callable[[], object]  # called once, with no arguments
         fn()
     return mode.bytes
 
+# %% ../nbs/14_bench.ipynb #4401d953
+class _PeakStorage(TorchDispatchMode):
+    "Dispatch mode that follows the bytes of the storages operators create while it is on (until each is freed), and keeps their peak."
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.peak, self.known = 0, 0, set()
+
+    def _track(self, t: torch.Tensor, new: bool):
+        storage = t.untyped_storage()
+        key = storage._cdata                          # the storage itself: views and in-place results share it
+        if key in self.known: return
+        size = storage.nbytes() if new else 0         # a storage first met as an input existed before: it counts 0
+        self.known.add(key)
+        self.live += size
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(storage, self._release, key, size)
+
+    def _release(self, key: int, size: int):
+        self.known.discard(key)
+        self.live -= size
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        for t in _tensors((args, kwargs)): self._track(t, new=False)
+        out = func(*args, **(kwargs or {}))
+        for t in _tensors(out): self._track(t, new=True)
+        return out
+
+# %% ../nbs/14_bench.ipynb #c96e27fa
+def peak_memory(fn: Callable[[], object]  # called once, with no arguments
+                ) -> int:
+    "Peak bytes held at once by the storages aten operators create during one call of `fn()`, forward and backward (the CPU scratch pool emptied first)."
+    _WORKSPACE.__dict__.pop("buffers", None)          # chapter 00's pool: allocated again, inside the measurement
+    with _PeakStorage() as mode:
+        fn()
+    return mode.peak
+
 # %% ../nbs/14_bench.ipynb #5f7c9bbc
 def loss_speed(names: Sequence[str] | None = None,        # registry losses; all by default
                ns: Sequence[int] = (1000,),
@@ -96,14 +134,16 @@ def loss_speed(names: Sequence[str] | None = None,        # registry losses; all
                repeats: int = 15,                          # timed calls of each step, in rounds of `block`
                params: dict | None = None,                 # {loss name: extra keyword parameters}
                block: int = 3,                             # timed calls per turn (1: the two steps alternate call by call)
-               memory: bool = True,                        # also record the largest buffer of one step (one more call)
+               memory: bool = True,                        # also record the largest buffer and the peak of one step (two more calls)
                ) -> list[dict]:
-    "Forward+backward time of registry losses over n and k as a ratio to F.cross_entropy timed in turns on the same tensors, and the largest buffer in copies of the scores."
+    "Forward+backward time of registry losses over n and k as a ratio to F.cross_entropy timed in turns on the same tensors, and the largest buffer and peak memory (cross-entropy's too) in copies of the scores."
     rows = []
     for n in ns:
         b = batch(n) if callable(batch) else batch
         scores, target = bench_scores(b, n, device)
         ce_step = fwd_bwd(F.cross_entropy, scores, target)
+        size = scores.untyped_storage().nbytes()
+        ce_peak = peak_memory(ce_step) / size if memory else None
         for name in names or LOSSES:
             takes_k = "k" in LOSSES[name].defaults
             for k in (ks if takes_k else ks[:1]):
@@ -113,7 +153,9 @@ def loss_speed(names: Sequence[str] | None = None,        # registry losses; all
                 row = {"part": "loss", "loss": name, "n": n, "k": k if takes_k else None, "batch": b,
                        "ms": 1e3 * t["median"], "q25_ms": 1e3 * t["q25"], "q75_ms": 1e3 * t["q75"],
                        "ce_ms": 1e3 * t_ce["median"], "ratio": t["median"] / t_ce["median"]}
-                if memory: row["largest_over_scores"] = largest_tensor(step) / scores.untyped_storage().nbytes()
+                if memory:
+                    row.update(largest_over_scores=largest_tensor(step) / size, peak_over_scores=peak_memory(step) / size,
+                               ce_peak_over_scores=ce_peak)
                 rows.append(row)
     return rows
 

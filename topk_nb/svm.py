@@ -28,7 +28,8 @@ def topk_hinge(scores: torch.Tensor, target: torch.Tensor, k: int = 5, alpha: fl
     scores, target, k = check_loss_input(scores, target, k, check_finite)
     alpha = check_real(alpha, "alpha", 0.0)
     reduction = check_reduction(reduction)
-    kth_other = scores_without_target(scores, target).topk(k, dim=1).values[:, -1]
+    others = scores.scatter(1, target[:, None], -torch.inf)               # (B, n): the target can never be selected
+    kth_other = others.topk(k, dim=1).values[:, -1]
     s_y = scores.gather(1, target[:, None])[:, 0]
     return reduce_loss(F.relu(alpha + (kth_other - s_y) / k), reduction)
 
