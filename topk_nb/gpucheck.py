@@ -168,7 +168,7 @@ def check_syncs(device="cuda", batch: int = 256, n: int = 1000, k: int = 5,
 def speed_table(device="cuda", ns: Sequence[int] = (100, 1000, 10_000, 100_000), ks: Sequence[int] = (1, 5, 20),
                 batch: int = 256, repeats: int = 15, names: Sequence[str] | None = None) -> dict:
     "Forward+backward time of each loss over that of F.cross_entropy on the same tensors, taking turns (bench.loss_speed); k-free losses once per n."
-    rows = loss_speed(list(names or LOSSES), ns, ks, batch, device, repeats)   # with each step's largest buffer
+    rows = loss_speed(list(names or LOSSES), ns, ks, batch, device, repeats)   # with each step's largest buffer and peak memory
     return {"status": "ok", "batch": batch, "ns": list(ns), "ks": list(ks), "rows": rows}
 
 # %% ../nbs/15_gpucheck.ipynb #ee934574
