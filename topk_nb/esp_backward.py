@@ -16,11 +16,11 @@ from .esp import _check_esp_input, dc_tree, esp_summation, log_poly_mul, log_zer
 
 # %% auto #0
 __all__ = ['UNIT_ROUNDOFF_64', 'TINY_64', 'POWER_FWD_TOL', 'POWER_GRAD_TOL', 'POWER_FWD_TOL_64', 'POWER_GRAD_TOL_64',
-           'LOOP_DEGREE', 'STEP_TABLE', 'LOG_SIGMA_METHODS', 'esp_grad_alg2', 'esp_grad_recursion', 'default_order',
+           'LOOP_DEGREE', 'LOG_SIGMA_METHODS', 'esp_grad_alg2', 'esp_grad_recursion', 'default_order',
            'esp_grad_stabilised', 'leave_one_out_log_esp', 'esp_grad_leave_one_out', 'power_tolerances', 'poly_mul_lin',
-           'newton_esp', 'head_esps', 'head_prefixes', 'head_leave_one_out', 'head_size', 'power_shift', 'power_inputs',
-           'tail_bounds', 'tail_esps', 'power_forward', 'power_backward', 'PowerLogSigma', 'power_log_sigma',
-           'LogSigmaFunction', 'log_sigma', 'grad_error', 'grad_target']
+           'newton_esp', 'poly_mul_window', 'head_tree', 'head_esps', 'head_leave_one_out', 'head_rounding',
+           'head_size', 'power_shift', 'power_inputs', 'tail_bounds', 'tail_esps', 'power_forward', 'power_backward',
+           'PowerLogSigma', 'power_log_sigma', 'LogSigmaFunction', 'log_sigma', 'grad_error', 'grad_target']
 
 # %% ../nbs/02_esp_backward.ipynb #89094acf
 def esp_grad_alg2(e: torch.Tensor, k: int) -> torch.Tensor:
@@ -178,57 +178,83 @@ def _newton_substitution(power_sums: torch.Tensor, # (..., k) the power sums p_1
         err[..., j] = torch.linalg.vecdot(pf[..., k - j:], torch.add(err[..., :j], sig[..., :j], alpha=rounding)) / j
     return sig, err
 
-# %% ../nbs/02_esp_backward.ipynb #eb9afc4b
-def head_esps(v: torch.Tensor, # (B, h) head values
-              k: int) -> torch.Tensor:
-    "sigma_0..k of the head values, (B, k+1), by the summation recurrence: positive terms only."
-    cur = F.pad(v.new_ones(v.shape[0], 1), (0, k))                   # (B, k+1): the polynomial 1
-    for i in range(v.shape[1]):                                      # times (1 + v_i z)
-        cur = torch.cat([cur[:, :1], torch.addcmul(cur[:, 1:], v[:, i:i + 1], cur[:, :-1])], 1)
-    return cur
+# %% ../nbs/02_esp_backward.ipynb #6ad7a9e2
+def poly_mul_window(p: torch.Tensor, # (a, ...) coefficients of degrees p_lo..p_lo+a-1, degree along dim 0
+                    p_lo: int,
+                    q: torch.Tensor, # (b, ...) coefficients of degrees q_lo..q_lo+b-1
+                    q_lo: int,
+                    lo: int,         # the first degree of the product to return
+                    hi: int,         # one past the last
+                    ) -> torch.Tensor:
+    "Coefficients lo..hi-1 of the product of z^p_lo p(z) and z^q_lo q(z), degree along dim 0 (broadcast over the rest), (hi-lo, ...): one multiply-add per coefficient of the shorter factor."
+    if p.shape[0] > q.shape[0]:
+        p, p_lo, q, q_lo = q, q_lo, p, p_lo
+    b = q.shape[0]
+    out = torch.zeros(hi - lo, *torch.broadcast_shapes(p.shape[1:], q.shape[1:]), dtype=torch.promote_types(p.dtype, q.dtype), device=p.device)
+    for i in range(p.shape[0]):
+        base = p_lo + i + q_lo                                          # the degree of p_i q_0
+        j0, j1 = max(0, lo - base), min(b, hi - base)                   # the q_j that land in lo..hi-1
+        if j0 < j1:
+            out[base + j0 - lo:base + j1 - lo].addcmul_(p[i:i + 1], q[j0:j1])
+    return out
 
-# %% ../nbs/02_esp_backward.ipynb #5a6c0442
-def head_prefixes(v: torch.Tensor, # (B, h) head values
-                  k: int) -> torch.Tensor:
-    "sigma_0..k-1 of each prefix v_0..v_{i-1}, (B, h, k), in the scratch buffer of `workspace` (valid until its next use)."
+# %% ../nbs/02_esp_backward.ipynb #f56f7061
+def head_tree(v: torch.Tensor, # (B, h) head values
+              k: int,          # the largest degree kept
+              ) -> list[torch.Tensor]:
+    "The product tree of the polynomials 1 + v_i z: level l holds the 2^l-leaf products truncated to degree k, degree first, (min(2^l, k)+1, P/2^l, B), P = h rounded up to a power of two."
     B, h = v.shape
-    pre = workspace((B, h, k), v.dtype, v.device)                    # (B, h, k): row i is the polynomial of v_0..v_{i-1}
-    pre[:, :, 0] = 1.0
-    pre[:, 0, 1:] = 0.0
-    for i in range(1, h):
-        pre[:, i, 1:] = torch.addcmul(pre[:, i - 1, 1:], v[:, i - 1:i], pre[:, i - 1, :-1])
-    return pre
+    P = 1 << (h - 1).bit_length()
+    leaves = F.pad(v, (0, P - h)).T                                   # (P, B): padding values 0 give the polynomial 1
+    cur = torch.stack([torch.ones_like(leaves), leaves])              # (2, P, B): 1 + v_i z
+    levels = [cur]
+    while cur.shape[1] > 1:                                           # pair neighbours: (w, m, B) -> (w', m/2, B)
+        cur = poly_mul_window(cur[:, 0::2], 0, cur[:, 1::2], 0, 0, min(2 * (cur.shape[0] - 1), k) + 1)
+        levels.append(cur)
+    return levels
 
-# %% ../nbs/02_esp_backward.ipynb #5788f62f
-def _add_value(suf: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    "The suffix polynomial (B, k), degree k-1-a at a, times (1 + x z), truncated to degree k-1."
-    return torch.cat([torch.addcmul(suf[:, :-1], x, suf[:, 1:]), suf[:, -1:]], 1)
+# %% ../nbs/02_esp_backward.ipynb #8ed3c6b6
+def head_esps(v: torch.Tensor, # (B, h) head values
+              k: int,
+              levels: list[torch.Tensor] | None = None, # `head_tree(v, k)`, if already made
+              ) -> torch.Tensor:
+    "sigma_0..k of the head values, (B, k+1), from the root of the product tree: positive terms only."
+    root = (head_tree(v, k) if levels is None else levels)[-1][:, 0].T  # (B, min(P, k)+1)
+    return F.pad(root, (0, k + 1 - root.shape[1]))
 
-# %% ../nbs/02_esp_backward.ipynb #a2226bb8
-STEP_TABLE = 2 ** 18   # on a CPU, (B, h, k) tables larger than this use each suffix as it is made instead of tabling them all
-
-
+# %% ../nbs/02_esp_backward.ipynb #cd4d4eec
 def head_leave_one_out(v: torch.Tensor,     # (B, h) head values
                        sig_t: torch.Tensor, # (B, k+1) sigma_0..k of the tail
                        k: int,
-                       table: bool | None = None, # tabulate every suffix (None: off a CPU, or when (B, h, k) is at most STEP_TABLE)
+                       levels: list[torch.Tensor] | None = None, # `head_tree(v, k)`, if already made
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    "sigma_{k-2} and sigma_{k-1} of the row without head entry i, (B, h) each: prefix(i) times (suffix(i) times the tail)."
-    (B, h), pre = v.shape, head_prefixes(v, k)                       # pre: (B, h, k), degree a at a
-    sufs = [sig_t[:, :k].flip(-1)]                                   # (B, k): the tail alone, degree k-1-a at a
-    if table is None:
-        table = v.device.type != "cpu" or B * h * k <= STEP_TABLE
-    if table:                                                        # all the suffixes, then two batched dots
-        for i in range(h - 1, 0, -1):
-            sufs.append(_add_value(sufs[-1], v[:, i:i + 1]))
-        suf = torch.stack(sufs[::-1], 1)                             # (B, h, k)
-        return torch.linalg.vecdot(pre[..., :k - 1], suf[..., 1:]), torch.linalg.vecdot(pre, suf)
-    below, top, suf = v.new_empty(B, h), v.new_empty(B, h), sufs[0]
-    for i in range(h - 1, -1, -1):                                   # each suffix once, last head entry first
-        below[:, i] = torch.linalg.vecdot(pre[:, i, :k - 1], suf[:, 1:])   # sum_a prefix_a suffix_{k-2-a}
-        top[:, i] = torch.linalg.vecdot(pre[:, i], suf)                    # sum_a prefix_a suffix_{k-1-a}
-        if i: suf = _add_value(suf, v[:, i:i + 1])
-    return below, top
+    "sigma_{k-2} and sigma_{k-1} of the row without head entry i, (B, h) each: down the product tree, the tail times every sibling's polynomial."
+    B, h = v.shape
+    levels = head_tree(v, k) if levels is None else levels
+    S = levels[0].shape[1]                                            # leaves under the root
+    lo = max(0, k - 1 - S)                                            # the lowest degree still needed
+    out = sig_t[:, lo:k].T[:, None]                                   # (k-lo, 1, B): the root's outside polynomial
+    for inside in reversed(levels[:-1]):                              # children of S/2 leaves
+        S //= 2
+        w, m = inside.shape[:2]
+        sibling = inside.view(w, m // 2, 2, B).flip(2)                # (w, m/2, 2, B): each child's sibling
+        lo_c = max(0, k - 1 - S)
+        out = poly_mul_window(out[:, :, None], lo, sibling, 0, lo_c, k).view(k - lo_c, m, B)
+        lo = lo_c
+    if k == 1:                                                        # sigma_{-1} = 0
+        return torch.zeros_like(v), out[0, :h].T
+    return out[0, :h].T, out[1, :h].T
+
+# %% ../nbs/02_esp_backward.ipynb #447362d4
+def head_rounding(h: int, # head values
+                  k: int, # the largest degree
+                  ) -> int:
+    "c such that every sigma_j (j <= k) of the product tree is within c u of its exact value, relatively: sum over levels of min(k, nodes) times the terms per coefficient."
+    P, c, S = 1 << (h - 1).bit_length(), 0, 2
+    while S <= P:
+        c += min(k, P // S) * (min(S // 2, k) + 1)
+        S *= 2
+    return c
 
 # %% ../nbs/02_esp_backward.ipynb #a43880df
 def head_size(m: int, k: int) -> int:
@@ -290,26 +316,27 @@ def power_forward(e: torch.Tensor,  # (B, n) tail values, float64, e <= t (head 
                   tail: bool = True,  # False: the head is the whole row and e holds zeros only
                   ):
     "sigma_0..k (B, k+1) of the values [v, e], which rows are certified, and the backward's state."
-    n, h, sig_h = e.shape[1], v.shape[1], head_esps(v, k)
+    n, h, levels = e.shape[1], v.shape[1], head_tree(v, k)
+    sig_h = head_esps(v, k, levels)
     if tail:
         sig_t, err_t = tail_esps(e, k)
         sig = poly_mul_lin(sig_h, sig_t, k + 1)                      # sigma(all) = sigma(head) * sigma(tail)
         err = poly_mul_lin(sig_h, err_t, k + 1) + (k + 2) * UNIT_ROUNDOFF_64 * sig
     else:                                                           # sigma(tail) = 1 exactly: nothing to multiply
         sig_t, sig, err = F.pad(torch.ones_like(sig_h[:, :1]), (0, k)), sig_h, torch.zeros_like(sig_h)
-    err = err + (h + k) * UNIT_ROUNDOFF_64 * sig \
-        + (n + k + 2) * (k + 2) * TINY_64 * sig.sum(1, keepdim=True)     # the head's recurrence; products lost to underflow
+    err = err + head_rounding(h, k) * UNIT_ROUNDOFF_64 * sig \
+        + (n + k + 2) * (k + 2) * TINY_64 * sig.sum(1, keepdim=True)     # the head's tree; products lost to underflow
     ok = (sig[:, k] > 0) & torch.isfinite(sig[:, k])
     bounds = dict(zip((k - 2, k - 1), tail_bounds(err, sig, t, k)))   # F_{k-2}, F_{k-1} of the tail recursion
     for j in {max(k - 1, 1), k}:
         ok &= (err[:, j] <= fwd_tol * sig[:, j]) & (t * bounds[j - 1] * n <= grad_tol * j * sig[:, j])
-    return sig, ok, (sig_t,)
+    return sig, ok, (sig_t, *levels)
 
 # %% ../nbs/02_esp_backward.ipynb #9fa93975
 def power_backward(e: torch.Tensor, v: torch.Tensor, head: torch.Tensor, sig: torch.Tensor, ok: torch.Tensor, state,
                    weight: torch.Tensor, k: int, out: torch.Tensor) -> torch.Tensor:
     "Writes d(w_0 log sigma_{k-1} + w_1 log sigma_k)/dx (x = log of [v, e]) into `out` (B, n), head entries at `head`; 0 on rows not `ok`."
-    sig_t, = state
+    sig_t, *levels = state
     good = ok[:, None]                 # rows not certified get their gradient elsewhere: keep their arithmetic finite
     sig, sig_t, weight = torch.where(good, sig, 1.0), torch.where(good, sig_t, 0.0), torch.where(good, weight, 0.0)
     w1 = weight[:, 1:] / sig[:, k:k + 1]
@@ -324,8 +351,8 @@ def power_backward(e: torch.Tensor, v: torch.Tensor, head: torch.Tensor, sig: to
         for m in range(2, k):
             torch.addcmul(c[:, m - 1:m], e, work, value=-1.0, out=work)
         torch.mul(e, work, out=out)
-    # head: exact leave-one-out, prefix times suffix times the tail: O(h k) per row (the scratch buffer is free again)
-    loo_lo, loo_hi = head_leave_one_out(v, sig_t, k)
+    # head: exact leave-one-out down the forward's product tree, times the tail: O(h k) per row
+    loo_lo, loo_hi = head_leave_one_out(v, sig_t, k, levels)
     gh = loo_hi * w1 + loo_lo * w0
     return out.scatter_add_(1, head, (v * gh).to(out.dtype))
 
