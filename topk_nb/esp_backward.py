@@ -258,9 +258,8 @@ def head_rounding(h: int, # head values
 
 # %% ../nbs/02_esp_backward.ipynb #a43880df
 def head_size(m: int, k: int) -> int:
-    "How many of a row's m values the head takes: the k+1 largest, or all of them where the tail would be short (m <= 4(k+1))."
-    return m if m <= 4 * (k + 1) else min(k + 1, m)
-
+    "How many of a row's m values the head takes: the k+1 largest, or all of them where the tail would be short (m <= 4(k+1)) or would cancel in Newton's identities (k^2 > 11m)."
+    return m if m <= 4 * (k + 1) or k * k > 11 * m else min(k + 1, m)
 
 # %% ../nbs/02_esp_backward.ipynb #fcf989c0
 def power_shift(m: int, k: int) -> float:
@@ -380,9 +379,17 @@ class PowerLogSigma(torch.autograd.Function):
 
 
 # %% ../nbs/02_esp_backward.ipynb #57923421
+def _whole_row(x: torch.Tensor, k: int, exclude: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    "(log sigma_{k-1}, log sigma_k) by the power path with the whole row as the head (no Newton identities), and which rows it certifies."
+    m = x.shape[1] - (exclude is not None)
+    masked = x.detach() if exclude is None else x.detach().scatter(1, exclude[:, None], -torch.inf)
+    top, head = masked.topk(m, dim=1)
+    return PowerLogSigma.apply(x, k, top, head, exclude)
+
+
 def power_log_sigma(x: torch.Tensor, k: int, exclude: torch.Tensor | None = None, top: torch.Tensor | None = None,
                     head: torch.Tensor | None = None) -> torch.Tensor:
-    "(log sigma_{k-1}, log sigma_k) of exp(x) (B, n) without the entries `exclude`: power sums where certified, else the DC tree."
+    "(log sigma_{k-1}, log sigma_k) of exp(x) (B, n) without the entries `exclude`: power sums where certified, then the whole row as the head, else the DC tree."
     B, n = x.shape
     m = n if exclude is None else n - 1
     if top is None:
@@ -393,8 +400,15 @@ def power_log_sigma(x: torch.Tensor, k: int, exclude: torch.Tensor | None = None
     out, ok = PowerLogSigma.apply(x, k, top[:, :h + 1].detach(), head[:, :h], exclude)
     if not bool(ok.all()):
         bad = (~ok).nonzero()[:, 0]
-        xb = x[bad] if exclude is None else scores_without_target(x[bad], exclude[bad])
-        out = out.index_put((bad,), dc_tree(xb, k, log_zero(x.dtype, k))[0][..., k - 1:k + 1].to(out.dtype))
+        eb = None if exclude is None else exclude[bad]
+        if h < m:                                                         # refused with a tail: the whole row, no cancellation
+            part, ok_b = _whole_row(x[bad], k, eb)
+            out = out.index_put((bad,), part)
+            bad = bad[~ok_b]
+            eb = None if exclude is None else exclude[bad]
+        if bad.numel():
+            xb = x[bad] if exclude is None else scores_without_target(x[bad], eb)
+            out = out.index_put((bad,), dc_tree(xb, k, log_zero(x.dtype, k))[0][..., k - 1:k + 1].to(out.dtype))
     return out
 
 # %% ../nbs/02_esp_backward.ipynb #b931f49b
