@@ -189,6 +189,17 @@ class _SmoothTopkSVMFunction(torch.autograd.Function):
         return out, None, None, None, None, None
 
 
+# %% ../nbs/03_smooth_svm.ipynb #138d1672
+def _complement_part(scores: torch.Tensor, # (B, n) scores
+                     target: torch.Tensor, # (B,) class indices
+                     k: int, tau: float, alpha: float) -> torch.Tensor:
+    "Per-sample L_{k,tau} through the complement: log sigma_{n-k-1} and log sigma_{n-k} of exp(-s / (k tau)) without the target, (B,)."
+    n = scores.shape[1]
+    x = scores / (k * tau)
+    log_lo, log_hi = power_log_sigma(-x, n - k, target).unbind(1)          # (B,) each: degrees m-k and m-k+1, m = n-1
+    s_y = scores.gather(1, target[:, None])[:, 0]
+    return tau * F.softplus(alpha / tau + log_lo - log_hi - s_y / (k * tau))  # log sigma_k - log sigma_{k-1} = log_lo - log_hi
+
 # %% ../nbs/03_smooth_svm.ipynb #c5907072
 def smooth_svm(scores: torch.Tensor,             # (B, n) scores
                target: torch.Tensor,             # (B,) class indices
@@ -196,7 +207,7 @@ def smooth_svm(scores: torch.Tensor,             # (B, n) scores
                tau: float = 1.0,                 # temperature: tau -> 0 gives the top-k hinge
                alpha: float = 1.0,               # margin
                reduction: str = "mean",          # "mean", "sum" or "none"
-               hard_switch: bool = True,         # rows where the smooth loss equals the hinge to rounding take the hinge (the fused kernels compute every row exactly, equal to rounding)
+               hard_switch: bool = True,         # rows where the smooth loss equals the hinge to rounding take the hinge (the fused kernels, and the host path where 2k > n, compute every row exactly, equal to rounding)
                check_finite: bool | None = None, # check the scores are finite (None: on the host path only)
                ) -> torch.Tensor:
     "Smooth top-k SVM loss L_{k,tau} (Berrada 2018, eq. 9-10) with margin alpha."
@@ -210,6 +221,8 @@ def smooth_svm(scores: torch.Tensor,             # (B, n) scores
         from topk_nb.kernels import smooth_svm_triton, svm_triton_ok   # chapter 16, imported where it is used
         if svm_triton_ok(s, k):                                      # CUDA: the fused kernels, every row exact
             return reduce_loss(smooth_svm_triton(s, target, k, tau, alpha), reduction).to(out_dtype)
+        if 2 * k > s.shape[1] and not sync_free(s):                 # top-(n-k) of the negated scores is the smaller problem
+            return reduce_loss(_complement_part(s, target, k, tau, alpha), reduction).to(out_dtype)
         loss, ok = _SmoothTopkSVMFunction.apply(s, target, k, tau, alpha, hard_switch)   # (B,), (B,)
         if sync_free(s):                                             # no read-back: the tree on every row, kept where refused
             loss = torch.where(ok, loss, _tree_part(s, target, k, tau, alpha))
