@@ -179,7 +179,7 @@ def _newton_substitution(power_sums: torch.Tensor, # (..., k) the power sums p_1
     return sig, err
 
 # %% ../nbs/02_esp_backward.ipynb #6ad7a9e2
-def poly_mul_window(p: torch.Tensor, # (a, ...) coefficients of degrees p_lo..p_lo+a-1, degree along dim 0
+def poly_mul_window(p: torch.Tensor, # (a, ...) coefficients of degrees p_lo..p_lo+a-1, degree along dim 0; the rest broadcasts with q's (same rank)
                     p_lo: int,
                     q: torch.Tensor, # (b, ...) coefficients of degrees q_lo..q_lo+b-1
                     q_lo: int,
@@ -190,7 +190,8 @@ def poly_mul_window(p: torch.Tensor, # (a, ...) coefficients of degrees p_lo..p_
     if p.shape[0] > q.shape[0]:
         p, p_lo, q, q_lo = q, q_lo, p, p_lo
     b = q.shape[0]
-    out = torch.zeros(hi - lo, *torch.broadcast_shapes(p.shape[1:], q.shape[1:]), dtype=torch.promote_types(p.dtype, q.dtype), device=p.device)
+    rest = [max(a, b) for a, b in zip(p.shape[1:], q.shape[1:], strict=True)]   # broadcast (equal ranks): cheaper than torch.broadcast_shapes
+    out = torch.zeros(hi - lo, *rest, dtype=torch.promote_types(p.dtype, q.dtype), device=p.device)
     for i in range(p.shape[0]):
         base = p_lo + i + q_lo                                          # the degree of p_i q_0
         j0, j1 = max(0, lo - base), min(b, hi - base)                   # the q_j that land in lo..hi-1
