@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 
 from topk_nb.core import brute_log_esp
 from topk_nb.esp import log_esp_summation
@@ -124,3 +124,24 @@ def test_half_precision_inputs(dtype):
     assert out.dtype == dtype
     (g,) = torch.autograd.grad(out.float().sum(), x)
     assert g.dtype == dtype and torch.isfinite(g).all()
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(2, 400), k=st.integers(1, 100), seed=st.integers(0, 2**31 - 1),
+       tau=st.sampled_from([1e-2, 1.0, 100.0]))
+def test_power_path_at_large_k(n, k, seed, tau):
+    # the default path where the head is a product tree of up to the whole row: float32 values and gradients
+    # on the design's accuracy grid (k < n)
+    k = min(k, n - 1)
+    s = random_x(seed, (4, n), 1.0) * torch.tensor([[1.0], [10.0], [100.0], [100.0]], dtype=torch.float64)
+    x32 = (s.clamp(-100, 100) / (k * tau)).float()
+    xr = x32.double().requires_grad_()
+    ref = log_esp_summation(xr, k)[..., k - 1:k + 1]
+    w = torch.tensor([-1.0, 1.0], dtype=torch.float64)
+    (g_ref,) = torch.autograd.grad((ref * w).sum(), xr)
+    x = x32.clone().requires_grad_()
+    out = log_sigma(x, k)
+    assert ((out.double() - ref).abs() <= 1e-4 * ref.abs().clamp(min=1.0)).all()
+    (g,) = torch.autograd.grad((out * w.float()).sum(), x)
+    assert torch.isfinite(g).all()
+    assert (grad_error(g, g_ref) <= grad_target(x32, k)).all()

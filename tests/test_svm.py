@@ -169,9 +169,11 @@ def test_float32_power_path_against_float64_tree(k, tau, scale):
     (1000, 50, 1.0, 1.0, True), (3000, 100, 1.0, 1.0, True),                             # head of k+1 and a long tail
     (20000, 100, 1.0, 1.0, True),                                      # sigma_k beyond float64 unless shifted
     (1000, 100, 1.0, 1.0, True), (1000, 100, 0.1, 1.0, True),                             # Newton's bound within 1e-6
-    (1000, 200, 1.0, 1.0, None)])                                                        # certified or not, exact
+    (1000, 200, 1.0, 1.0, True),                                       # k^2 > 11m: the whole row in the head, certified
+    (10000, 300, 1.0, 1.0, False),                     # a tail refused at k^2 = 9m: the loss retries with the whole row
+    (1000, 600, 1.0, 1.0, None), (1000, 999, 0.5, 1.0, None), (100, 99, 0.1, 5.0, None)])   # past n/2: the complement
 def test_large_k_against_float64_tree(n, k, tau, scale, certified):
-    # large k (up to 100, k close to n): the float32 loss and gradient against the float64 log-space tree
+    # large k (up to n - 1): the float32 loss and gradient against the float64 log-space tree
     s32, y = random_scores(12, 8, n, scale, torch.float32)
     s32.requires_grad_()
     loss_fn, ok = _SmoothTopkSVMFunction.apply(s32.detach(), y, k, tau, 1.0, False)

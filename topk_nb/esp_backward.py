@@ -407,9 +407,9 @@ def power_log_sigma(x: torch.Tensor, k: int, exclude: torch.Tensor | None = None
             out = out.index_put((bad,), part)
             bad = bad[~ok_b]
             eb = None if exclude is None else exclude[bad]
-        if bad.numel():
-            xb = x[bad] if exclude is None else scores_without_target(x[bad], eb)
-            out = out.index_put((bad,), dc_tree(xb, k, log_zero(x.dtype, k))[0][..., k - 1:k + 1].to(out.dtype))
+        if bad.numel():                                                   # the log-space tree, in float64: rare rows, exact
+            xb = (x[bad] if exclude is None else scores_without_target(x[bad], eb)).double()
+            out = out.index_put((bad,), dc_tree(xb, k, log_zero(xb.dtype, k))[0][..., k - 1:k + 1].to(out.dtype))
     return out
 
 # %% ../nbs/02_esp_backward.ipynb #b931f49b
