@@ -139,6 +139,9 @@ def _tail_exceeders(s, epsilon, v, lam_bar, rate, cand_i, draw):
     "Steps 2-3 for the sparse (draw, row) pairs: exceeding tail classes (owner, class) and their conditional values."
     B, n = s.shape
     owner = torch.repeat_interleave(draw(torch.poisson, rate).long())           # the (draw, row) of each point
+    if not owner.numel():                                                      # no point: nothing exceeds (and no draw
+        empty = owner.new_empty(0)                                             # of size 0 would consume randomness)
+        return empty, empty, s.new_empty(0), 0
     flat = (owner % B) * n + draw(torch.randint, 0, n, owner.shape)            # (row, class), class uniform
     s_flat = s.reshape(-1)
     is_cand = torch.zeros(B * n, dtype=torch.bool, device=s.device)
