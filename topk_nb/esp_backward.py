@@ -273,9 +273,13 @@ def power_shift(m: int, k: int) -> float:
 # %% ../nbs/02_esp_backward.ipynb #4db3a165
 def power_inputs(x: torch.Tensor, top: torch.Tensor, head: torch.Tensor, exclude: torch.Tensor | None = None,
                  scale: float = 1.0, k: int = 0) -> tuple[torch.Tensor, ...]:
-    "For the rows of exp(scale * x), in float64 and shifted by the largest value top[:, 0] (and power_shift): the shift, head values, largest tail value, tail values (head and `exclude` entries 0)."
+    "For the rows of exp(scale * x), in float64 and shifted (by the largest value top[:, 0] and power_shift; for a whole-row head, so that sigma_k is near 1): the shift, head values, largest tail value, tail values (head and `exclude` entries 0)."
     h, m = head.shape[1], x.shape[1] - (exclude is not None)
-    c = top[:, :1].double() + power_shift(m, k) / scale              # e <= exp(-power_shift) <= 1
+    if h == m and k >= 1:                                             # no tail: centre log sigma_k, whatever the spread
+        log_binom = math.lgamma(m + 1) - math.lgamma(k + 1) - math.lgamma(m - k + 1)
+        c = top[:, :k].double().mean(1, keepdim=True) + log_binom / (2 * k) / scale
+    else:
+        c = top[:, :1].double() + power_shift(m, k) / scale          # e <= exp(-power_shift) <= 1
     v = ((top[:, :h].double() - c) * scale).exp()                    # head values (B, h)
     t = ((top[:, h].double() - c[:, 0]) * scale).exp() if top.shape[1] > h else c.new_zeros(len(c))
     drop = head if exclude is None else torch.cat([head, exclude[:, None]], 1)
@@ -353,8 +357,8 @@ def power_backward(e: torch.Tensor, v: torch.Tensor, head: torch.Tensor, sig: to
         torch.mul(e, work, out=out)
     # head: exact leave-one-out down the forward's product tree, times the tail: O(h k) per row
     loo_lo, loo_hi = head_leave_one_out(v, sig_t, k, levels)
-    gh = loo_hi * w1 + loo_lo * w0
-    return out.scatter_add_(1, head, (v * gh).to(out.dtype))
+    gh = torch.where(good, v * (loo_hi * w1 + loo_lo * w0), 0.0)        # a refused row's head may hold inf (0 * inf)
+    return out.scatter_add_(1, head, gh.to(out.dtype))
 
 # %% ../nbs/02_esp_backward.ipynb #9ac64105
 class PowerLogSigma(torch.autograd.Function):
@@ -390,9 +394,14 @@ def _whole_row(x: torch.Tensor, k: int, exclude: torch.Tensor | None) -> tuple[t
 
 def power_log_sigma(x: torch.Tensor, k: int, exclude: torch.Tensor | None = None, top: torch.Tensor | None = None,
                     head: torch.Tensor | None = None) -> torch.Tensor:
-    "(log sigma_{k-1}, log sigma_k) of exp(x) (B, n) without the entries `exclude`: power sums where certified, then the whole row as the head, else the DC tree."
+    "(log sigma_{k-1}, log sigma_k) of exp(x) (B, n) without the entries `exclude`: power sums where certified, then the whole row as the head, else the DC tree; past half the row, through the complement."
     B, n = x.shape
     m = n if exclude is None else n - 1
+    if top is None and 2 * k > m + 1:                                     # sigma_j(e) = prod(e) sigma_{m-j}(1/e)
+        log_lo, log_hi = power_log_sigma(-x, m - k + 1, exclude).unbind(1)  # log sigma_{m-k}, log sigma_{m-k+1} of exp(-x)
+        total = x.double().sum(1)                                         # log prod(e), the excluded entry left out
+        if exclude is not None: total = total - x.double().gather(1, exclude[:, None])[:, 0]
+        return torch.stack([total + log_hi, total + log_lo], 1).to(x.dtype)
     if top is None:
         masked = x.detach() if exclude is None else x.detach().scatter(1, exclude[:, None], -torch.inf)
         top, head = masked.topk(min(head_size(m, k) + 1, m), dim=1)
