@@ -190,7 +190,7 @@ def poly_mul_window(p: torch.Tensor, # (a, ...) coefficients of degrees p_lo..p_
     if p.shape[0] > q.shape[0]:
         p, p_lo, q, q_lo = q, q_lo, p, p_lo
     b = q.shape[0]
-    rest = [max(a, b) for a, b in zip(p.shape[1:], q.shape[1:], strict=True)]   # broadcast (equal ranks): cheaper than torch.broadcast_shapes
+    rest = [max(sp, sq) for sp, sq in zip(p.shape[1:], q.shape[1:], strict=True)]   # broadcast (equal ranks): cheaper than torch.broadcast_shapes
     out = torch.zeros(hi - lo, *rest, dtype=torch.promote_types(p.dtype, q.dtype), device=p.device)
     for i in range(p.shape[0]):
         base = p_lo + i + q_lo                                          # the degree of p_i q_0
