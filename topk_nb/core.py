@@ -21,8 +21,8 @@ import torch.nn as nn
 __all__ = ['FLOAT_DTYPES', 'REDUCTIONS', 'sync_free', 'thread_flag', 'force_sync_free', 'check_int', 'check_real', 'check_finite',
            'check_scores', 'check_target', 'check_loss_input', 'check_reduction', 'reduce_loss',
            'scores_without_target', 'target_rank', 'topk_correct', 'topk_accuracy', 'macro_topk_accuracy', 'brute_esp',
-           'brute_log_esp', 'workspace', 'time_fn', 'median_time', 'fwd_bwd', 'flatten_classes', 'LossModule',
-           'loss_dtype', 'check_loss_finite']
+           'brute_log_esp', 'log_binom', 'workspace', 'time_fn', 'median_time', 'fwd_bwd', 'flatten_classes',
+           'LossModule', 'loss_dtype', 'check_loss_finite']
 
 # %% ../nbs/00_core.ipynb #576df6fa
 _SYNC_FREE = threading.local()
@@ -244,6 +244,13 @@ def brute_log_esp(x: torch.Tensor, k: int) -> torch.Tensor:
     out = [[_log_sum_exp([math.fsum(c) for c in itertools.combinations(row, j)]) for j in range(k + 1)]
            for row in rows]
     return torch.tensor(out, dtype=torch.float64).reshape(*x.shape[:-1], k + 1)
+
+# %% ../nbs/00_core.ipynb #895eb555
+def log_binom(n: int, # how many to choose from
+              m: int, # how many chosen, 0 <= m <= n
+              ) -> float:
+    "log C(n, m) in float64 arithmetic, by the log-gamma function: no overflow for any n."
+    return math.lgamma(n + 1) - math.lgamma(m + 1) - math.lgamma(n - m + 1)
 
 # %% ../nbs/00_core.ipynb #7f70b413
 _WORKSPACE = threading.local()

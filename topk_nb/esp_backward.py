@@ -11,7 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .core import check_int, check_real, check_scores, scores_without_target, workspace
+from .core import check_int, check_real, check_scores, log_binom, scores_without_target, workspace
 from .esp import _check_esp_input, dc_tree, esp_summation, log_poly_mul, log_zero
 
 # %% auto #0
@@ -266,8 +266,7 @@ def head_size(m: int, k: int) -> int:
 def power_shift(m: int, k: int) -> float:
     "How far below 1 (in log) the largest of m values goes so that no sigma_j, j <= k, can overflow: max(0, (log C(m, k) - 500) / k)."
     if k < 1 or k > m: return 0.0
-    log_binom = math.lgamma(m + 1) - math.lgamma(k + 1) - math.lgamma(m - k + 1)
-    return max(0.0, (log_binom - 500.0) / k)
+    return max(0.0, (log_binom(m, k) - 500.0) / k)
 
 
 # %% ../nbs/02_esp_backward.ipynb #4db3a165
@@ -276,8 +275,7 @@ def power_inputs(x: torch.Tensor, top: torch.Tensor, head: torch.Tensor, exclude
     "For the rows of exp(scale * x), in float64 and shifted (by the largest value top[:, 0] and power_shift; for a whole-row head, so that sigma_k is near 1): the shift, head values, largest tail value, tail values (head and `exclude` entries 0)."
     h, m = head.shape[1], x.shape[1] - (exclude is not None)
     if h == m and k >= 1:                                             # no tail: centre log sigma_k, whatever the spread
-        log_binom = math.lgamma(m + 1) - math.lgamma(k + 1) - math.lgamma(m - k + 1)
-        c = top[:, :k].double().mean(1, keepdim=True) + log_binom / (2 * k) / scale
+        c = top[:, :k].double().mean(1, keepdim=True) + log_binom(m, k) / (2 * k) / scale
     else:
         c = top[:, :1].double() + power_shift(m, k) / scale          # e <= exp(-power_shift) <= 1
     v = ((top[:, :h].double() - c) * scale).exp()                    # head values (B, h)

@@ -9,20 +9,16 @@ import math
 
 import torch
 
-from .core import check_int, check_real, check_scores
+from .core import check_int, check_real, check_scores, log_binom
 from .esp import dc_tree, log_zero
 
 # %% auto #0
 __all__ = ['PREDICT_METHODS', 'topk_marginals', 'multicrop_marginals', 'predict_topk']
 
-# %% ../nbs/07_predict.ipynb #e92354e6
-def _log_binom(n: int, m: int) -> float:
-    return math.lgamma(n + 1) - math.lgamma(m + 1) - math.lgamma(n - m + 1)
-
 # %% ../nbs/07_predict.ipynb #4d12912c
 def _window(n: int, k: int) -> float:
     "D of the lemma: clamping z = (s - s_[k]) / tau into [-D, D] moves the marginals by less than 2 e^-40."
-    return 40.0 + math.log(n) + max(_log_binom(n, k - 1), _log_binom(n, k + 1))
+    return 40.0 + math.log(n) + max(log_binom(n, k - 1), log_binom(n, k + 1))
 
 # %% ../nbs/07_predict.ipynb #443dabec
 def _centred(scores: torch.Tensor, k: int, tau: float) -> torch.Tensor:

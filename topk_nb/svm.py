@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .core import (LossModule, check_int, check_loss_input, check_real, check_reduction, reduce_loss,
+from .core import (LossModule, check_int, check_loss_input, check_real, check_reduction, log_binom, reduce_loss,
                           scores_without_target, sync_free, loss_dtype)
 from .esp import dc_tree, log_zero
 from .esp_backward import head_size, power_backward, power_forward, power_inputs, power_log_sigma, power_tolerances
@@ -78,7 +78,6 @@ def _hard_mask(top: torch.Tensor, s_y: torch.Tensor, n: int, k: int, tau: float,
     "The criterion of the claim above, in log space, from the sorted top other scores."
     h = alpha + (top[:, k - 1] - s_y) / k
     log_budget = math.log(torch.finfo(top.dtype).eps / 2 / 3)
-    log_binom = lambda a, b: math.lgamma(a + 1) - math.lgamma(b + 1) - math.lgamma(a - b + 1)
     ok = -h.abs() / tau <= log_budget
     if k >= 2:       # r_{k-1}: gap between the (k-1)-th and k-th other scores
         ok &= log_binom(n - 1, k - 1) - (top[:, k - 2] - top[:, k - 1]) / (k * tau) <= log_budget
@@ -193,7 +192,7 @@ class _SmoothTopkSVMFunction(torch.autograd.Function):
 def _complement_part(scores: torch.Tensor, # (B, n) scores
                      target: torch.Tensor, # (B,) class indices
                      k: int, tau: float, alpha: float) -> torch.Tensor:
-    "Per-sample L_{k,tau} through the complement: log sigma_{n-k-1} and log sigma_{n-k} of exp(-s / (k tau)) without the target, (B,)."
+    "Per-sample L_{k,tau} through the complement: log sigma_{n-k-1} and log sigma_{n-k} of exp(-s / (k tau)) without the target, (B,).\n\nThe product of the e_i cancels in the difference here, exactly; `power_log_sigma`'s own complement would add it to both logarithms and subtract it again."
     n = scores.shape[1]
     x = scores / (k * tau)
     log_lo, log_hi = power_log_sigma(-x, n - k, target).unbind(1)          # (B,) each: degrees m-k and m-k+1, m = n-1
