@@ -5,20 +5,23 @@
 # %% ../nbs/06_baselines.ipynb #b613fc06
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
-from .core import (LossModule, check_finite, check_int, check_real, check_reduction, check_scores, check_target,
-                          check_loss_finite, flatten_classes, loss_dtype, reduce_loss, sync_free)
+from .core import (LossModule, all_kept, check_finite, check_int, check_real, check_reduction, check_scores, check_target,
+                          check_loss_finite, flatten_classes, loss_dtype, reduce_loss, selected_hinge, sync_free)
 from .noised import margins_from_counts
 
 # %% auto #0
 __all__ = ['cross_entropy', 'focal_loss', 'cvx_topk_hinge', 'CrossEntropy', 'FocalLoss', 'CvxTopkHinge', 'LDAMLoss', 'one_hot',
-           'working_scores', 'split_target', 'expected_loss', 'ce', 'focal', 'ldam', 'cvx_hinge', 'topk_group_mask',
-           'topk_grouping', 'topk_transition', 'CE', 'Focal', 'LDAM', 'CvxHinge', 'TopkGrouping', 'TopkTransition']
+           'working_scores', 'split_target', 'expected_loss', 'ce', 'focal', 'normal_range', 'ldam', 'cvx_hinge',
+           'topk_group_mask', 'topk_grouping', 'topk_transition', 'CE', 'Focal', 'LDAM', 'CvxHinge', 'TopkGrouping',
+           'TopkTransition']
 
 # %% ../nbs/06_baselines.ipynb #2ddac4da
 def one_hot(labels: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
@@ -112,10 +115,39 @@ def focal(scores: torch.Tensor, target: torch.Tensor, gamma: float = 2.0, reduct
 focal_loss = focal    # the earlier name, kept
 
 
+# %% ../nbs/06_baselines.ipynb #87aa29fc
+def normal_range(dtype: torch.dtype, # the dtype of the logits
+                 n: int,             # the number of classes
+                 ) -> float:
+    "R such that logits raised to (row max - R) keep every exponential of log_softmax's forward and backward normal."
+    return -math.log(torch.finfo(dtype).tiny) - math.log(n) - 1.0
+
 # %% ../nbs/06_baselines.ipynb #b691383b
+class _RaisedCE(torch.autograd.Function):
+    "Cross-entropy log sum_j e^(z_j) - z_y with the logits raised to (row max - r) inside the sum only."
+
+    @staticmethod
+    def forward(ctx, z, labels, r):
+        y = labels[:, None]                                                         # (B, 1)
+        raised = torch.maximum(z, z.amax(1, keepdim=True) - r)                      # (B, n)
+        log_q = raised.log_softmax(1)                                               # (B, n): normal exponentials only
+        ctx.save_for_backward(log_q, y)
+        return (raised.gather(1, y) - log_q.gather(1, y) - z.gather(1, y))[:, 0]    # log Z - z_y: the target's own logit
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        log_q, y = ctx.saved_tensors
+        g = grad[:, None]                                                           # (B, 1)
+        return (log_q.exp() * g).scatter_add_(1, y, -g), None, None                 # (q - e_y) g
+
+
 def _ldam_hard(scores, labels, margins, scale, reduction="none"):
     shifted = scores.scatter_add(1, labels[:, None], -margins[labels][:, None])     # s - m_y e_y: one pass, (B, n)
-    return F.cross_entropy(scale * shifted, labels, reduction=reduction)
+    z = scale * shifted                                                             # (B, n)
+    if z.device.type == "cpu":                                                      # no subnormal exponentials (above)
+        return reduce_loss(_RaisedCE.apply(z, labels, normal_range(z.dtype, z.shape[1])), reduction)
+    return F.cross_entropy(z, labels, reduction=reduction)
 
 # %% ../nbs/06_baselines.ipynb #37e376bc
 def ldam(scores: torch.Tensor, target: torch.Tensor, class_counts, max_m: float = 0.5, scale: float = 30.0,
@@ -148,8 +180,10 @@ def cvx_hinge(scores: torch.Tensor, target: torch.Tensor, k: int = 5, alpha: flo
     reduction = check_reduction(reduction)
 
     def hard(s, lab, reduction="none"):
-        violations = (s - s.gather(1, lab[:, None]) + alpha).scatter(1, lab[:, None], 0.0)   # (B, n): 0 at y
-        return F.relu(violations.topk(k, dim=1).values.mean(1))
+        d, y = s.detach(), lab[:, None]
+        violations = (d - d.gather(1, y)).add_(alpha).scatter_(1, y, 0.0)  # (B, n): alpha + s_j - s_y, 0 at y
+        top = violations.topk(k, dim=1)
+        return selected_hinge(s, lab, top.indices, top.values.mean(1), 1 / k)
 
     with torch.autocast(scores.device.type, enabled=False):
         s = working_scores(scores)
@@ -257,7 +291,7 @@ class CE(LossModule):
         check_scores(scores, "scores", ndim=None, min_classes=2, check=self.check_finite)
         out_dtype = loss_dtype(scores)
         s, t, _ = flatten_classes(scores, target)                         # validates the shapes
-        if not t.is_floating_point():
+        if not t.is_floating_point() and not all_kept(t, s.shape, self.ignore_index):   # that read the range
             check_target(torch.where(t == self.ignore_index, 0, t), s.shape[1], s.shape[0])
         with torch.autocast(scores.device.type, enabled=False):
             s = working_scores(scores)

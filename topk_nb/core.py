@@ -16,16 +16,18 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.nn as nn
+from torch.autograd.function import once_differentiable
 
 # %% auto #0
 __all__ = ['FLOAT_DTYPES', 'REDUCTIONS', 'sync_free', 'thread_flag', 'force_sync_free', 'check_int', 'check_real', 'check_finite',
            'check_scores', 'check_target', 'check_loss_input', 'check_reduction', 'reduce_loss',
            'scores_without_target', 'target_rank', 'topk_correct', 'topk_accuracy', 'macro_topk_accuracy', 'brute_esp',
-           'brute_log_esp', 'log_binom', 'workspace', 'time_fn', 'median_time', 'fwd_bwd', 'flatten_classes',
-           'LossModule', 'loss_dtype', 'check_loss_finite']
+           'brute_log_esp', 'log_binom', 'workspace', 'time_fn', 'median_time', 'fwd_bwd', 'selected_hinge',
+           'flatten_classes', 'LossModule', 'loss_dtype', 'check_loss_finite', 'all_kept']
 
 # %% ../nbs/00_core.ipynb #576df6fa
 _SYNC_FREE = threading.local()
+_KEPT = threading.local()                      # on while a module's labels are known to be classes (see `all_kept`)
 
 
 def sync_free(t: torch.Tensor) -> bool:
@@ -130,7 +132,9 @@ def check_target(target, n: int, batch: int, name: str = "target") -> torch.Tens
         raise TypeError(f"{name} must hold integer class indices (int64), got {target.dtype}")
     if target.shape != (batch,):
         raise ValueError(f"{name} must have shape ({batch},) to match the scores, got {tuple(target.shape)}")
-    if batch > 0 and sync_free(target):        # checked on the device, as F.cross_entropy does: no host sync
+    if getattr(_KEPT, "on", False):            # a module read the range already (`all_kept`)
+        pass
+    elif batch > 0 and sync_free(target):      # checked on the device, as F.cross_entropy does: no host sync
         torch._assert_async(((target >= 0) & (target < n)).all(), f"{name} must hold class indices in [0, {n - 1}]")
     elif batch > 0:
         lo, hi = torch.aminmax(target)                                    # one pass, two numbers back
@@ -300,6 +304,34 @@ def fwd_bwd(fn, inputs: torch.Tensor, *args):
         fn(leaf, *args).sum().backward()
     return step
 
+# %% ../nbs/00_core.ipynb #bd428b7c
+class _SelectedHinge(torch.autograd.Function):
+    "max(0, a) with a = beta + c sum_{j in J} (s_j - s_y) computed by the caller; the backward scatters c and -c m."
+
+    @staticmethod
+    def forward(ctx, scores, target, index, argument, coef):
+        ctx.save_for_backward(target, index, argument)
+        ctx.coef, ctx.n = coef, scores.shape[1]
+        return argument.clamp_min(0)                                         # (B,)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        target, index, argument = ctx.saved_tensors                         # (B,), (B, m), (B,)
+        g = torch.where(argument > 0, grad * ctx.coef, 0.0)[:, None]        # (B, 1): c on the active rows
+        out = g.new_zeros(index.shape[0], ctx.n).scatter_add_(1, index, g.expand(index.shape))   # (B, n): c on J
+        return out.scatter_add_(1, target[:, None], -index.shape[1] * g), None, None, None, None
+
+
+def selected_hinge(scores: torch.Tensor,   # (B, n) scores; the gradient flows to them
+                   target: torch.Tensor,   # (B,) class indices
+                   index: torch.Tensor,    # (B, m) the selected classes J (may hold the target)
+                   argument: torch.Tensor, # (B,) a = beta + coef sum_{j in J} (s_j - s_y), computed without autograd
+                   coef: float,            # c > 0
+                   ) -> torch.Tensor:
+    "Per-sample max(0, a) for a hinge on selected scores, with the gradient of a as a function of `scores` (J held fixed)."
+    return _SelectedHinge.apply(scores, target, index, argument.detach(), float(coef))
+
 # %% ../nbs/00_core.ipynb #627e6e0a
 def flatten_classes(scores: torch.Tensor, # (B, n, d_1, ...): the classes along dimension 1
                     target: torch.Tensor, # (B, d_1, ...) class indices or (B, n, d_1, ...) probabilities
@@ -409,15 +441,26 @@ def check_loss_finite(loss: torch.Tensor,   # per-sample losses
                       check: bool | None = None) -> torch.Tensor:
     "Raise if finite scores gave a non-finite loss (an overflow of the scores' dtype); on the host path, or when `check`."
     if check is None: check = not sync_free(loss)
-    if check and loss.numel() and not math.isfinite(loss.sum(dtype=_sum_dtype(loss)).item()) \
-            and not bool(torch.isfinite(loss).all()):                   # the sum first: one pass, one number back
+    if not check or not loss.numel(): return loss
+    total = loss.item() if loss.ndim == 0 else loss.sum(dtype=_sum_dtype(loss)).item()   # one pass, one number back
+    if not math.isfinite(total) and not bool(torch.isfinite(loss).all()):
         big = scores.detach().abs().max().item()
         raise ValueError(f"{name} overflows {scores.dtype} for these scores (largest |score| {big:.3g}): the scores are "
                          f"too large for the dtype; rescale them or pass float64 scores")
     return loss
 
-
 # %% ../nbs/00_core.ipynb #8e2dcaaa
+def all_kept(t: torch.Tensor,   # (N,) class indices
+              shape: torch.Size, # the scores' shape (N, n)
+              ignore_index: int) -> bool:
+    "True when `t` has one index per row, none ignored and each a class: read back on the host path (one pass), never on the sync-free path."
+    n = shape[1]
+    if sync_free(t) or t.shape != shape[:1] or not t.numel() or 0 <= ignore_index < n:
+        return False
+    lo, hi = torch.aminmax(t)
+    return lo.item() >= 0 and hi.item() < n
+
+
 def _forward(self, scores: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     "The loss with nn.CrossEntropyLoss's conventions (see the section above)."
     s, t, shape = flatten_classes(scores, target)
@@ -427,6 +470,9 @@ def _forward(self, scores: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if t.is_floating_point():
             loss = self.per_sample_soft(s, _check_probabilities(t, s))
             total = loss.new_tensor(float(len(loss)))                      # mean over the samples
+        elif self.weight is None and self.label_smoothing == 0 and all_kept(t, s.shape, self.ignore_index):
+            with thread_flag(_KEPT):                                       # the range is read once, here
+                loss, total = self.per_sample(s, t), len(t)                # nothing to mask or weigh: no extra pass
         else:
             keep = t != self.ignore_index                                  # (N,)
             labels = torch.where(keep, t, 0)

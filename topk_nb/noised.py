@@ -9,7 +9,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .core import LossModule, check_int, check_loss_input, check_real, check_reduction, loss_dtype, reduce_loss, sync_free
+from .core import (LossModule, check_int, check_loss_input, check_real, check_reduction, loss_dtype, reduce_loss,
+                          selected_hinge, sync_free)
 from .perturbed import draw_noise, sampled_topk_value, topk_value
 
 # %% auto #0
@@ -22,8 +23,10 @@ def cal_hinge(scores: torch.Tensor, target: torch.Tensor, k: int = 5, alpha: flo
     "Calibrated top-k hinge (alpha + top_{k+1}(s) - s_y)_+ of Yang & Koyejo (Garcin 2022, eq. 5/17)."
     scores, target, k = check_loss_input(scores, target, k, check_finite)
     alpha = check_real(alpha, "alpha", 0.0)
-    s_y = scores.gather(1, target[:, None])[:, 0]
-    return reduce_loss(F.relu(alpha + topk_value(scores, k + 1) - s_y), check_reduction(reduction))
+    s, y = scores.detach(), target[:, None]
+    top = s.topk(k + 1, dim=1)
+    argument = (top.values[:, -1:] - s.gather(1, y)).add_(alpha)[:, 0]    # (B,): alpha + top_{k+1}(s) - s_y
+    return reduce_loss(selected_hinge(scores, target, top.indices[:, -1:], argument, 1.0), check_reduction(reduction))
 
 # %% ../nbs/05_noised.ipynb #7d4759eb
 def _noised_hinge(scores, target, k, epsilon, n_samples, margin, reduction, generator, noise):

@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .core import (LossModule, check_int, check_loss_input, check_real, check_reduction, log_binom, reduce_loss,
-                          scores_without_target, sync_free, loss_dtype)
+                          scores_without_target, selected_hinge, sync_free, loss_dtype)
 from .esp import dc_tree, log_zero
 from .esp_backward import head_size, power_backward, power_forward, power_inputs, power_log_sigma, power_tolerances
 
@@ -28,10 +28,10 @@ def topk_hinge(scores: torch.Tensor, target: torch.Tensor, k: int = 5, alpha: fl
     scores, target, k = check_loss_input(scores, target, k, check_finite)
     alpha = check_real(alpha, "alpha", 0.0)
     reduction = check_reduction(reduction)
-    others = scores.scatter(1, target[:, None], -torch.inf)               # (B, n): the target can never be selected
-    kth_other = others.topk(k, dim=1).values[:, -1]
-    s_y = scores.gather(1, target[:, None])[:, 0]
-    return reduce_loss(F.relu(alpha + (kth_other - s_y) / k), reduction)
+    s, y = scores.detach(), target[:, None]
+    top = s.scatter(1, y, -torch.inf).topk(k, dim=1)                      # the target can never be selected
+    argument = (top.values[:, -1:] - s.gather(1, y)).div_(k).add_(alpha)[:, 0]   # (B,): alpha + (kth other - s_y) / k
+    return reduce_loss(selected_hinge(scores, target, top.indices[:, -1:], argument, 1 / k), reduction)
 
 # %% ../nbs/03_smooth_svm.ipynb #8f0d22f4
 def _subsets(n: int, k: int, device=None) -> torch.Tensor:
