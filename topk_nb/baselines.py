@@ -119,8 +119,8 @@ focal_loss = focal    # the earlier name, kept
 def normal_range(dtype: torch.dtype, # the dtype of the logits
                  n: int,             # the number of classes
                  ) -> float:
-    "R such that logits raised to (row max - R) keep every exponential of log_softmax's forward and backward normal."
-    return -math.log(torch.finfo(dtype).tiny) - math.log(n) - 1.0
+    "R = log(1 / tiny) / 2 + log n: logits raised to (row max - R) keep the softmax, its backward and their products normal."
+    return -0.5 * math.log(torch.finfo(dtype).tiny) + math.log(n)
 
 # %% ../nbs/06_baselines.ipynb #b691383b
 class _RaisedCE(torch.autograd.Function):
@@ -219,16 +219,39 @@ def _grouping_terms(scores, probs, k):
     return -t_group * log_q_group + outside, ce, log_q_group
 
 
-# %% ../nbs/06_baselines.ipynb #5221ac8f
-def _grouping_terms_labels(scores, labels, k):
-    "(L_k, CE, log Q_G) per sample for class indices, in three passes over the scores (logsumexp, topk, the target's rank)."
-    lse = scores.logsumexp(1)                                             # (B,)
-    s_y = scores.gather(1, labels[:, None])[:, 0]                         # (B,)
-    log_q_group = scores.topk(k, dim=1).values.logsumexp(1) - lse        # (B,): Q_G needs only the values of the top k
-    in_group = (scores >= s_y[:, None]).sum(1) <= k                       # pessimistic rank < k: a tied target stays out
-    ce = lse - s_y
-    return torch.where(in_group, -log_q_group, ce), ce, log_q_group
+# %% ../nbs/06_baselines.ipynb #342d35df
+class _SawadaLabels(torch.autograd.Function):
+    "Sawada's grouping or transition loss for class indices; backward a q + b r + c e_y (see above)."
 
+    @staticmethod
+    def forward(ctx, scores, labels, k, transition, detach_weight):
+        y = labels[:, None]                                                   # (B, 1)
+        log_q = scores.log_softmax(1)                                         # (B, n)
+        top = scores.topk(k + 1, dim=1)                                       # (B, k + 1)
+        idx = top.indices[:, :k]                                              # (B, k): the predicted group G
+        q_g = log_q.gather(1, idx).exp_()                                     # (B, k)
+        q_G = q_g.sum(1, keepdim=True)                                        # (B, 1): Q_G >= q_max >= 1/n, no underflow
+        log_qG = q_G.log()
+        ce = -log_q.gather(1, y)                                              # (B, 1)
+        inside = (scores.gather(1, y) > top.values[:, k:]).to(scores.dtype)   # (B, 1): fewer than k + 1 scores >= s_y
+        gap = inside * (-log_qG - ce)                                         # (B, 1): L_k - CE
+        if transition:
+            w = q_G                                                           # (B, 1)
+            u = torch.zeros_like(w) if detach_weight else w * gap
+            a, b, c, loss = 1 - u, u - inside * w, inside * w - 1, ce + w * gap
+        else:
+            a, b, c, loss = None, -inside, inside - 1, ce + gap
+        ctx.save_for_backward(log_q, idx, q_g.div_(q_G), y, a, b, c)         # r on G: (B, k)
+        return loss[:, 0]
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        log_q, idx, r, y, a, b, c = ctx.saved_tensors
+        g = grad[:, None]                                                     # (B, 1)
+        out = log_q.exp().mul_(g if a is None else g * a)                     # a q: (B, n)
+        out.scatter_add_(1, idx, (g * b) * r)                                 # + b r
+        return out.scatter_add_(1, y, g * c), None, None, None, None          # + c e_y
 
 # %% ../nbs/06_baselines.ipynb #29ce85f0
 def _check_grouping_input(scores, target, k, reduction, check_finite):
@@ -244,8 +267,10 @@ def topk_grouping(scores: torch.Tensor, target: torch.Tensor, k: int = 5, reduct
     scores, labels, probs, k, reduction = _check_grouping_input(scores, target, k, reduction, check_finite)
     with torch.autocast(scores.device.type, enabled=False):
         s = working_scores(scores)
-        terms = _grouping_terms_labels(s, labels, k) if labels is not None else _grouping_terms(s, probs.to(s.dtype), k)
-        loss = terms[0]
+        if labels is not None:
+            loss = _SawadaLabels.apply(s, labels, k, False, False)
+        else:
+            loss = _grouping_terms(s, probs.to(s.dtype), k)[0]
     return reduce_loss(loss, reduction).to(loss_dtype(scores))
 
 
@@ -256,11 +281,13 @@ def topk_transition(scores: torch.Tensor, target: torch.Tensor, k: int = 5, deta
     scores, labels, probs, k, reduction = _check_grouping_input(scores, target, k, reduction, check_finite)
     with torch.autocast(scores.device.type, enabled=False):
         s = working_scores(scores)
-        terms = _grouping_terms_labels(s, labels, k) if labels is not None else _grouping_terms(s, probs.to(s.dtype), k)
-        grouping, ce, log_q_group = terms
-        weight = log_q_group.exp()
-        if detach_weight: weight = weight.detach()
-        loss = ce + weight * (grouping - ce)
+        if labels is not None:
+            loss = _SawadaLabels.apply(s, labels, k, True, detach_weight)
+        else:
+            grouping, ce, log_q_group = _grouping_terms(s, probs.to(s.dtype), k)
+            weight = log_q_group.exp()
+            if detach_weight: weight = weight.detach()
+            loss = ce + weight * (grouping - ce)
     return reduce_loss(loss, reduction).to(loss_dtype(scores))
 
 # %% ../nbs/06_baselines.ipynb #f920ab89
