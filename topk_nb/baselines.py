@@ -91,6 +91,27 @@ def ce(scores: torch.Tensor, target: torch.Tensor, label_smoothing: float = 0.0,
 cross_entropy = ce    # the earlier name, kept
 
 
+# %% ../nbs/06_baselines.ipynb #9e20799b
+class _FocalLabels(torch.autograd.Function):
+    "Focal loss -(1 - q_y)^gamma log q_y for class indices; backward c (e_y - q) (see above)."
+
+    @staticmethod
+    def forward(ctx, scores, labels, gamma):
+        y = labels[:, None]                                                   # (B, 1)
+        log_q = scores.log_softmax(1)                                         # (B, n)
+        l = log_q.gather(1, y)                                                # (B, 1): log q_y
+        o = (-torch.expm1(l)).clamp_min(torch.finfo(scores.dtype).tiny)       # 1 - q_y
+        o_g = o.pow(gamma)
+        ctx.save_for_backward(log_q, y, gamma * (o_g / o) * l.exp() * l - o_g)   # c = d loss / d l: (B, 1)
+        return (-o_g * l)[:, 0]
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        log_q, y, c = ctx.saved_tensors
+        gc = grad[:, None] * c                                                # (B, 1)
+        return log_q.exp().mul_(-gc).scatter_add_(1, y, gc), None, None       # c (e_y - q)
+
 # %% ../nbs/06_baselines.ipynb #b99f6a4f
 def focal(scores: torch.Tensor, target: torch.Tensor, gamma: float = 2.0, reduction: str = "mean",
                check_finite: bool | None = None) -> torch.Tensor:
@@ -101,14 +122,12 @@ def focal(scores: torch.Tensor, target: torch.Tensor, gamma: float = 2.0, reduct
     reduction = check_reduction(reduction)
     with torch.autocast(scores.device.type, enabled=False):
         s = working_scores(scores)
-        log_q = F.log_softmax(s, dim=1)
         if labels is not None:
-            log_q = log_q.gather(1, labels[:, None])
-            weight = 1.0
+            loss = _FocalLabels.apply(s, labels, gamma)
         else:
-            weight = probs.to(s.dtype)
-        one_minus_q = (-torch.expm1(log_q)).clamp_min(torch.finfo(s.dtype).tiny)
-        loss = -(weight * one_minus_q.pow(gamma) * log_q).sum(1)
+            log_q = F.log_softmax(s, dim=1)
+            one_minus_q = (-torch.expm1(log_q)).clamp_min(torch.finfo(s.dtype).tiny)
+            loss = -(probs.to(s.dtype) * one_minus_q.pow(gamma) * log_q).sum(1)
     return reduce_loss(loss, reduction).to(loss_dtype(scores))
 
 
