@@ -11,10 +11,10 @@ from typing import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
 from .core import (LossModule, all_kept, check_finite, check_int, check_real, check_reduction, check_scores, check_target,
-                          check_loss_finite, flatten_classes, loss_dtype, reduce_loss, selected_hinge, sync_free)
+                          check_loss_finite, flatten_classes, loss_dtype, reduce_loss, selected_hinge, sync_free,
+                          twice_differentiable)
 from .noised import margins_from_counts
 
 # %% auto #0
@@ -92,6 +92,12 @@ cross_entropy = ce    # the earlier name, kept
 
 
 # %% ../nbs/06_baselines.ipynb #9e20799b
+def _focal_formula(scores, labels, gamma):
+    "-(1 - q_y)^gamma log q_y by plain autograd operations."
+    l = scores.log_softmax(1).gather(1, labels[:, None])[:, 0]
+    return -(-torch.expm1(l)).clamp_min(torch.finfo(scores.dtype).tiny).pow(gamma) * l
+
+
 class _FocalLabels(torch.autograd.Function):
     "Focal loss -(1 - q_y)^gamma log q_y for class indices; backward c (e_y - q) (see above)."
 
@@ -102,13 +108,16 @@ class _FocalLabels(torch.autograd.Function):
         l = log_q.gather(1, y)                                                # (B, 1): log q_y
         o = (-torch.expm1(l)).clamp_min(torch.finfo(scores.dtype).tiny)       # 1 - q_y
         o_g = o.pow(gamma)
-        ctx.save_for_backward(log_q, y, gamma * (o_g / o) * l.exp() * l - o_g)   # c = d loss / d l: (B, 1)
+        ctx.save_for_backward(scores, labels, log_q, gamma * (o_g / o) * l.exp() * l - o_g)   # c = d loss / d l: (B, 1)
+        ctx.gamma = gamma
         return (-o_g * l)[:, 0]
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad):
-        log_q, y, c = ctx.saved_tensors
+        scores, labels, log_q, c = ctx.saved_tensors
+        if torch.is_grad_enabled():                                           # create_graph=True: by autograd
+            return twice_differentiable(_focal_formula, scores, grad, labels, ctx.gamma), None, None
+        y = labels[:, None]
         gc = grad[:, None] * c                                                # (B, 1)
         return log_q.exp().mul_(-gc).scatter_add_(1, y, gc), None, None       # c (e_y - q)
 
@@ -142,6 +151,11 @@ def normal_range(dtype: torch.dtype, # the dtype of the logits
     return -0.5 * math.log(torch.finfo(dtype).tiny) + math.log(n)
 
 # %% ../nbs/06_baselines.ipynb #b691383b
+def _ce_formula(z, labels):
+    "-log softmax(z)_y per sample, by F.cross_entropy (autograd)."
+    return F.cross_entropy(z, labels, reduction="none")
+
+
 class _RaisedCE(torch.autograd.Function):
     "Cross-entropy log sum_j e^(z_j) - z_y with the logits raised to (row max - r) inside the sum only."
 
@@ -150,13 +164,15 @@ class _RaisedCE(torch.autograd.Function):
         y = labels[:, None]                                                         # (B, 1)
         raised = torch.maximum(z, z.amax(1, keepdim=True) - r)                      # (B, n)
         log_q = raised.log_softmax(1)                                               # (B, n): normal exponentials only
-        ctx.save_for_backward(log_q, y)
+        ctx.save_for_backward(z, labels, log_q)
         return (raised.gather(1, y) - log_q.gather(1, y) - z.gather(1, y))[:, 0]    # log Z - z_y: the target's own logit
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad):
-        log_q, y = ctx.saved_tensors
+        z, labels, log_q = ctx.saved_tensors
+        if torch.is_grad_enabled():                                                 # create_graph=True: by autograd
+            return twice_differentiable(_ce_formula, z, grad, labels), None, None
+        y = labels[:, None]
         g = grad[:, None]                                                           # (B, 1)
         return (log_q.exp() * g).scatter_add_(1, y, -g), None, None                 # (q - e_y) g
 
@@ -239,6 +255,14 @@ def _grouping_terms(scores, probs, k):
 
 
 # %% ../nbs/06_baselines.ipynb #342d35df
+def _sawada_formula(scores, labels, k, transition, detach_weight):
+    "The grouping or transition loss for class indices by plain autograd operations (the one-hot target's road)."
+    grouping, ce, log_q_group = _grouping_terms(scores, one_hot(labels, scores.shape[1], scores.dtype), k)
+    if not transition: return grouping
+    weight = log_q_group.exp()
+    return ce + (weight.detach() if detach_weight else weight) * (grouping - ce)
+
+
 class _SawadaLabels(torch.autograd.Function):
     "Sawada's grouping or transition loss for class indices; backward a q + b r + c e_y (see above)."
 
@@ -260,13 +284,17 @@ class _SawadaLabels(torch.autograd.Function):
             a, b, c, loss = 1 - u, u - inside * w, inside * w - 1, ce + w * gap
         else:
             a, b, c, loss = None, -inside, inside - 1, ce + gap
-        ctx.save_for_backward(log_q, idx, q_g.div_(q_G), y, a, b, c)         # r on G: (B, k)
+        ctx.save_for_backward(scores, labels, log_q, idx, q_g.div_(q_G), a, b, c)   # r on G: (B, k)
+        ctx.k, ctx.transition, ctx.detach_weight = k, transition, detach_weight
         return loss[:, 0]
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad):
-        log_q, idx, r, y, a, b, c = ctx.saved_tensors
+        scores, labels, log_q, idx, r, a, b, c = ctx.saved_tensors
+        if torch.is_grad_enabled():                                           # create_graph=True: by autograd
+            return (twice_differentiable(_sawada_formula, scores, grad, labels, ctx.k, ctx.transition, ctx.detach_weight),
+                    None, None, None, None)
+        y = labels[:, None]
         g = grad[:, None]                                                     # (B, 1)
         out = log_q.exp().mul_(g if a is None else g * a)                     # a q: (B, n)
         out.scatter_add_(1, idx, (g * b) * r)                                 # + b r

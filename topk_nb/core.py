@@ -22,8 +22,8 @@ from torch.autograd.function import once_differentiable
 __all__ = ['FLOAT_DTYPES', 'REDUCTIONS', 'sync_free', 'thread_flag', 'force_sync_free', 'check_int', 'check_real', 'check_finite',
            'check_scores', 'check_target', 'check_loss_input', 'check_reduction', 'reduce_loss',
            'scores_without_target', 'target_rank', 'topk_correct', 'topk_accuracy', 'macro_topk_accuracy', 'brute_esp',
-           'brute_log_esp', 'log_binom', 'workspace', 'time_fn', 'median_time', 'fwd_bwd', 'selected_hinge',
-           'flatten_classes', 'LossModule', 'loss_dtype', 'check_loss_finite', 'all_kept']
+           'brute_log_esp', 'log_binom', 'workspace', 'time_fn', 'median_time', 'fwd_bwd', 'twice_differentiable',
+           'selected_hinge', 'flatten_classes', 'LossModule', 'loss_dtype', 'check_loss_finite', 'all_kept']
 
 # %% ../nbs/00_core.ipynb #576df6fa
 _SYNC_FREE = threading.local()
@@ -304,20 +304,36 @@ def fwd_bwd(fn, inputs: torch.Tensor, *args):
         fn(leaf, *args).sum().backward()
     return step
 
+# %% ../nbs/00_core.ipynb #526afbf1
+def twice_differentiable(formula: Callable,     # formula(scores, *args): the loss per sample, by plain autograd ops
+                         scores: torch.Tensor,  # the saved input, with its place in the graph
+                         grad: torch.Tensor,    # the incoming gradient of the loss
+                         *args) -> torch.Tensor:
+    "grad^T d formula(scores, *args) / d scores by autograd, with its own graph: a closed-form backward's result under create_graph=True."
+    with torch.enable_grad():
+        return torch.autograd.grad(formula(scores, *args), scores, grad, create_graph=True)[0]
+
 # %% ../nbs/00_core.ipynb #bd428b7c
+def _hinge_formula(scores, target, index, argument, coef):
+    "max(0, a) as a function of the scores for autograd: a plus the linear part, minus its value."
+    lin = coef * (scores.gather(1, index).sum(1) - index.shape[1] * scores.gather(1, target[:, None])[:, 0])   # (B,)
+    return (argument + (lin - lin.detach())).clamp_min(0)
+
+
 class _SelectedHinge(torch.autograd.Function):
     "max(0, a) with a = beta + c sum_{j in J} (s_j - s_y) computed by the caller; the backward scatters c and -c m."
 
     @staticmethod
     def forward(ctx, scores, target, index, argument, coef):
-        ctx.save_for_backward(target, index, argument)
+        ctx.save_for_backward(scores, target, index, argument)
         ctx.coef, ctx.n = coef, scores.shape[1]
         return argument.clamp_min(0)                                         # (B,)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad):
-        target, index, argument = ctx.saved_tensors                         # (B,), (B, m), (B,)
+        scores, target, index, argument = ctx.saved_tensors                 # (B, n), (B,), (B, m), (B,)
+        if torch.is_grad_enabled():                                          # create_graph=True: by autograd
+            return twice_differentiable(_hinge_formula, scores, grad, target, index, argument, ctx.coef), None, None, None, None
         g = torch.where(argument > 0, grad * ctx.coef, 0.0)[:, None]        # (B, 1): c on the active rows
         out = g.new_zeros(index.shape[0], ctx.n).scatter_add_(1, index, g.expand(index.shape))   # (B, n): c on J
         return out.scatter_add_(1, target[:, None], -index.shape[1] * g), None, None, None, None
