@@ -188,9 +188,13 @@ def _ldam_hard(scores, labels, margins, scale, reduction="none"):
 def ldam(scores: torch.Tensor, target: torch.Tensor, class_counts, max_m: float = 0.5, scale: float = 30.0,
          reduction: str = "mean", max_support: int = 8, check_finite: bool | None = None) -> torch.Tensor:
     "LDAM loss: cross-entropy of scale * (s - m_y e_y), m_y = C n_y^(-1/4) with max m = max_m (Cao et al. 2019)."
+    return _ldam(scores, target, margins_from_counts(class_counts, max_m), scale, reduction, max_support, check_finite)
+
+
+def _ldam(scores, target, margins, scale, reduction, max_support, check_finite):
+    "`ldam` with the margins (n,) given."
     scores = check_scores(scores, "scores", ndim=2, min_classes=2, check=check_finite)
     labels, probs = split_target(target, scores)
-    margins = margins_from_counts(class_counts, max_m)
     if margins.numel() != scores.shape[1]:
         raise ValueError(f"class_counts must have one entry per class: {scores.shape[1]} expected, got {margins.numel()}")
     scale = check_real(scale, "scale", 0.0, lo_open=True)
@@ -419,8 +423,17 @@ class LDAM(_NativeSoft):
         margins_from_counts(self.class_counts, max_m)                       # validate now, not at the first batch
         self.max_m, self.scale = check_real(max_m, "max_m", 0.0), check_real(scale, "scale", 0.0, lo_open=True)
 
+    def margins(self) -> torch.Tensor:
+        "The margins (n,) of the current `class_counts` and `max_m`; on the host path computed again only when either changes."
+        counts, key = self.class_counts, (self.class_counts._version, self.max_m)
+        if sync_free(counts):                                         # no read-back, and nothing for compiled code to guard
+            return margins_from_counts(counts, self.max_m)
+        if getattr(self, "_margins_of", None) is not counts or self._margins_key != key:
+            self._margins, self._margins_of, self._margins_key = margins_from_counts(counts, self.max_m), counts, key
+        return self._margins
+
     def per_sample(self, scores, target):
-        return ldam(scores, target, self.class_counts, self.max_m, self.scale, "none", scores.shape[1], self.check_finite)
+        return _ldam(scores, target, self.margins(), self.scale, "none", scores.shape[1], self.check_finite)
 
     def extra_repr(self):
         return f"n_classes={self.class_counts.numel()}, max_m={self.max_m}, scale={self.scale}"
