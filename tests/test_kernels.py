@@ -97,6 +97,13 @@ def test_svm_kernels_float32_within_targets_of_float64(n, k, tau, scale):
     assert (grad.double() - ref_grad).abs().max() <= 1e-4 * ref_grad.abs().max()
 
 
+def test_svm_kernels_differentiate_twice():
+    g = torch.Generator().manual_seed(2)
+    s = torch.randn(2, 7, generator=g, dtype=torch.float64).requires_grad_()
+    y = torch.randint(0, 7, (2,), generator=g)
+    assert torch.autograd.gradgradcheck(lambda x: kernels.smooth_svm_triton(x, y, 3, 0.5, block_n=4), (s,))
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_smooth_svm_takes_the_kernels_without_syncs(reduction):
     g = torch.Generator().manual_seed(1)

@@ -79,9 +79,14 @@ def dc_tree(x: torch.Tensor, k: int, neg: float) -> tuple[torch.Tensor, list[tor
     if not levels:                                            # n = 1: the leaf 1 + e X itself
         return torch.stack([torch.zeros_like(x), x], -1)[..., 0, :k + 1], []
     # first level in closed form: (1 + e_a X)(1 + e_b X) = 1 + (e_a + e_b) X + e_a e_b X^2
-    if x.shape[-1] % 2: x = F.pad(x, (0, 1), value=neg)      # an odd leaf out pairs with e = 0
-    xa, xb = x[..., 0::2], x[..., 1::2]
-    polys = torch.stack([torch.zeros_like(xa), torch.logaddexp(xa, xb), xa + xb], -1)[..., :levels[0][2]]
+    odd = x.shape[-1] % 2
+    xa, xb = x[..., 0:x.shape[-1] - odd:2], x[..., 1::2]
+    polys = torch.stack([torch.zeros_like(xa), torch.logaddexp(xa, xb), xa + xb], -1)
+    if odd:                                                   # the odd leaf out: 1 + e X on its own, no logaddexp with
+        last = x[..., -1:]                                    # log 0 (whose second derivative would be inf * 0)
+        polys = torch.cat([polys, torch.stack([torch.zeros_like(last), last, torch.full_like(last, neg)], -1)], -2)
+        x = F.pad(x, (0, 1), value=neg)                       # the padded leaves, as the backward reads them
+    polys = polys[..., :levels[0][2]]
     inputs = [x]
     for m, d, d_out in levels[1:]:
         if m % 2:   # append the polynomial 1: log-coefficients (0, log 0, ..., log 0)

@@ -11,7 +11,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .core import check_int, check_real, check_scores, log_binom, scores_without_target, workspace
+from .core import (check_int, check_real, check_scores, log_binom, scores_without_target,
+                          twice_differentiable, workspace)
 from .esp import _check_esp_input, dc_tree, esp_summation, log_poly_mul, log_zero
 
 # %% auto #0
@@ -359,6 +360,12 @@ def power_backward(e: torch.Tensor, v: torch.Tensor, head: torch.Tensor, sig: to
     return out.scatter_add_(1, head, gh.to(out.dtype))
 
 # %% ../nbs/02_esp_backward.ipynb #9ac64105
+def _tree_log_sigma(x, k, exclude):
+    "(log sigma_{k-1}, log sigma_k) of exp(x) without the `exclude` entries by the log-space tree (plain autograd)."
+    if exclude is not None: x = scores_without_target(x, exclude)
+    return dc_tree(x, k, log_zero(x.dtype, k))[0][..., k - 1:k + 1]
+
+
 class PowerLogSigma(torch.autograd.Function):
     "(log sigma_{k-1}, log sigma_k) of exp(x) without the `exclude` entries, by power sums; and which rows are certified."
 
@@ -368,15 +375,16 @@ class PowerLogSigma(torch.autograd.Function):
         tail = head.shape[1] < x.shape[1] - (exclude is not None)      # False: the head is the whole row
         sig, ok, state = power_forward(e, v, t, k, *power_tolerances(x.dtype), tail=tail)
         out = sig[:, k - 1:k + 1].log() + c * torch.tensor([k - 1, k], dtype=c.dtype, device=c.device)
-        ctx.save_for_backward(e, v, head, sig, ok, *state)
+        ctx.save_for_backward(x, exclude, e, v, head, sig, ok, *state)
         ctx.k = k
         ctx.mark_non_differentiable(ok)
         return out.to(x.dtype), ok
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad, _):
-        e, v, head, sig, ok, *state = ctx.saved_tensors
+        x, exclude, e, v, head, sig, ok, *state = ctx.saved_tensors
+        if torch.is_grad_enabled():                                    # create_graph=True: the tree, by autograd
+            return twice_differentiable(_tree_log_sigma, x, grad, ctx.k, exclude), None, None, None, None
         out = torch.empty(e.shape, dtype=grad.dtype, device=e.device)
         return power_backward(e, v, head, sig, ok, state, grad.double(), ctx.k, out), None, None, None, None
 
@@ -440,10 +448,11 @@ class LogSigmaFunction(torch.autograd.Function):
         return log_sig[..., k - 1:k + 1].clone()
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         x, log_sig, *inputs = ctx.saved_tensors
         k = ctx.k
+        if torch.is_grad_enabled():                                    # create_graph=True: the tree, by autograd
+            return twice_differentiable(_tree_log_sigma, x, grad, k, None), None, None, None, None
         if ctx.method == "alg2":
             pis = esp_grad_stabilised(x, log_sig, k, ctx.p, ctx.rho)
         else:

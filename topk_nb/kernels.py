@@ -11,7 +11,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .core import check_int, check_real, thread_flag
+from .core import check_int, check_real, thread_flag, twice_differentiable
 
 try:                                           # triton ships with the CUDA builds of torch
     import triton
@@ -358,7 +358,7 @@ def _svm_setup_context(ctx, inputs, output):
     ctx.save_for_backward(s, target, *output[1:])
     ctx.mark_non_differentiable(*output[1:])
     ctx.set_materialize_grads(False)          # no zero tensors for the gradients of the outputs above
-    ctx.k, ctx.tau, ctx.block_n = k, tau, block_n
+    ctx.k, ctx.tau, ctx.alpha, ctx.block_n = k, tau, alpha, block_n
 
 
 def _svm_grad(ctx, grad, *unused):
@@ -366,6 +366,9 @@ def _svm_grad(ctx, grad, *unused):
     if grad is None:                          # the loss itself took no part in what is differentiated
         return None, None, None, None, None, None
     s, target, lsig, rho, ckpt = ctx.saved_tensors
+    if torch.is_grad_enabled():               # create_graph=True: the exact log-space tree, by autograd (chapter 00)
+        from topk_nb.svm import _tree_part
+        return twice_differentiable(_tree_part, s, grad, target, ctx.k, ctx.tau, ctx.alpha), None, None, None, None, None
     return _svm_backward_op(s, target, grad, lsig, rho, ckpt, ctx.k, ctx.tau, ctx.block_n), None, None, None, None, None
 
 

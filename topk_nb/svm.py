@@ -13,7 +13,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .core import (LossModule, check_int, check_loss_input, check_real, check_reduction, log_binom, reduce_loss,
-                          scores_without_target, selected_hinge, sync_free, loss_dtype)
+                          scores_without_target, selected_hinge, sync_free, loss_dtype,
+                          twice_differentiable)
 from .esp import dc_tree, log_zero
 from .esp_backward import head_size, power_backward, power_forward, power_inputs, power_log_sigma, power_tolerances
 
@@ -101,13 +102,13 @@ def _masked_forward(ctx, s, target, k, tau, alpha, top, idx, s_y, hard, loss, kt
     z = alpha / tau + sig[:, k].log() - sig[:, k - 1].log() + (c[:, 0] - s_y.double()) * scale   # (B,), NaN on some hard rows
     loss = torch.where(hard, loss, (tau * F.softplus(z)).to(s.dtype))
     soft_ok = ok_s & ~hard                                                    # rows whose gradient is the power path's
-    ctx.save_for_backward(target, kth, gain, e, v, head, sig, soft_ok, torch.sigmoid(z), *state)
+    ctx.save_for_backward(s, target, kth, gain, e, v, head, sig, soft_ok, torch.sigmoid(z), *state)
     return loss, hard | ok_s
 
 # %% ../nbs/03_smooth_svm.ipynb #9021f8ae
 def _masked_backward(ctx, grad):
     "The sync-free backward: the hinge's two entries on hard rows plus the power path's gradient on certified soft rows, (B, n)."
-    target, kth, gain, e, v, head, sig, soft_ok, rho, *state = ctx.saved_tensors
+    _, target, kth, gain, e, v, head, sig, soft_ok, rho, *state = ctx.saved_tensors
     k, rows = ctx.k, torch.arange(grad.shape[0], device=grad.device)
     g = torch.where(soft_ok, grad.double() * rho / k, 0.0)                  # (B,), 0 where the row is hard or refused
     out = torch.empty(e.shape, dtype=grad.dtype, device=grad.device)
@@ -131,7 +132,7 @@ def _host_forward(ctx, s, target, k, tau, alpha, top, idx, s_y, hard, loss, ok, 
     soft = (~hard).nonzero()[:, 0]                                            # (S,) the soft rows
     ctx.every = soft.numel() == B
     if not soft.numel():
-        ctx.save_for_backward(target, kth, gain)
+        ctx.save_for_backward(s, target, kth, gain)
         return loss, ok
     s_s, y_s, top_s, idx_s = (s, target, top, idx) if ctx.every else (s[soft], target[soft], top[soft], idx[soft])
     h, scale = head_size(n - 1, k), 1.0 / (k * tau)
@@ -140,13 +141,13 @@ def _host_forward(ctx, s, target, k, tau, alpha, top, idx, s_y, hard, loss, ok, 
     sig, ok_s, state = power_forward(e, v, t, k, *power_tolerances(s.dtype), tail=h < n - 1)  # sig: (S, k+1)
     z = alpha / tau + sig[:, k].log() - sig[:, k - 1].log() + (c[:, 0] - s_y[soft].double()) * scale   # b - a, eq. (10)
     loss[soft], ok[soft] = (tau * F.softplus(z)).to(s.dtype), ok_s
-    ctx.save_for_backward(target, kth, gain, soft, e, v, head, sig, ok_s, torch.sigmoid(z), *state)
+    ctx.save_for_backward(s, target, kth, gain, soft, e, v, head, sig, ok_s, torch.sigmoid(z), *state)
     return loss, ok
 
 # %% ../nbs/03_smooth_svm.ipynb #02afa687
 def _host_backward(ctx, grad):
     "The host backward: the hinge's two entries on hard rows plus the power path's gradient on the soft rows, (B, n)."
-    target, kth, gain, *soft_state = ctx.saved_tensors
+    _, target, kth, gain, *soft_state = ctx.saved_tensors
     B, n, k = grad.shape[0], ctx.n, ctx.k
     if ctx.every:                                                             # every entry is written below
         out = torch.empty((B, n), dtype=grad.dtype, device=grad.device)
@@ -176,14 +177,16 @@ class _SmoothTopkSVMFunction(torch.autograd.Function):
         loss, ok = hinge.clamp_min(0.0), torch.ones_like(hard)
         ctx.mark_non_differentiable(ok)
         kth, gain = idx[:, k - 1], (hard & (hinge > 0)).to(s.dtype) / k     # d hinge / d s_kth = -d hinge / d s_y
-        ctx.k, ctx.n, ctx.masked = k, n, sync_free(s)
+        ctx.k, ctx.n, ctx.masked, ctx.tau, ctx.alpha = k, n, sync_free(s), tau, alpha
         if ctx.masked:                                               # fixed shapes: every row, hard ones masked
             return _masked_forward(ctx, s, target, k, tau, alpha, top, idx, s_y, hard, loss, kth, gain)
         return _host_forward(ctx, s, target, k, tau, alpha, top, idx, s_y, hard, loss, ok, kth, gain)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad, _):
+        if torch.is_grad_enabled():                                  # create_graph=True: the exact tree, by autograd
+            s, target = ctx.saved_tensors[:2]
+            return twice_differentiable(_tree_part, s, grad, target, ctx.k, ctx.tau, ctx.alpha), None, None, None, None, None
         out = _masked_backward(ctx, grad) if ctx.masked else _host_backward(ctx, grad)
         return out, None, None, None, None, None
 
