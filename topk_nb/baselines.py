@@ -425,9 +425,10 @@ class LDAM(_NativeSoft):
 
     def margins(self) -> torch.Tensor:
         "The margins (n,) of the current `class_counts` and `max_m`; on the host path computed again only when either changes."
-        counts, key = self.class_counts, (self.class_counts._version, self.max_m)
+        counts = self.class_counts
         if sync_free(counts):                                         # no read-back, and nothing for compiled code to guard
             return margins_from_counts(counts, self.max_m)
+        key = (counts._version, self.max_m)                           # an in-place change bumps the version
         if getattr(self, "_margins_of", None) is not counts or self._margins_key != key:
             self._margins, self._margins_of, self._margins_key = margins_from_counts(counts, self.max_m), counts, key
         return self._margins

@@ -16,7 +16,6 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.nn as nn
-from torch.autograd.function import once_differentiable
 
 # %% auto #0
 __all__ = ['FLOAT_DTYPES', 'REDUCTIONS', 'sync_free', 'thread_flag', 'force_sync_free', 'check_int', 'check_real', 'check_finite',
