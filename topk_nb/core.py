@@ -131,11 +131,11 @@ def check_target(target, n: int, batch: int, name: str = "target") -> torch.Tens
         raise TypeError(f"{name} must hold integer class indices (int64), got {target.dtype}")
     if target.shape != (batch,):
         raise ValueError(f"{name} must have shape ({batch},) to match the scores, got {tuple(target.shape)}")
-    if getattr(_KEPT, "on", False):            # a module read the range already (`all_kept`)
-        pass
-    elif batch > 0 and sync_free(target):      # checked on the device, as F.cross_entropy does: no host sync
+    if batch == 0 or getattr(_KEPT, "on", False):   # nothing to check, or a module read the range already (`all_kept`)
+        return target.long()
+    if sync_free(target):                      # checked on the device, as F.cross_entropy does: no host sync
         torch._assert_async(((target >= 0) & (target < n)).all(), f"{name} must hold class indices in [0, {n - 1}]")
-    elif batch > 0:
+    else:
         lo, hi = torch.aminmax(target)                                    # one pass, two numbers back
         lo, hi = lo.item(), hi.item()
         if lo < 0 or hi >= n:

@@ -423,8 +423,7 @@ def power_log_sigma(x: torch.Tensor, k: int, exclude: torch.Tensor | None = None
             bad = bad[~ok_b]
             eb = None if exclude is None else exclude[bad]
         if bad.numel():                                                   # the log-space tree, in float64: rare rows, exact
-            xb = (x[bad] if exclude is None else scores_without_target(x[bad], eb)).double()
-            out = out.index_put((bad,), dc_tree(xb, k, log_zero(xb.dtype, k))[0][..., k - 1:k + 1].to(out.dtype))
+            out = out.index_put((bad,), _tree_log_sigma(x[bad].double(), k, eb).to(out.dtype))
     return out
 
 # %% ../nbs/02_esp_backward.ipynb #b931f49b
@@ -477,7 +476,7 @@ def log_sigma(x: torch.Tensor, k: int, method: str = "power", p: int | None = No
     if method == "power":
         out = power_log_sigma(xw.reshape(-1, n), k).view(*xw.shape[:-1], 2)
     elif method == "autograd":
-        out = dc_tree(xw, k, log_zero(xw.dtype, k))[0][..., k - 1:k + 1]
+        out = _tree_log_sigma(xw, k, None)
     else:
         out = LogSigmaFunction.apply(xw, k, method, p, rho)
     return out.to(x.dtype)

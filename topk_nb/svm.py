@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from .core import (LossModule, check_int, check_loss_input, check_real, check_reduction, log_binom, reduce_loss,
                           scores_without_target, selected_hinge, sync_free, loss_dtype,
                           twice_differentiable)
-from .esp import dc_tree, log_zero
-from .esp_backward import head_size, power_backward, power_forward, power_inputs, power_log_sigma, power_tolerances
+from .esp_backward import (_tree_log_sigma, head_size, power_backward, power_forward, power_inputs, power_log_sigma,
+                                  power_tolerances)
 
 # %% auto #0
 __all__ = ['smooth_topk_svm', 'SmoothTopkSVM', 'topk_hinge', 'subset_sums_bruteforce', 'smooth_topk_svm_bruteforce',
@@ -120,8 +120,7 @@ def _masked_backward(ctx, grad):
 # %% ../nbs/03_smooth_svm.ipynb #a39da6f2
 def _tree_part(s, target, k, tau, alpha):
     "Per-sample L_{k,tau} of every row by the exact log-space tree (autograd), for the rows the certificate refuses."
-    x = scores_without_target(s, target) / (k * tau)                          # (B, n-1)
-    log_sig = dc_tree(x, k, log_zero(x.dtype, k))[0][..., k - 1:k + 1]        # (B, 2): log sigma_{k-1}, log sigma_k
+    log_sig = _tree_log_sigma(s / (k * tau), k, target)                       # (B, 2): log sigma_{k-1}, log sigma_k
     s_y = s.gather(1, target[:, None])[:, 0]
     return tau * F.softplus(alpha / tau + log_sig[:, 1] - s_y / (k * tau) - log_sig[:, 0])
 
