@@ -1,7 +1,7 @@
 # Developer tasks. `make test` is the test command of the README and of CI.
 PYTHON ?= python
 
-.PHONY: test sync nbtest pytest export clean readme run outputs gpu-check docs docs-check
+.PHONY: test sync nbtest pytest export clean readme run outputs gpu-check gpu-test docs docs-check
 
 test: sync nbtest pytest docs
 
@@ -31,8 +31,11 @@ run:      ## the main job: Sawada's synthetic experiments 1-3, full paper grid o
 	topk-nb run circles_tradeoffs --preset paper --jobs 2 --out runs
 	topk-nb report circles_tradeoffs --out runs
 
+gpu-test: ## on a CUDA machine, from a source checkout with torch and pytest: the kernel tests compiled for the GPU and the CUDA-only checks
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) -m pytest tests/test_kernels.py tests/test_cuda.py -q -p no:cacheprovider
+
 gpu-check: ## on a CUDA machine: every loss's float32 correctness, host syncs, speed vs cross-entropy, epoch overhead, torch.compile, CUDA graphs; writes results/gpu/<device>-<date>.json and .md (GPU_CHECK_FLAGS=--quick for a short run)
-	$(PYTHON) -m topk_nb.gpucheck --out results/gpu $(GPU_CHECK_FLAGS)
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) -m topk_nb.gpucheck --out results/gpu $(GPU_CHECK_FLAGS)
 
 MATHJAX_VERSION = 3.2.2
 MATHJAX = _proc/static/mathjax

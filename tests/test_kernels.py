@@ -1,5 +1,6 @@
-"""The fused Triton kernels (topk_nb.kernels) on small shapes against PyTorch references; without a GPU they
-run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1)."""
+"""The fused Triton kernels (topk_nb.kernels) on small shapes against PyTorch references. On a CUDA machine they run
+compiled, on tensors on the GPU; without one, in Triton's interpreter on CPU tensors (tests/conftest.py sets
+TRITON_INTERPRET=1). The references are computed on the CPU either way."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,19 +11,21 @@ if not kernels.HAS_TRITON:
 
 from topk_nb.noised import noised_bal, noised_imbal, margins_from_counts  # noqa: E402
 
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")   # where the kernels run: compiled, or interpreted
+
 
 @pytest.mark.parametrize("n, k, samples", [(2, 1, 3), (13, 2, 2), (64, 5, 3), (257, 9, 2)])
 def test_kernel_is_topk_of_the_given_noise(n, k, samples):
     g = torch.Generator().manual_seed(n)
     s, z = 3 * torch.randn(4, n, generator=g), torch.randn(samples, 4, n, generator=g)
-    mean, idx = kernels.perturbed_kth_triton(s, k, 0.7, samples, noise=z)
+    mean, idx = (t.cpu() for t in kernels.perturbed_kth_triton(s.to(DEV), k, 0.7, samples, noise=z.to(DEV)))
     ref = (s + 0.7 * z).topk(k, dim=-1)
     torch.testing.assert_close(mean, ref.values[..., -1].mean(0), rtol=1e-6, atol=1e-6)
     assert torch.equal(idx, ref.indices[..., -1])
 
 
 def test_kernel_draws_follow_the_seed():
-    s = torch.randn(3, 20)
+    s = torch.randn(3, 20, device=DEV)
     a = kernels.perturbed_kth_triton(s, 3, 0.5, 4, generator=torch.Generator().manual_seed(7))
     b = kernels.perturbed_kth_triton(s, 3, 0.5, 4, generator=torch.Generator().manual_seed(7))
     c = kernels.perturbed_kth_triton(s, 3, 0.5, 4, generator=torch.Generator().manual_seed(8))
@@ -34,6 +37,7 @@ def test_noised_losses_use_the_kernel_and_its_gradient(imbalanced):
     g = torch.Generator().manual_seed(3)
     s, y = torch.randn(8, 30, generator=g, dtype=torch.float64), torch.randint(0, 30, (8,), generator=g)
     counts = torch.randint(1, 50, (30,), generator=g)
+    s, y, counts = s.to(DEV), y.to(DEV), counts.to(DEV)
     x = s.clone().requires_grad_()
     with kernels.force_triton():
         if imbalanced:
@@ -47,15 +51,15 @@ def test_noised_losses_use_the_kernel_and_its_gradient(imbalanced):
     margin, scale = (margins_from_counts(counts)[y], 2.0) if imbalanced else (1.0, 1.0)
     hinge = margin + mean.double() - s.gather(1, y[:, None])[:, 0]
     torch.testing.assert_close(loss, scale * F.relu(hinge).sum())
-    expected = F.one_hot(idx, 30).double().mean(0) - F.one_hot(y, 30).double()
+    expected = F.one_hot(idx, 30).double().mean(0) - F.one_hot(y, 30).double()     # eq. (12), on the same draws
     torch.testing.assert_close(x.grad, scale * (hinge > 0).double()[:, None] * expected)
 
 
 def test_rows_too_long_or_k_too_large_take_the_pytorch_path():
     with kernels.force_triton():
-        assert kernels.triton_ok(torch.zeros(2, kernels.MAX_ROW), kernels.MAX_KTH)
-        assert not kernels.triton_ok(torch.zeros(2, kernels.MAX_ROW + 1), 1)
-        assert not kernels.triton_ok(torch.zeros(2, 10), kernels.MAX_KTH + 1)
+        assert kernels.triton_ok(torch.zeros(2, kernels.MAX_ROW, device=DEV), kernels.MAX_KTH)
+        assert not kernels.triton_ok(torch.zeros(2, kernels.MAX_ROW + 1, device=DEV), 1)
+        assert not kernels.triton_ok(torch.zeros(2, 10, device=DEV), kernels.MAX_KTH + 1)
     assert not kernels.triton_ok(torch.zeros(2, 10), 1)           # CPU tensors outside force_triton
 
 
@@ -63,7 +67,7 @@ def test_rows_too_long_or_k_too_large_take_the_pytorch_path():
 
 from topk_nb.bench import aten_ops, syncing_ops  # noqa: E402
 from topk_nb.core import force_sync_free  # noqa: E402
-from topk_nb.svm import smooth_svm, smooth_topk_svm_bruteforce  # noqa: E402
+from topk_nb.svm import smooth_svm, smooth_topk_svm_bruteforce, svm_route  # noqa: E402
 
 
 @pytest.mark.parametrize("n, k, tau, block", [(5, 1, 1.0, None), (8, 3, 0.2, 4), (11, 4, 5.0, 4), (9, 8, 1.0, 4),
@@ -72,8 +76,9 @@ def test_svm_kernels_equal_subset_enumeration(n, k, tau, block):
     g = torch.Generator().manual_seed(n + k)
     s = (4 * torch.randn(3, n, generator=g, dtype=torch.float64)).requires_grad_()
     y = torch.randint(0, n, (3,), generator=g)
-    loss = kernels.smooth_svm_triton(s, y, k, tau, alpha=0.5, block_n=block)
-    grad, = torch.autograd.grad(loss.sum(), s)
+    loss = kernels.smooth_svm_triton(s.to(DEV), y.to(DEV), k, tau, alpha=0.5, block_n=block)
+    grad, = (t.cpu() for t in torch.autograd.grad(loss.sum(), s))
+    loss = loss.detach().cpu()
     s_ref = s.detach().clone().requires_grad_()
     ref = smooth_topk_svm_bruteforce(s_ref, y, k, tau, alpha=0.5)
     grad_ref, = torch.autograd.grad(ref.sum(), s_ref)
@@ -87,8 +92,9 @@ def test_svm_kernels_float32_within_targets_of_float64(n, k, tau, scale):
     g = torch.Generator().manual_seed(n)
     s = (scale * torch.randn(2, n, generator=g)).requires_grad_()
     y = torch.randint(0, n, (2,), generator=g)
-    loss = kernels.smooth_svm_triton(s, y, k, tau, block_n=32)
-    grad, = torch.autograd.grad(loss.sum(), s)
+    loss = kernels.smooth_svm_triton(s.to(DEV), y.to(DEV), k, tau, block_n=32)
+    grad, = (t.cpu() for t in torch.autograd.grad(loss.sum(), s))
+    loss = loss.detach().cpu()
     ref_in = s.detach().double().requires_grad_()
     ref = smooth_svm(ref_in, y, k, tau, reduction="none", hard_switch=False)
     ref_grad, = torch.autograd.grad(ref.sum(), ref_in)
@@ -99,20 +105,21 @@ def test_svm_kernels_float32_within_targets_of_float64(n, k, tau, scale):
 
 def test_svm_kernels_differentiate_twice():
     g = torch.Generator().manual_seed(2)
-    s = torch.randn(2, 7, generator=g, dtype=torch.float64).requires_grad_()
-    y = torch.randint(0, 7, (2,), generator=g)
+    s = torch.randn(2, 7, generator=g, dtype=torch.float64).to(DEV).requires_grad_()
+    y = torch.randint(0, 7, (2,), generator=g).to(DEV)
     assert torch.autograd.gradgradcheck(lambda x: kernels.smooth_svm_triton(x, y, 3, 0.5, block_n=4), (s,))
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_smooth_svm_takes_the_kernels_without_syncs(reduction):
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(4, 40, generator=g).requires_grad_()
-    y = torch.randint(0, 40, (4,), generator=g)
-    ref = smooth_svm(x.detach().double(), y, 5, 0.5, reduction=reduction)
+    x = torch.randn(4, 40, generator=g).to(DEV).requires_grad_()
+    y = torch.randint(0, 40, (4,), generator=g).to(DEV)
+    ref = smooth_svm(x.detach().double().cpu(), y.cpu(), 5, 0.5, reduction=reduction)
     step = lambda: smooth_svm(x, y, 5, 0.5, reduction=reduction).sum().backward()
     with force_sync_free(), kernels.force_triton():
-        out = smooth_svm(x, y, 5, 0.5, reduction=reduction)
+        assert svm_route(x, 5) == "kernels"
+        out = smooth_svm(x, y, 5, 0.5, reduction=reduction).cpu()
         launches = kernels.count_launches(step)
         ops = aten_ops(step)
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-7)
@@ -121,14 +128,14 @@ def test_smooth_svm_takes_the_kernels_without_syncs(reduction):
 
 
 def test_svm_kernels_refuse_what_they_cannot_take():
-    x = torch.randn(2, 10)
+    x = torch.randn(2, 10, device=DEV)
     with kernels.force_triton():
         assert kernels.svm_triton_ok(x, 9) and not kernels.svm_triton_ok(x, 10)
-        assert not kernels.svm_triton_ok(torch.randn(2, 500), kernels.SVM_MAX_K + 1)
-        assert not kernels.svm_triton_ok(torch.randn(10), 3)
-    assert not kernels.svm_triton_ok(x, 3)                          # CPU tensors outside force_triton
+        assert not kernels.svm_triton_ok(torch.randn(2, 500, device=DEV), kernels.SVM_MAX_K + 1)
+        assert not kernels.svm_triton_ok(torch.randn(10, device=DEV), 3)
+    assert not kernels.svm_triton_ok(x.cpu(), 3)                    # CPU tensors outside force_triton
     with pytest.raises(ValueError, match="k"):
-        kernels.smooth_svm_triton(x, torch.zeros(2, dtype=torch.long), 10, 1.0)
+        kernels.smooth_svm_triton(x, torch.zeros(2, dtype=torch.long, device=DEV), 10, 1.0)
 
 
 _COMPILE = """
@@ -139,10 +146,10 @@ import triton
 import topk_nb.kernels as K
 ptrs = lambda names, kinds: dict(zip(names, kinds))
 fwd = ptrs(["s_ptr", "y_ptr", "loss_ptr", "lsig_ptr", "rho_ptr", "ckpt_ptr"], ["*fp32", "*i64"] + ["*fp64"] * 4)
-fwd.update(n="i32", n_blocks="i32", inv_ktau="fp64", alpha_tau="fp64", tau="fp64")
+fwd.update(n="i32", n_blocks="i32", inv_ktau_bits="i64", alpha_tau_bits="i64", tau_bits="i64")
 bwd = ptrs(["s_ptr", "y_ptr", "go_ptr", "lsig_ptr", "rho_ptr", "ckpt_ptr", "scratch_ptr", "g_ptr"],
            ["*fp32", "*i64", "*fp32"] + ["*fp64"] * 4 + ["*fp32"])
-bwd.update(n="i32", n_blocks="i32", inv_ktau="fp64")
+bwd.update(n="i32", n_blocks="i32", inv_ktau_bits="i64")
 for k in (1, 3):
     for fn, sig in ((K._svm_forward_kernel, fwd), (K._svm_backward_kernel, bwd)):
         sig = {**sig, "K": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"}

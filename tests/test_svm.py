@@ -151,7 +151,7 @@ def test_float32_power_path_against_float64_tree(k, tau, scale):
     # the fused float32 path (every row smooth and certified) against log sigma by the float64 tree, same inputs
     s32, y = random_scores(11, 64, 1000, scale, torch.float32)
     s32.requires_grad_()
-    loss, ok = _SmoothTopkSVMFunction.apply(s32, y, k, tau, 1.0, False)
+    loss, ok = _SmoothTopkSVMFunction.apply(s32, y, k, tau, 1.0, False, False)
     assert ok.all()
     s = s32.detach().double().requires_grad_()
     log_sig = log_sigma(scores_without_target(s, y) / (k * tau), k, method="autograd")
@@ -176,7 +176,7 @@ def test_large_k_against_float64_tree(n, k, tau, scale, certified):
     # large k (up to n - 1): the float32 loss and gradient against the float64 log-space tree
     s32, y = random_scores(12, 8, n, scale, torch.float32)
     s32.requires_grad_()
-    loss_fn, ok = _SmoothTopkSVMFunction.apply(s32.detach(), y, k, tau, 1.0, False)
+    loss_fn, ok = _SmoothTopkSVMFunction.apply(s32.detach(), y, k, tau, 1.0, False, False)
     if certified is not None:
         assert bool(ok.all()) == certified
     loss = smooth_svm(s32, y, k=k, tau=tau, reduction="none")

@@ -21,7 +21,8 @@ __all__ = ['UNIT_ROUNDOFF_64', 'TINY_64', 'POWER_FWD_TOL', 'POWER_GRAD_TOL', 'PO
            'esp_grad_stabilised', 'leave_one_out_log_esp', 'esp_grad_leave_one_out', 'power_tolerances', 'poly_mul_lin',
            'newton_esp', 'poly_mul_window', 'head_tree', 'head_esps', 'head_leave_one_out', 'head_rounding',
            'head_size', 'power_shift', 'power_inputs', 'tail_bounds', 'tail_esps', 'power_forward', 'power_backward',
-           'PowerLogSigma', 'power_log_sigma', 'LogSigmaFunction', 'log_sigma', 'grad_error', 'grad_target']
+           'PowerLogSigma', 'power_log_sigma', 'LogSigmaFunction', 'log_sigma', 'tree_svm_loss', 'grad_error',
+           'grad_target']
 
 # %% ../nbs/02_esp_backward.ipynb #89094acf
 def esp_grad_alg2(e: torch.Tensor, k: int) -> torch.Tensor:
@@ -481,6 +482,18 @@ def log_sigma(x: torch.Tensor, k: int, method: str = "power", p: int | None = No
         out = LogSigmaFunction.apply(xw, k, method, p, rho)
     return out.to(x.dtype)
 
+
+# %% ../nbs/02_esp_backward.ipynb #602372bf
+def tree_svm_loss(s: torch.Tensor,       # (B, n) scores
+                  target: torch.Tensor,  # (B,) class indices
+                  k: int,                # the k of top-k, 1 <= k <= n - 1
+                  tau: float,            # temperature, > 0
+                  alpha: float,          # margin
+                  ) -> torch.Tensor:
+    "Per-sample smooth top-k SVM loss L_{k,tau} (B,) of every row by the exact log-space tree (plain autograd, twice differentiable)."
+    log_sig = _tree_log_sigma(s / (k * tau), k, target)                       # (B, 2): log sigma_{k-1}, log sigma_k of the others
+    s_y = s.gather(1, target[:, None])[:, 0]                                  # (B,)
+    return tau * F.softplus(alpha / tau + log_sig[:, 1] - s_y / (k * tau) - log_sig[:, 0])
 
 # %% ../nbs/02_esp_backward.ipynb #5af90998
 def grad_error(grad: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:

@@ -6,12 +6,14 @@
 from __future__ import annotations
 
 import os
+import struct
 import threading
 from typing import Callable, Optional
 
 import torch
 
 from .core import check_int, check_real, thread_flag, twice_differentiable
+from .esp_backward import tree_svm_loss
 
 try:                                           # triton ships with the CUDA builds of torch
     import triton
@@ -25,7 +27,7 @@ except ImportError:                            # pragma: no cover - CPU-only tor
 _OPS = "topk_nb" if __name__.startswith("topk_nb") else "topk_nb_chapter"
 
 # %% auto #0
-__all__ = ['MAX_ROW', 'MAX_KTH', 'SVM_MAX_K', 'force_triton', 'triton_ok', 'count_launches', 'perturbed_kth_triton',
+__all__ = ['MAX_ROW', 'MAX_KTH', 'SVM_MAX_K', 'force_triton', 'triton_ok', 'count_launches', 'f64_bits', 'perturbed_kth_triton',
            'triton_sampled_topk_value', 'svm_triton_ok', 'svm_blocks', 'smooth_svm_triton']
 
 # %% ../nbs/16_kernels.ipynb #c63387a8
@@ -74,6 +76,19 @@ def count_launches(fn: Callable[[], object] # called once, with no arguments
     finally:
         _LAUNCHES.on = False
 
+# %% ../nbs/16_kernels.ipynb #d031169f
+def f64_bits(value: float, # a Python float
+             ) -> int:
+    "The 64 bits of `value` as a double, as a signed integer: a kernel argument that `_f64` turns back into the exact float64."
+    return struct.unpack("<q", struct.pack("<d", float(value)))[0]
+
+
+if HAS_TRITON:
+    @triton.jit
+    def _f64(bits):
+        "The float64 whose bits `f64_bits` passed (an int32 argument when the bits fit, as for 0.0)."
+        return bits.to(tl.int64).to(tl.float64, bitcast=True)
+
 # %% ../nbs/16_kernels.ipynb #38b03ee8
 if HAS_TRITON:
     @triton.jit
@@ -81,7 +96,7 @@ if HAS_TRITON:
                               KTH: tl.constexpr, N_SAMPLES: tl.constexpr, GIVEN_NOISE: tl.constexpr,
                               BLOCK: tl.constexpr):
         "Program `row`: mean over draws of the KTH largest of s + epsilon z, and the index of each draw's."
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)                              # int64: (S B + row) n passes 2^31
         offs = tl.arange(0, BLOCK)                                       # (BLOCK,) classes
         inside = offs < n
         s = tl.load(s_ptr + row * n + offs, mask=inside, other=0.0).to(tl.float32)
@@ -229,10 +244,11 @@ if HAS_TRITON:
 # %% ../nbs/16_kernels.ipynb #e3ddee69
 if HAS_TRITON:
     @triton.jit
-    def _svm_forward_kernel(s_ptr, y_ptr, loss_ptr, lsig_ptr, rho_ptr, ckpt_ptr, n, n_blocks, inv_ktau, alpha_tau, tau,
+    def _svm_forward_kernel(s_ptr, y_ptr, loss_ptr, lsig_ptr, rho_ptr, ckpt_ptr, n, n_blocks, inv_ktau_bits, alpha_tau_bits, tau_bits,
                             K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         "Program `row`: log sigma_{k-1}, log sigma_k of the others by scans, the loss, rho, and the carry at each block's start."
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)                              # int64: row n passes 2^31
+        inv_ktau, alpha_tau, tau = _f64(inv_ktau_bits), _f64(alpha_tau_bits), _f64(tau_bits)
         rk, lanes = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_N)          # degrees (BLOCK_K,), classes (BLOCK_N,)
         y = tl.load(y_ptr + row)
         carry = tl.where(rk == 0, 0.0, float("-inf")).to(tl.float64)     # (BLOCK_K,) log sigma_j before the block
@@ -256,10 +272,11 @@ if HAS_TRITON:
 # %% ../nbs/16_kernels.ipynb #2e02a397
 if HAS_TRITON:
     @triton.jit
-    def _svm_backward_kernel(s_ptr, y_ptr, go_ptr, lsig_ptr, rho_ptr, ckpt_ptr, scratch_ptr, g_ptr, n, n_blocks, inv_ktau,
+    def _svm_backward_kernel(s_ptr, y_ptr, go_ptr, lsig_ptr, rho_ptr, ckpt_ptr, scratch_ptr, g_ptr, n, n_blocks, inv_ktau_bits,
                              K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         "Program `row`: dL/ds by leave-one-out prefixes (recomputed from the checkpoint) and suffixes, blocks last to first."
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)                              # int64: row n passes 2^31
+        inv_ktau = _f64(inv_ktau_bits)
         rk, lanes = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_N)
         rev = BLOCK_N - 1 - lanes                                         # lane r holds class rev[r] of the block
         y = tl.load(y_ptr + row)
@@ -323,7 +340,7 @@ def _svm_forward_op(s: torch.Tensor,       # (B, n) float32 or float64 scores, c
     "The forward kernel as an operator: (loss (B,), log sigma (B, 2), rho (B,), checkpoints); one launch, and `torch.compile` calls it as it is."
     (B, n), (BN, nb, BK) = s.shape, svm_blocks(s.shape[1], k, block_n or None)
     loss, lsig, rho, ckpt = _svm_state(s, k, block_n)
-    _launch(_svm_forward_kernel, (B,), s, target, loss, lsig, rho, ckpt, n, nb, 1.0 / (k * tau), alpha / tau, tau,
+    _launch(_svm_forward_kernel, (B,), s, target, loss, lsig, rho, ckpt, n, nb, f64_bits(1.0 / (k * tau)), f64_bits(alpha / tau), f64_bits(tau),
             K=k, BLOCK_N=BN, BLOCK_K=BK)
     return loss, lsig, rho, ckpt
 
@@ -343,7 +360,7 @@ def _svm_backward_op(s: torch.Tensor, target: torch.Tensor,
     scratch = torch.empty(B, k, BN, dtype=torch.float64, device=s.device)   # each row's prefixes of one block
     out = torch.empty_like(s)
     _launch(_svm_backward_kernel, (B,), s, target, grad.contiguous(), lsig, rho, ckpt, scratch, out, n, nb,
-            1.0 / (k * tau), K=k, BLOCK_N=BN, BLOCK_K=BK)
+            f64_bits(1.0 / (k * tau)), K=k, BLOCK_N=BN, BLOCK_K=BK)
     return out
 
 
@@ -367,8 +384,7 @@ def _svm_grad(ctx, grad, *unused):
         return None, None, None, None, None, None
     s, target, lsig, rho, ckpt = ctx.saved_tensors
     if torch.is_grad_enabled():               # create_graph=True: the exact log-space tree, by autograd (chapter 00)
-        from topk_nb.svm import _tree_part
-        return twice_differentiable(_tree_part, s, grad, target, ctx.k, ctx.tau, ctx.alpha), None, None, None, None, None
+        return twice_differentiable(tree_svm_loss, s, grad, target, ctx.k, ctx.tau, ctx.alpha), None, None, None, None, None
     return _svm_backward_op(s, target, grad, lsig, rho, ckpt, ctx.k, ctx.tau, ctx.block_n), None, None, None, None, None
 
 

@@ -15,12 +15,13 @@ import torch.nn.functional as F
 from .core import (LossModule, check_int, check_loss_input, check_real, check_reduction, log_binom, reduce_loss,
                           scores_without_target, selected_hinge, sync_free, loss_dtype,
                           twice_differentiable)
-from .esp_backward import (_tree_log_sigma, head_size, power_backward, power_forward, power_inputs, power_log_sigma,
-                                  power_tolerances)
+from .esp_backward import (head_size, power_backward, power_forward, power_inputs, power_log_sigma,
+                                  power_tolerances, tree_svm_loss)
+from .kernels import smooth_svm_triton, svm_triton_ok
 
 # %% auto #0
-__all__ = ['smooth_topk_svm', 'SmoothTopkSVM', 'topk_hinge', 'subset_sums_bruteforce', 'smooth_topk_svm_bruteforce',
-           'hard_enough', 'smooth_svm', 'SmoothSVM', 'TopkHinge']
+__all__ = ['SVM_ROUTES', 'smooth_topk_svm', 'SmoothTopkSVM', 'topk_hinge', 'subset_sums_bruteforce', 'smooth_topk_svm_bruteforce',
+           'hard_enough', 'svm_route', 'smooth_svm', 'SmoothSVM', 'TopkHinge']
 
 # %% ../nbs/03_smooth_svm.ipynb #6240521f
 def topk_hinge(scores: torch.Tensor, target: torch.Tensor, k: int = 5, alpha: float = 1.0,
@@ -117,13 +118,6 @@ def _masked_backward(ctx, grad):
     g_hard = grad * gain                                                      # 0 on soft rows and where the hinge is flat
     return out.index_put_((rows, kth), g_hard, accumulate=True).index_put_((rows, target), -g_hard, accumulate=True)
 
-# %% ../nbs/03_smooth_svm.ipynb #a39da6f2
-def _tree_part(s, target, k, tau, alpha):
-    "Per-sample L_{k,tau} of every row by the exact log-space tree (autograd), for the rows the certificate refuses."
-    log_sig = _tree_log_sigma(s / (k * tau), k, target)                       # (B, 2): log sigma_{k-1}, log sigma_k
-    s_y = s.gather(1, target[:, None])[:, 0]
-    return tau * F.softplus(alpha / tau + log_sig[:, 1] - s_y / (k * tau) - log_sig[:, 0])
-
 # %% ../nbs/03_smooth_svm.ipynb #491dffe0
 def _host_forward(ctx, s, target, k, tau, alpha, top, idx, s_y, hard, loss, ok, kth, gain):
     "The host forward: the power path on the soft rows only (selected by reading the hard mask back); (loss, certified)."
@@ -168,7 +162,7 @@ class _SmoothTopkSVMFunction(torch.autograd.Function):
     "Per-sample L_{k,tau}: hard rows by the hinge, the others by certified power sums; which rows are certified; one gradient buffer."
 
     @staticmethod
-    def forward(ctx, s, target, k, tau, alpha, hard_switch):
+    def forward(ctx, s, target, k, tau, alpha, hard_switch, masked):
         B, n = s.shape
         top, idx, s_y = _top_others(s, target, k)          # one topk serves the switch, the hinge and the head
         hinge = alpha + (top[:, k - 1] - s_y) / k
@@ -176,8 +170,8 @@ class _SmoothTopkSVMFunction(torch.autograd.Function):
         loss, ok = hinge.clamp_min(0.0), torch.ones_like(hard)
         ctx.mark_non_differentiable(ok)
         kth, gain = idx[:, k - 1], (hard & (hinge > 0)).to(s.dtype) / k     # d hinge / d s_kth = -d hinge / d s_y
-        ctx.k, ctx.n, ctx.masked, ctx.tau, ctx.alpha = k, n, sync_free(s), tau, alpha
-        if ctx.masked:                                               # fixed shapes: every row, hard ones masked
+        ctx.k, ctx.n, ctx.masked, ctx.tau, ctx.alpha = k, n, masked, tau, alpha     # the route, kept for the backward
+        if masked:                                                   # fixed shapes: every row, hard ones masked
             return _masked_forward(ctx, s, target, k, tau, alpha, top, idx, s_y, hard, loss, kth, gain)
         return _host_forward(ctx, s, target, k, tau, alpha, top, idx, s_y, hard, loss, ok, kth, gain)
 
@@ -185,10 +179,9 @@ class _SmoothTopkSVMFunction(torch.autograd.Function):
     def backward(ctx, grad, _):
         if torch.is_grad_enabled():                                  # create_graph=True: the exact tree, by autograd
             s, target = ctx.saved_tensors[:2]
-            return twice_differentiable(_tree_part, s, grad, target, ctx.k, ctx.tau, ctx.alpha), None, None, None, None, None
+            return twice_differentiable(tree_svm_loss, s, grad, target, ctx.k, ctx.tau, ctx.alpha), None, None, None, None, None, None
         out = _masked_backward(ctx, grad) if ctx.masked else _host_backward(ctx, grad)
-        return out, None, None, None, None, None
-
+        return out, None, None, None, None, None, None
 
 # %% ../nbs/03_smooth_svm.ipynb #138d1672
 def _complement_part(scores: torch.Tensor, # (B, n) scores
@@ -200,6 +193,20 @@ def _complement_part(scores: torch.Tensor, # (B, n) scores
     log_lo, log_hi = power_log_sigma(-x, n - k, target).unbind(1)          # (B,) each: degrees m-k and m-k+1, m = n-1
     s_y = scores.gather(1, target[:, None])[:, 0]
     return tau * F.softplus(alpha / tau + log_lo - log_hi - s_y / (k * tau))  # log sigma_k - log sigma_{k-1} = log_lo - log_hi
+
+# %% ../nbs/03_smooth_svm.ipynb #ba8247f5
+SVM_ROUTES = ("kernels", "complement", "host", "sync_free")
+
+
+def svm_route(s: torch.Tensor, # (B, n) scores, float32 or float64
+              k: int,          # the k of top-k, 1 <= k <= n - 1
+              ) -> str:
+    "Which computation `smooth_svm` runs for these scores: one of SVM_ROUTES (see the table above)."
+    if svm_triton_ok(s, k):
+        return "kernels"
+    if sync_free(s):
+        return "sync_free"
+    return "complement" if 2 * k > s.shape[1] else "host"
 
 # %% ../nbs/03_smooth_svm.ipynb #c5907072
 def smooth_svm(scores: torch.Tensor,             # (B, n) scores
@@ -219,17 +226,18 @@ def smooth_svm(scores: torch.Tensor,             # (B, n) scores
     out_dtype = loss_dtype(scores)
     with torch.autocast(scores.device.type, enabled=False):
         s = scores if scores.dtype in (torch.float32, torch.float64) else scores.float()
-        from topk_nb.kernels import smooth_svm_triton, svm_triton_ok   # chapter 16, imported where it is used
-        if svm_triton_ok(s, k):                                      # CUDA: the fused kernels, every row exact
-            return reduce_loss(smooth_svm_triton(s, target, k, tau, alpha), reduction).to(out_dtype)
-        if 2 * k > s.shape[1] and not sync_free(s):                 # top-(n-k) of the negated scores is the smaller problem
-            return reduce_loss(_complement_part(s, target, k, tau, alpha), reduction).to(out_dtype)
-        loss, ok = _SmoothTopkSVMFunction.apply(s, target, k, tau, alpha, hard_switch)   # (B,), (B,)
-        if sync_free(s):                                             # no read-back: the tree on every row, kept where refused
-            loss = torch.where(ok, loss, _tree_part(s, target, k, tau, alpha))
-        elif not bool(ok.all()):                                     # rows the certificate refuses: the exact tree
-            bad = (~ok).nonzero()[:, 0]
-            loss = loss.index_put((bad,), _smooth_part(s[bad], target[bad], k, tau, alpha))
+        route = svm_route(s, k)                                      # decided once; the autograd function keeps it
+        if route == "kernels":                                       # every row exact, no switch
+            loss = smooth_svm_triton(s, target, k, tau, alpha)
+        elif route == "complement":                                  # top-(n-k) of the negated scores
+            loss = _complement_part(s, target, k, tau, alpha)
+        else:
+            loss, ok = _SmoothTopkSVMFunction.apply(s, target, k, tau, alpha, hard_switch, route == "sync_free")   # (B,), (B,)
+            if route == "sync_free":                                 # no read-back: the tree on every row, kept where refused
+                loss = torch.where(ok, loss, tree_svm_loss(s, target, k, tau, alpha))
+            elif not bool(ok.all()):                                 # rows the certificate refuses: the exact tree
+                bad = (~ok).nonzero()[:, 0]
+                loss = loss.index_put((bad,), _smooth_part(s[bad], target[bad], k, tau, alpha))
     return reduce_loss(loss, reduction).to(out_dtype)
 
 

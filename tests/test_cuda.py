@@ -1,0 +1,43 @@
+"""Checks that need a CUDA GPU (`make gpu-test` runs them with the kernel tests): every registry loss on the GPU in
+float32 against float64 on the CPU, no host synchronisation on the default path (CUDA's sync debug mode), the fused
+kernels compiled (not interpreted) on the route the losses take, and a compiled training step. Without a GPU the
+module is skipped with one line; CI has none, and the same checks run there on the CPU through the interpreter
+(tests/test_kernels.py) and the sync-free path (tests/test_sync_free.py)."""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device: these checks run on a GPU (make gpu-test)", allow_module_level=True)
+
+from topk_nb import gpucheck, kernels  # noqa: E402
+from topk_nb.svm import svm_route  # noqa: E402
+
+
+def test_every_loss_within_the_targets_of_float64():
+    out = gpucheck.check_correctness("cuda", cases=((64, 100, 5), (32, 1000, 20)))
+    bad = {name: entry for name, entry in out["losses"].items() if not entry["ok"]}
+    assert out["status"] == "ok", bad
+
+
+def test_no_loss_synchronises_with_the_host():
+    out = gpucheck.check_syncs("cuda", batch=64, n=1000, k=5)
+    found = {(name, variant): entry for name, variants in out["losses"].items() for variant, entry in variants.items()
+             if variant == "check_finite=False" and (entry.get("aten") or entry.get("debug_mode", "none") != "none"
+                                                     or "error" in entry)}
+    assert not found, found
+
+
+def test_the_kernels_run_compiled_on_the_losses_route():
+    x = torch.randn(8, 300, device="cuda")
+    assert os.environ.get("TRITON_INTERPRET") != "1"                 # compiled for this GPU, not interpreted
+    assert kernels.HAS_TRITON and svm_route(x, 5) == "kernels" and kernels.triton_ok(x, 5)
+    assert kernels.count_launches(lambda: kernels.smooth_svm_triton(x, torch.zeros(8, dtype=torch.long, device="cuda"),
+                                                                   5, 1.0).sum()) == 1
+
+
+@pytest.mark.parametrize("name", ["smooth_svm", "noised_bal", "topk_grouping"])
+def test_a_training_step_compiles_whole(name):
+    out = gpucheck.check_compile("cuda", batch=32, features=16, n=200, k=5, names=[name])
+    assert out["status"] == "ok", out["losses"][name]
