@@ -24,6 +24,24 @@ def test_kernel_is_topk_of_the_given_noise(n, k, samples):
     assert torch.equal(idx, ref.indices[..., -1])
 
 
+@pytest.mark.parametrize("n, k, samples, block", [(40, 1, 2, 16), (100, 5, 3, 16), (257, 9, 2, 64), (48, 48, 2, 16)])
+def test_long_rows_by_chunks_are_topk_of_the_given_noise(n, k, samples, block):
+    "Rows longer than a block: each chunk's K largest, then the merge; exactly PyTorch's topk of s + eps z."
+    g = torch.Generator().manual_seed(n + k)
+    s, z = 3 * torch.randn(3, n, generator=g), torch.randn(samples, 3, n, generator=g)
+    mean, idx = (t.cpu() for t in kernels.perturbed_kth_triton(s.to(DEV), k, 0.7, samples, noise=z.to(DEV), block=block))
+    ref = (s + 0.7 * z).topk(k, dim=-1)
+    torch.testing.assert_close(mean, ref.values[..., -1].mean(0), rtol=1e-6, atol=1e-6)
+    assert torch.equal(idx, ref.indices[..., -1])
+
+
+def test_chunks_draw_the_same_noise_as_one_block():
+    s = torch.randn(4, 150, device=DEV)
+    one = kernels.perturbed_kth_triton(s, 4, 0.5, 3, generator=torch.Generator().manual_seed(9))
+    chunked = kernels.perturbed_kth_triton(s, 4, 0.5, 3, generator=torch.Generator().manual_seed(9), block=32)
+    assert torch.equal(one[0], chunked[0]) and torch.equal(one[1], chunked[1])
+
+
 def test_kernel_draws_follow_the_seed():
     s = torch.randn(3, 20, device=DEV)
     a = kernels.perturbed_kth_triton(s, 3, 0.5, 4, generator=torch.Generator().manual_seed(7))
@@ -58,7 +76,8 @@ def test_noised_losses_use_the_kernel_and_its_gradient(imbalanced):
 def test_rows_too_long_or_k_too_large_take_the_pytorch_path():
     with kernels.force_triton():
         assert kernels.triton_ok(torch.zeros(2, kernels.MAX_ROW, device=DEV), kernels.MAX_KTH)
-        assert not kernels.triton_ok(torch.zeros(2, kernels.MAX_ROW + 1, device=DEV), 1)
+        assert kernels.triton_ok(torch.zeros(1, device=DEV).expand(2, 10**6), kernels.MAX_KTH)   # long rows: chunks
+        assert not kernels.triton_ok(torch.zeros(1, device=DEV).expand(2, kernels.kth_max_row(1) + 1), 1)
         assert not kernels.triton_ok(torch.zeros(2, 10, device=DEV), kernels.MAX_KTH + 1)
     assert not kernels.triton_ok(torch.zeros(2, 10), 1)           # CPU tensors outside force_triton
 
@@ -155,6 +174,17 @@ for k in (1, 3):
         sig = {**sig, "K": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"}
         src = ASTSource(fn=fn, signature=sig, constexprs={"K": k, "BLOCK_N": 64, "BLOCK_K": triton.next_power_of_2(k + 1)})
         assert triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
+one = ptrs(["s_ptr", "noise_ptr", "seed_ptr", "mean_ptr", "idx_ptr"], ["*fp32", "*fp32", "*i64", "*fp32", "*i64"])
+one.update(n_rows="i32", n="i32", epsilon="fp32")
+cand = ptrs(["s_ptr", "noise_ptr", "seed_ptr", "cval_ptr", "cidx_ptr"], ["*fp32", "*fp32", "*i64", "*fp32", "*i64"])
+cand.update(n_rows="i32", n="i32", n_chunks="i32", epsilon="fp32")
+merge = ptrs(["cval_ptr", "cidx_ptr", "mean_ptr", "idx_ptr"], ["*fp32", "*i64", "*fp32", "*i64"])
+merge.update(n_rows="i32", n_cand="i32")
+draws = {"KTH": 5, "N_SAMPLES": 3, "GIVEN_NOISE": False, "BLOCK": 1024}
+for fn, sig, const in ((K._perturbed_kth_kernel, one, draws), (K._perturbed_candidates_kernel, cand, draws),
+                       (K._perturbed_merge_kernel, merge, {"KTH": 5, "N_SAMPLES": 3, "BLOCK": 1024})):
+    sig = {**sig, **{name: "constexpr" for name in const}}
+    assert triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32)).asm["cubin"]
 print("compiled")
 """
 

@@ -27,8 +27,8 @@ except ImportError:                            # pragma: no cover - CPU-only tor
 _OPS = "topk_nb" if __name__.startswith("topk_nb") else "topk_nb_chapter"
 
 # %% auto #0
-__all__ = ['MAX_ROW', 'MAX_KTH', 'SVM_MAX_K', 'force_triton', 'triton_ok', 'count_launches', 'f64_bits', 'perturbed_kth_triton',
-           'triton_sampled_topk_value', 'svm_triton_ok', 'svm_blocks', 'smooth_svm_triton']
+__all__ = ['MAX_ROW', 'MAX_KTH', 'SVM_MAX_K', 'force_triton', 'triton_ok', 'count_launches', 'f64_bits', 'kth_max_row',
+           'perturbed_kth_triton', 'triton_sampled_topk_value', 'svm_triton_ok', 'svm_blocks', 'smooth_svm_triton']
 
 # %% ../nbs/16_kernels.ipynb #c63387a8
 _FORCE = threading.local()
@@ -45,12 +45,12 @@ def force_triton(enabled: bool = True # run the kernels on CPU tensors too (need
 def triton_ok(t: torch.Tensor, # the scores, classes along the last dimension
               k: int,          # the K of the top_K the kernel selects
               ) -> bool:
-    "Whether the fused kernel takes this call: CUDA (or `force_triton()`), Triton present, a row that fits; under `torch.compile` too (the kernel is an operator the graph calls)."
+    "Whether the fused kernels take this call: CUDA (or `force_triton()`), Triton present, K <= MAX_KTH and a row of at most `kth_max_row(K)` classes; under `torch.compile` too (the kernels are operators the graph calls)."
     if not HAS_TRITON:
         return False
     if not (t.is_cuda or (getattr(_FORCE, "on", False) and os.environ.get("TRITON_INTERPRET") == "1")):
         return False                           # a CPU tensor runs a kernel only in the interpreter, when forced
-    return t.ndim >= 1 and 1 <= t.shape[-1] <= MAX_ROW and k <= MAX_KTH and t.numel() > 0
+    return t.ndim >= 1 and 1 <= k <= MAX_KTH and 1 <= t.shape[-1] <= kth_max_row(k) and t.numel() > 0
 
 # %% ../nbs/16_kernels.ipynb #a4641772
 _LAUNCHES = threading.local()
@@ -115,6 +115,55 @@ if HAS_TRITON:
             tl.store(idx_ptr + b * n_rows + row, tl.argmax(x, 0).to(tl.int64))
         tl.store(mean_ptr + row, total / N_SAMPLES)
 
+# %% ../nbs/16_kernels.ipynb #aec4e3f4
+def kth_max_row(k: int, # the K of top_K
+                ) -> int:
+    "The longest row the selection kernels take for this K: chunks of MAX_ROW classes whose K candidates each fit one merge block."
+    return MAX_ROW * (MAX_ROW // max(1, k))
+
+
+if HAS_TRITON:
+    @triton.jit
+    def _perturbed_candidates_kernel(s_ptr, noise_ptr, seed_ptr, cval_ptr, cidx_ptr, n_rows, n, n_chunks, epsilon,
+                                     KTH: tl.constexpr, N_SAMPLES: tl.constexpr, GIVEN_NOISE: tl.constexpr,
+                                     BLOCK: tl.constexpr):
+        "Program (row, chunk): for each draw, the KTH largest entries of s + epsilon z in the chunk, largest first, and their classes."
+        row, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+        lanes = tl.arange(0, BLOCK)                                      # (BLOCK,) places in the chunk
+        offs = chunk * BLOCK + lanes                                     # (BLOCK,) classes
+        inside = offs < n
+        s = tl.load(s_ptr + row * n + offs, mask=inside, other=0.0).to(tl.float32)
+        seed = tl.load(seed_ptr)
+        for b in range(N_SAMPLES):
+            flat = (b * n_rows + row) * n + offs                         # the one-block kernel's counters: the same noise
+            if GIVEN_NOISE:
+                z = tl.load(noise_ptr + flat, mask=inside, other=0.0).to(tl.float32)
+            else:
+                z = tl.randn(seed, flat)
+            x = tl.where(inside, s + epsilon * z, -float("inf"))
+            out = ((b * n_rows + row) * n_chunks + chunk) * KTH         # (S, B, chunks, KTH) candidates
+            for t in range(KTH):
+                top = tl.argmax(x, 0)
+                tl.store(cval_ptr + out + t, tl.max(x, 0))
+                tl.store(cidx_ptr + out + t, chunk * BLOCK + top)
+                x = tl.where(lanes == top, -float("inf"), x)
+
+    @triton.jit
+    def _perturbed_merge_kernel(cval_ptr, cidx_ptr, mean_ptr, idx_ptr, n_rows, n_cand,
+                                KTH: tl.constexpr, N_SAMPLES: tl.constexpr, BLOCK: tl.constexpr):
+        "Program `row`: for each draw the KTH largest of the row's candidates and its class; the mean over draws."
+        row = tl.program_id(0).to(tl.int64)
+        lanes = tl.arange(0, BLOCK)                                      # (BLOCK,) candidates of one draw
+        total = 0.0
+        for b in range(N_SAMPLES):
+            base = (b * n_rows + row) * n_cand
+            x = tl.load(cval_ptr + base + lanes, mask=lanes < n_cand, other=-float("inf"))
+            for _ in range(KTH - 1):                                     # drop the KTH - 1 largest
+                x = tl.where(lanes == tl.argmax(x, 0), -float("inf"), x)
+            total += tl.max(x, 0)
+            tl.store(idx_ptr + b * n_rows + row, tl.load(cidx_ptr + base + tl.argmax(x, 0)))
+        tl.store(mean_ptr + row, total / N_SAMPLES)
+
 # %% ../nbs/16_kernels.ipynb #6d2caf0e
 def _device_seed(generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
     "A random int64 seed as a one-element tensor on `device`, drawn without reading anything back."
@@ -128,17 +177,30 @@ def _perturbed_kth_op(s: torch.Tensor,                # (B, n) scores, contiguou
                       seed: torch.Tensor,             # (1,) int64 on the scores' device
                       noise: Optional[torch.Tensor],  # (S, B, n) explicit noise, contiguous, or None: drawn in the kernel
                       k: int, epsilon: float, n_samples: int,
+                      block: int,                     # classes per chunk (0: one block up to MAX_ROW, chunks of MAX_ROW beyond)
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    "The selection kernel as an operator: mean_b top_K(s + eps Z_b) (B,) in float32 and each draw's index (S, B); one launch."
-    (B, n), block = s.shape, triton.next_power_of_2(s.shape[1])
-    mean, idx = _perturbed_kth_fake(s, seed, noise, k, epsilon, n_samples)
-    _launch(_perturbed_kth_kernel, (B,), s, s if noise is None else noise, seed, mean, idx, B, n, epsilon,
-            KTH=k, N_SAMPLES=n_samples, GIVEN_NOISE=noise is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)))
+    "The selection kernels as an operator: mean_b top_K(s + eps Z_b) (B,) in float32 and each draw's index (S, B); one launch, or two for a long row."
+    (B, n), z = s.shape, s if noise is None else noise
+    mean, idx = _perturbed_kth_fake(s, seed, noise, k, epsilon, n_samples, block)
+    block = block or MAX_ROW
+    if n <= block:                                                        # the whole row in one program
+        block = triton.next_power_of_2(n)
+        _launch(_perturbed_kth_kernel, (B,), s, z, seed, mean, idx, B, n, epsilon, KTH=k, N_SAMPLES=n_samples,
+                GIVEN_NOISE=noise is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)))
+        return mean, idx
+    chunks = triton.cdiv(n, block)                                        # (row, chunk) programs, then one merge per row
+    cval = torch.empty(n_samples, B, chunks, k, dtype=torch.float32, device=s.device)
+    cidx = torch.empty(n_samples, B, chunks, k, dtype=torch.int64, device=s.device)
+    _launch(_perturbed_candidates_kernel, (B, chunks), s, z, seed, cval, cidx, B, n, chunks, epsilon, KTH=k,
+            N_SAMPLES=n_samples, GIVEN_NOISE=noise is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)))
+    merge = triton.next_power_of_2(chunks * k)
+    _launch(_perturbed_merge_kernel, (B,), cval, cidx, mean, idx, B, chunks * k, KTH=k, N_SAMPLES=n_samples,
+            BLOCK=merge, num_warps=min(16, max(1, merge // 256)))
     return mean, idx
 
 
 @_perturbed_kth_op.register_fake
-def _perturbed_kth_fake(s, seed, noise, k, epsilon, n_samples):
+def _perturbed_kth_fake(s, seed, noise, k, epsilon, n_samples, block):
     return s.new_empty(s.shape[0], dtype=torch.float32), s.new_empty(n_samples, s.shape[0], dtype=torch.int64)
 
 # %% ../nbs/16_kernels.ipynb #43d9a900
@@ -148,13 +210,14 @@ def perturbed_kth_triton(scores: torch.Tensor,   # (..., n) scores
                          n_samples: int,          # draws B
                          generator: torch.Generator | None = None, # random source of the seed
                          noise: torch.Tensor | None = None,        # explicit noise (n_samples, ..., n), for tests
+                         block: int | None = None,                 # classes per chunk of a long row (tests use small chunks)
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     "mean_b top_K(s + eps Z_b) (...,) in float32 and the index of each draw's K-th value (n_samples, ...), by the fused kernel; differentiable in `scores` (eq. 12)."
     n = scores.shape[-1]
     k, S, epsilon = check_int(k, "k", 1, n), check_int(n_samples, "n_samples", 1), check_real(epsilon, "epsilon", 0.0)
     s = scores.reshape(-1, n).contiguous()                                # (B, n)
     z = None if noise is None else noise.to(s.dtype).reshape(S, s.shape[0], n).contiguous()
-    mean, idx = _perturbed_kth_op(s, _device_seed(generator, s.device), z, k, epsilon, S)   # differentiable in s
+    mean, idx = _perturbed_kth_op(s, _device_seed(generator, s.device), z, k, epsilon, S, block or 0)   # differentiable in s
     return mean.reshape(scores.shape[:-1]), idx.reshape(S, *scores.shape[:-1])
 
 # %% ../nbs/16_kernels.ipynb #103ba18c
@@ -169,12 +232,12 @@ def _kth_setup_context(ctx, inputs, output):
 def _kth_grad(ctx, grad, unused):
     "Eq. (12): the mean over draws of the one-hot vector at each draw's K-th index, by one scatter_add into zeros (B, n)."
     if grad is None:                                                              # the value took no part
-        return None, None, None, None, None, None
+        return None, None, None, None, None, None, None
     (idx,) = ctx.saved_tensors                                                    # (S, B)
     S = idx.shape[0]
     src = (grad / S).to(ctx.dtype)[None].expand(idx.shape)                        # (S, B)
     out = torch.zeros(ctx.shape, dtype=ctx.dtype, device=grad.device).scatter_add_(1, idx.T, src.T)
-    return out, None, None, None, None, None
+    return out, None, None, None, None, None, None
 
 
 _perturbed_kth_op.register_autograd(_kth_grad, setup_context=_kth_setup_context)
