@@ -199,3 +199,75 @@ def test_label_smoothing_is_the_smoothed_target(name):
         torch.testing.assert_close(out, twin(s, smooth))
     if name == "ce":
         torch.testing.assert_close(out, F.cross_entropy(s, y, label_smoothing=eps, reduction="none"))
+
+
+def built(name, **kw):
+    "The registry loss `name` with k=2 where it takes k, on 5 classes."
+    counts = {"class_counts": torch.arange(1, 6)} if LOSSES[name].needs_class_counts else {}
+    return get_loss(name, **{**extra(name), **counts, **({"k": 2} if "k" in LOSSES[name].defaults else {}), **kw})
+
+
+def same_as(ours, ref):
+    "Equal shape and dtype, NaN where the reference is NaN, equal values elsewhere."
+    assert ours.shape == ref.shape and ours.dtype == ref.dtype, (ours, ref)
+    assert torch.equal(ours.isnan(), ref.isnan()) and torch.equal(ours.nan_to_num(), ref.nan_to_num()), (ours, ref)
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_empty_batch_as_in_cross_entropy(name, reduction):
+    for s, y in [(torch.zeros(0, 5), torch.zeros(0, dtype=torch.long)),                # a rank or filter with no sample
+                 (torch.zeros(3, 5, 0), torch.zeros(3, 0, dtype=torch.long))]:       # (B, n, d) with d = 0
+        ref = nn.CrossEntropyLoss(reduction=reduction)(s, y)                         # NaN, 0, empty
+        same_as(built(name, reduction=reduction)(s, y), ref)
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_every_target_ignored_as_in_cross_entropy(name, reduction):
+    s, y = 2.5 * torch.randn(4, 5, generator=torch.Generator().manual_seed(0)), torch.full((4,), -100)
+    for kw in [{}, {"weight": torch.arange(1.0, 6.0)}, {"ignore_index": 3}]:
+        yy = torch.full((4,), kw.get("ignore_index", -100))
+        same_as(built(name, reduction=reduction, **kw)(s, yy), nn.CrossEntropyLoss(reduction=reduction, **kw)(s, yy))
+    s4, y4 = torch.randn(2, 5, 3, 2), torch.full((2, 3, 2), -100)                     # segmentation-shaped
+    same_as(built(name, reduction=reduction)(s4, y4), nn.CrossEntropyLoss(reduction=reduction)(s4, y4))
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_float16_scores_give_the_float32_value_or_a_clear_error(name):
+    g = torch.Generator().manual_seed(1)
+    cases = [torch.tensor([[6e4, -6e4, 0.0, 0.0, 0.0]]), torch.tensor([[-6e4, 6e4, 1.0, 2.0, 3.0]]),
+             torch.tensor([[3e4, -3e4, 0.0, 0.0, 0.0]]), 300 * torch.randn(4, 5, generator=g), torch.randn(4, 5, generator=g)]
+    for s in cases:
+        s16 = s.half()
+        y = torch.arange(s.shape[0]) % 5 if s.shape[0] > 1 else torch.tensor([1])
+        for reduction in ["mean", "sum", "none"]:
+            ref = built(name, reduction=reduction)(s16.float(), y)                     # the same scores, float32
+            try:
+                out = built(name, reduction=reduction)(s16.requires_grad_(), y)
+            except ValueError as error:                                               # only when float16 cannot hold it
+                assert (ref.abs() > torch.finfo(torch.float16).max).any(), (name, s, reduction, ref)
+                assert "beyond torch.float16's largest value" in str(error)
+                continue
+            assert out.dtype == torch.float16 and torch.isfinite(out).all(), (name, s, reduction, out)
+            torch.testing.assert_close(out, ref.half(), rtol=0, atol=0)                # rounded once, from the float32 value
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_integer_scores_are_refused(name):
+    y = torch.tensor([1, 2, 3, 0])
+    for s in [torch.randint(0, 5, (4, 5)), torch.randint(0, 5, (4, 5), dtype=torch.int32)]:
+        with pytest.raises(TypeError, match=r"^scores must be a floating tensor \(float16, bfloat16, float32 or float64\), got torch.int"):
+            built(name)(s, y)
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_errors_name_the_argument(name):
+    s = torch.randn(4, 5)
+    with pytest.raises(TypeError, match=r"^target must hold integer class indices \(int64\) of shape \(4,\)"):
+        built(name)(s, torch.tensor([1.0, 2.0, 3.0, 0.0]))                           # labels stored as floats
+    with pytest.raises(ValueError, match=r"^weight must have one entry per class: the scores have 5 classes, weight has 7$"):
+        built(name, weight=torch.ones(7))(s, torch.tensor([1, 2, 3, 0]))
+    if "k" in LOSSES[name].defaults:
+        with pytest.raises(ValueError, match=r"^k must be an integer in \[1, 4\] for scores with 5 classes"):
+            built(name, k=5)(s, torch.tensor([1, 2, 3, 0]))

@@ -19,10 +19,11 @@ import torch.nn as nn
 
 # %% auto #0
 __all__ = ['FLOAT_DTYPES', 'REDUCTIONS', 'sync_free', 'thread_flag', 'force_sync_free', 'check_int', 'check_real', 'check_finite',
-           'check_scores', 'check_target', 'check_loss_input', 'check_reduction', 'reduce_loss',
+           'check_scores', 'check_target', 'check_k', 'check_loss_input', 'check_reduction', 'reduce_loss',
            'scores_without_target', 'target_rank', 'topk_correct', 'topk_accuracy', 'macro_topk_accuracy', 'brute_esp',
            'brute_log_esp', 'log_binom', 'workspace', 'time_fn', 'median_time', 'fwd_bwd', 'twice_differentiable',
-           'selected_hinge', 'flatten_classes', 'LossModule', 'loss_dtype', 'check_loss_finite', 'all_kept']
+           'selected_hinge', 'flatten_classes', 'check_weight', 'LossModule', 'loss_dtype', 'check_loss_finite',
+           'all_kept']
 
 # %% ../nbs/00_core.ipynb #576df6fa
 _SYNC_FREE = threading.local()
@@ -143,13 +144,22 @@ def check_target(target, n: int, batch: int, name: str = "target") -> torch.Tens
     return target.long()
 
 
+# %% ../nbs/00_core.ipynb #52cdeeca
+def check_k(k,       # the k of a top-k loss
+            n: int,  # the number of classes (the scores' dimension 1)
+            ) -> int:
+    "Return `k` as an `int` in [1, n - 1], else raise naming k, its range and the number of classes."
+    k = check_int(k, "k")
+    if not 1 <= k <= n - 1:
+        raise ValueError(f"k must be an integer in [1, {n - 1}] for scores with {n} classes (k < the number of classes), got {k}")
+    return k
+
 # %% ../nbs/00_core.ipynb #b0c442ed
 def check_loss_input(scores, target, k, check: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
     "Validate the (scores (B, n), target (B,), k in [1, n-1]) triple that every top-k loss takes."
     scores = check_scores(scores, "scores", ndim=2, min_classes=2, check=check)
     target = check_target(target, scores.shape[1], scores.shape[0])
-    return scores, target, check_int(k, "k", 1, scores.shape[1] - 1)
-
+    return scores, target, check_k(k, scores.shape[1])
 
 # %% ../nbs/00_core.ipynb #59bb36b4
 def check_reduction(reduction: str) -> str:
@@ -348,28 +358,43 @@ def selected_hinge(scores: torch.Tensor,   # (B, n) scores; the gradient flows t
     return _SelectedHinge.apply(scores, target, index, argument.detach(), float(coef))
 
 # %% ../nbs/00_core.ipynb #627e6e0a
-def flatten_classes(scores: torch.Tensor, # (B, n, d_1, ...): the classes along dimension 1
+def flatten_classes(scores: torch.Tensor, # (B, n, d_1, ...): the classes along dimension 1, floating
                     target: torch.Tensor, # (B, d_1, ...) class indices or (B, n, d_1, ...) probabilities
                     ) -> tuple[torch.Tensor, torch.Tensor, tuple]:
     "Scores as (N, n), targets as (N,) or (N, n), N = B d_1 ...; and the per-sample shape (B, d_1, ...)."
     if not isinstance(scores, torch.Tensor) or scores.ndim < 2:
         raise ValueError(f"scores must be a tensor of shape (B, n) or (B, n, d_1, ...), "
                          f"got {tuple(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__}")
+    if scores.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"scores must be a floating tensor (float16, bfloat16, float32 or float64), got {scores.dtype}")
     if not isinstance(target, torch.Tensor):
         raise TypeError(f"target must be a torch.Tensor of class indices or probabilities, got {type(target).__name__}")
     n, sample_shape = scores.shape[1], (scores.shape[0], *scores.shape[2:])
+    if target.is_floating_point() and target.shape != scores.shape:
+        if target.shape == sample_shape:                  # class indices stored as floats
+            raise TypeError(f"target must hold integer class indices (int64) of shape {sample_shape}, or probabilities "
+                            f"of the scores' shape {tuple(scores.shape)}; got {target.dtype} of shape {tuple(target.shape)} "
+                            f"(for class indices, pass target.long())")
+        raise ValueError(f"target given as probabilities must have the scores' shape {tuple(scores.shape)}, "
+                         f"got {tuple(target.shape)}")
     if scores.ndim == 2:
         return scores, target, sample_shape
     flat = scores.movedim(1, -1).reshape(-1, n)
     if target.is_floating_point():
-        if target.shape != scores.shape:
-            raise ValueError(f"target given as probabilities must have the scores' shape {tuple(scores.shape)}, "
-                             f"got {tuple(target.shape)}")
         return flat, target.movedim(1, -1).reshape(-1, n), sample_shape
     if target.shape != sample_shape:
         raise ValueError(f"target must have shape {sample_shape} for scores of shape {tuple(scores.shape)}, "
                          f"got {tuple(target.shape)}")
     return flat, target.reshape(-1), sample_shape
+
+# %% ../nbs/00_core.ipynb #04a9380f
+def check_weight(weight: torch.Tensor | None, # the class weights, or None
+                 n: int,                      # the number of classes (the scores' dimension 1)
+                 ) -> torch.Tensor | None:
+    "Raise unless `weight` is None or has one entry per class."
+    if weight is not None and weight.numel() != n:
+        raise ValueError(f"weight must have one entry per class: the scores have {n} classes, weight has {weight.numel()}")
+    return weight
 
 # %% ../nbs/00_core.ipynb #6e7eee35
 class LossModule(nn.Module):
@@ -450,19 +475,30 @@ def loss_dtype(scores: torch.Tensor) -> torch.dtype:
 
 
 # %% ../nbs/00_core.ipynb #ec60b981
-def check_loss_finite(loss: torch.Tensor,   # per-sample losses
-                      scores: torch.Tensor, # the scores they came from, already checked finite
-                      name: str,            # the loss, for the message
-                      check: bool | None = None) -> torch.Tensor:
-    "Raise if finite scores gave a non-finite loss (an overflow of the scores' dtype); on the host path, or when `check`."
+def check_loss_finite(loss: torch.Tensor,              # the loss: reduced, or per sample
+                      scores: torch.Tensor,            # the scores it came from, already checked finite
+                      name: str,                       # the loss, for the message
+                      check: bool | None = None,       # check (None: on the host path only)
+                      out_dtype: torch.dtype | None = None,   # the dtype to return (None: the loss's own)
+                      count=None,                      # the mean's denominator (a number, tensor, or a function giving one), read only if the loss is not finite
+                      ) -> torch.Tensor:
+    "`loss` in `out_dtype`, raising if finite scores gave a non-finite loss (an overflow of the working dtype or of `out_dtype`); a mean over nothing is NaN, as in nn.CrossEntropyLoss."
+    out = loss if out_dtype is None else loss.to(out_dtype)
     if check is None: check = not sync_free(loss)
-    if not check or not loss.numel(): return loss
-    total = loss.item() if loss.ndim == 0 else loss.sum(dtype=_sum_dtype(loss)).item()   # one pass, one number back
-    if not math.isfinite(total) and not bool(torch.isfinite(loss).all()):
-        big = scores.detach().abs().max().item()
-        raise ValueError(f"{name} overflows {scores.dtype} for these scores (largest |score| {big:.3g}): the scores are "
-                         f"too large for the dtype; rescale them or pass float64 scores")
-    return loss
+    if not check or not out.numel(): return out
+    total = out.item() if out.ndim == 0 else out.sum(dtype=_sum_dtype(out)).item()   # one pass, one number back
+    if math.isfinite(total) or bool(torch.isfinite(out).all()):
+        return out
+    count = count() if callable(count) else count
+    if count is not None and float(count) == 0:
+        return out                                     # 0 / 0: no sample counted (empty batch, every target ignored)
+    if out.dtype != loss.dtype and bool(torch.isfinite(loss).all()):   # computed finite, too large for the dtype returned
+        big = loss.detach().abs().max().item()
+        raise ValueError(f"{name} is {big:.4g} here, beyond {out.dtype}'s largest value {torch.finfo(out.dtype).max:.4g}: "
+                         f"pass float32 scores, or compute under torch.autocast, which returns float32")
+    big = scores.detach().abs().max().item() if scores.numel() else 0.0
+    raise ValueError(f"{name} overflows {loss.dtype} for these scores (largest |score| {big:.3g}): the scores are "
+                     f"too large for the dtype; rescale them or pass float64 scores")
 
 # %% ../nbs/00_core.ipynb #8e2dcaaa
 def all_kept(t: torch.Tensor,   # (N,) class indices
@@ -477,9 +513,9 @@ def all_kept(t: torch.Tensor,   # (N,) class indices
 
 
 def _forward(self, scores: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    "The loss with nn.CrossEntropyLoss's conventions (see the section above)."
-    s, t, shape = flatten_classes(scores, target)
-    out_dtype = loss_dtype(scores)
+    "The loss of `scores` (B, n) or (B, n, d_1, ...) for `target` class indices (B, d_1, ...) or probabilities (the scores' shape), with nn.CrossEntropyLoss's conventions."
+    s, t, shape = flatten_classes(scores, target)                     # floating scores, matching target shapes
+    weight, out_dtype = check_weight(self.weight, s.shape[1]), loss_dtype(scores)
     with torch.autocast(s.device.type, enabled=False):
         s = s if s.dtype in (torch.float32, torch.float64) else s.float()   # (N, n), half computed in float32
         if t.is_floating_point():
@@ -491,7 +527,7 @@ def _forward(self, scores: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         else:
             keep = t != self.ignore_index                                  # (N,)
             labels = torch.where(keep, t, 0)
-            w = keep if self.weight is None else keep * self.weight.to(s)[labels]   # (N,) bool, or weights
+            w = keep if self.weight is None else keep * weight.to(s)[labels]   # (N,) bool, or weights
             if self.label_smoothing > 0:                                   # the smoothed target's expectation, weighted inside
                 eps, n = self.label_smoothing, s.shape[1]
                 smooth = torch.full_like(s, eps / n).scatter_add_(1, labels[:, None], torch.full_like(s[:, :1], 1 - eps))
@@ -503,7 +539,8 @@ def _forward(self, scores: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     if self.reduction == "mean": loss = loss.sum() / total
     elif self.reduction == "sum": loss = loss.sum()
     else: loss = loss.reshape(shape)
-    return check_loss_finite(loss, scores, type(self).__name__, self.check_finite).to(out_dtype)
+    count = total if self.reduction == "mean" else None                  # a mean over no sample is NaN, as in nn.CrossEntropyLoss
+    return check_loss_finite(loss, scores, type(self).__name__, self.check_finite, out_dtype, count)
 
 
 LossModule.forward = _forward
