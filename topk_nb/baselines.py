@@ -364,6 +364,7 @@ class CE(LossModule):
         return ce(scores, target, self.label_smoothing, "none", self.check_finite)
 
     def forward(self, scores, target):
+        "The loss of `scores` (B, n) or (B, n, d_1, ...) for `target` class indices or probabilities: F.cross_entropy with this module's settings."
         out_dtype = loss_dtype(scores)
         s, t, _ = flatten_classes(scores, target)                         # validates the shapes
         check_scores(s, "scores", ndim=2, min_classes=2, check=self.check_finite)   # (N, n): the classes along dim 1

@@ -6,10 +6,13 @@
 from __future__ import annotations
 
 import contextlib
+import difflib
+import inspect
 import itertools
 import math
 import threading
 import time
+import warnings
 from fractions import Fraction
 from numbers import Integral, Real
 from typing import Callable, Iterable, Sequence
@@ -18,12 +21,12 @@ import torch
 import torch.nn as nn
 
 # %% auto #0
-__all__ = ['FLOAT_DTYPES', 'REDUCTIONS', 'sync_free', 'thread_flag', 'force_sync_free', 'check_int', 'check_real', 'check_finite',
-           'check_scores', 'check_target', 'check_k', 'check_loss_input', 'check_reduction', 'reduce_loss',
-           'scores_without_target', 'target_rank', 'topk_correct', 'topk_accuracy', 'macro_topk_accuracy', 'brute_esp',
-           'brute_log_esp', 'log_binom', 'workspace', 'time_fn', 'median_time', 'fwd_bwd', 'twice_differentiable',
-           'selected_hinge', 'flatten_classes', 'check_weight', 'LossModule', 'loss_dtype', 'check_loss_finite',
-           'all_kept']
+__all__ = ['FLOAT_DTYPES', 'REDUCTIONS', 'CONVENTIONS', 'PEER_SPELLINGS', 'sync_free', 'thread_flag', 'force_sync_free',
+           'check_int', 'check_real', 'check_finite', 'check_scores', 'check_target', 'check_k', 'check_loss_input',
+           'check_reduction', 'reduce_loss', 'scores_without_target', 'target_rank', 'topk_correct', 'topk_accuracy',
+           'macro_topk_accuracy', 'brute_esp', 'brute_log_esp', 'log_binom', 'workspace', 'time_fn', 'median_time',
+           'fwd_bwd', 'twice_differentiable', 'selected_hinge', 'flatten_classes', 'check_weight', 'LossModule',
+           'loss_dtype', 'check_loss_finite', 'all_kept']
 
 # %% ../nbs/00_core.ipynb #576df6fa
 _SYNC_FREE = threading.local()
@@ -198,43 +201,56 @@ def target_rank(scores: torch.Tensor, target: torch.Tensor, ties: str = "pessimi
 
 
 # %% ../nbs/00_core.ipynb #29ec5fec
-def _check_ks(ks, n: int) -> tuple[int, ...]:
-    ks = (ks,) if isinstance(ks, Integral) else tuple(ks)
-    if not ks: raise ValueError("ks must name at least one k")
-    return tuple(check_int(k, "each k in ks", 1, n) for k in ks)
-
+def _check_ks(k, n: int, ks=None, caller: str = "topk_accuracy") -> tuple[int, ...]:
+    "The k (one or several) as a tuple of ints in [1, n]; `ks=`, the earlier keyword, still works with a FutureWarning."
+    if ks is not None:
+        warnings.warn(f"{caller}(ks=...) is deprecated: pass k=... (one k or several), as the losses take k",
+                      FutureWarning, stacklevel=3)
+        k = ks
+    k = (k,) if isinstance(k, Integral) else tuple(k)
+    if not k: raise ValueError("k must name at least one k, got an empty sequence")
+    return tuple(check_int(one, "each k", 1, n) for one in k)
 
 # %% ../nbs/00_core.ipynb #2483fa97
-def topk_correct(scores: torch.Tensor, target: torch.Tensor, ks: int | Sequence[int] = (1, 5),
-                 ties: str = "pessimistic") -> torch.Tensor:
-    "Boolean tensor `(len(ks), B)`: is the target among the top-k classes, for each k (Berrada 2018, eq. 5)."
+def topk_correct(scores: torch.Tensor,                   # (B, n) scores
+                 target: torch.Tensor,                   # (B,) class indices
+                 k: int | Sequence[int] = (1, 5),        # one k, or several
+                 ties: str = "pessimistic",              # ties with the target count against it, or for it ("optimistic")
+                 *, ks: int | Sequence[int] | None = None,   # the earlier name of k (deprecated)
+                 ) -> torch.Tensor:
+    "Boolean tensor `(len(k), B)`: is the target among the top-k classes, for each k (Berrada 2018, eq. 5)."
     rank = target_rank(scores, target, ties)
-    ks = _check_ks(ks, scores.shape[1])
-    return rank[None, :] < torch.tensor(ks, device=rank.device)[:, None]
-
+    k = _check_ks(k, scores.shape[1], ks, "topk_correct")
+    return rank[None, :] < torch.tensor(k, device=rank.device)[:, None]
 
 # %% ../nbs/00_core.ipynb #fe534744
-def topk_accuracy(scores: torch.Tensor, target: torch.Tensor, ks: int | Sequence[int] = (1, 5),
-                  ties: str = "pessimistic") -> dict[int, float]:
-    "Top-k accuracy (fraction in [0, 1]) for each k in `ks`."
-    correct = topk_correct(scores, target, ks, ties)
-    ks = _check_ks(ks, scores.shape[1])
-    return {k: c.float().mean().item() for k, c in zip(ks, correct)}
-
+def topk_accuracy(scores: torch.Tensor,                  # (B, n) scores
+                  target: torch.Tensor,                  # (B,) class indices
+                  k: int | Sequence[int] = (1, 5),       # one k, or several
+                  ties: str = "pessimistic",             # ties with the target count against it, or for it ("optimistic")
+                  *, ks: int | Sequence[int] | None = None,   # the earlier name of k (deprecated)
+                  ) -> dict[int, float]:
+    "Top-k accuracy (fraction in [0, 1]) for each k in `k`: {k: accuracy}."
+    k = _check_ks(k, scores.shape[1], ks, "topk_accuracy")
+    correct = topk_correct(scores, target, k, ties)
+    return {one: c.float().mean().item() for one, c in zip(k, correct)}
 
 # %% ../nbs/00_core.ipynb #7bdc71ea
-def macro_topk_accuracy(scores: torch.Tensor, target: torch.Tensor, ks: int | Sequence[int] = (1, 5),
-                        ties: str = "pessimistic") -> dict[int, float]:
+def macro_topk_accuracy(scores: torch.Tensor,            # (B, n) scores
+                        target: torch.Tensor,            # (B,) class indices
+                        k: int | Sequence[int] = (1, 5), # one k, or several
+                        ties: str = "pessimistic",       # ties with the target count against it, or for it ("optimistic")
+                        *, ks: int | Sequence[int] | None = None,   # the earlier name of k (deprecated)
+                        ) -> dict[int, float]:
     "Macro-average top-k accuracy: top-k accuracy of each class present in `target`, averaged over those classes (Garcin 2022, section 4.5)."
-    correct = topk_correct(scores, target, ks, ties).float()
-    ks = _check_ks(ks, scores.shape[1])
+    k = _check_ks(k, scores.shape[1], ks, "macro_topk_accuracy")
+    correct = topk_correct(scores, target, k, ties).float()
     n = scores.shape[1]
-    per_class_hits = torch.zeros(len(ks), n, device=correct.device).index_add_(1, target.long(), correct)
+    per_class_hits = torch.zeros(len(k), n, device=correct.device).index_add_(1, target.long(), correct)
     per_class_count = torch.bincount(target.long(), minlength=n).to(correct)
     present = per_class_count > 0
     per_class_acc = per_class_hits[:, present] / per_class_count[present]
-    return {k: acc.mean().item() for k, acc in zip(ks, per_class_acc)}
-
+    return {one: acc.mean().item() for one, acc in zip(k, per_class_acc)}
 
 # %% ../nbs/00_core.ipynb #f3947662
 def brute_esp(e: Iterable, j: int) -> Fraction:
@@ -397,6 +413,17 @@ def check_weight(weight: torch.Tensor | None, # the class weights, or None
     return weight
 
 # %% ../nbs/00_core.ipynb #6e7eee35
+CONVENTIONS = {      # the keywords every loss module takes, as nn.CrossEntropyLoss takes them, and what they mean
+    "weight": "a weight per class, a 1-D tensor (n,), as in nn.CrossEntropyLoss (None: every class weighs 1)",
+    "ignore_index": "samples whose target is this index count for nothing",
+    "reduction": "'mean' (weighted by the targets' class weights), 'sum' or 'none' (the per-sample losses)",
+    "label_smoothing": "in [0, 1]: a class index y stands for (1 - eps) e_y + eps / n, as in F.cross_entropy",
+    "max_support": "bound on the classes a probability target puts mass on (sync-free path; None: every class)",
+    "check_finite": "check the scores and the loss for NaN and overflow (None: on the host path only)",
+}
+PEER_SPELLINGS = {"n_sample": "n_samples", "cls_num_list": "class_counts", "num_classes": None, "n_classes": None}
+
+
 class LossModule(nn.Module):
     "Base of the loss modules: keyword-only hyper-parameters read at each call, and nn.CrossEntropyLoss's conventions."
     example = "k=5"                                       # shown in the message for positional arguments
@@ -405,16 +432,43 @@ class LossModule(nn.Module):
         if args:
             raise TypeError(f"{cls.__name__} takes keyword arguments only, e.g. {cls.__name__}({cls.example}); "
                             f"the number of classes is read from the scores, so it is not an argument")
-        if "n_classes" in kwargs:
+        if "n_classes" in kwargs or "num_classes" in kwargs:
             raise TypeError(f"{cls.__name__} takes no n_classes: the number of classes is read from the scores")
+        accepted = [p.name for p in inspect.signature(cls.__init__).parameters.values() if p.kind is p.KEYWORD_ONLY]
+        for name in kwargs:
+            if name not in accepted:
+                hint = PEER_SPELLINGS.get(name) or next(iter(difflib.get_close_matches(name, accepted, 1)), None)
+                raise TypeError(f"{cls.__name__} takes no argument {name!r}{f' (did you mean {hint}=?)' if hint else ''}; "
+                                f"it accepts: {', '.join(accepted)}")
         return super().__new__(cls)
+
+    def __init_subclass__(cls, **kwargs):
+        "Give a subclass's `__init__(*, own, **conventions)` the explicit signature and docstring of every keyword it takes."
+        super().__init_subclass__(**kwargs)
+        init = cls.__dict__.get("__init__")
+        if init is None: return
+        sig = inspect.signature(init)
+        params = list(sig.parameters.values())
+        if not params or params[-1].kind is not params[-1].VAR_KEYWORD: return
+        own = params[:-1]
+        names = {p.name for p in own}
+        base = [p for p in inspect.signature(LossModule.__init__).parameters.values()
+                if p.kind is p.KEYWORD_ONLY and p.name not in names]
+        init.__signature__ = sig.replace(parameters=own + base)
+        shown = ", ".join(f"{p.name}={p.default!r}" if p.default is not p.empty else p.name
+                          for p in own if p.name != "self")
+        conventions = "\n".join(f"    {p.name}={p.default!r}: {CONVENTIONS[p.name]}" for p in base)
+        init.__doc__ = (f"{cls.__doc__}\n\nIts own arguments: {shown or 'none'}.\n"
+                        f"nn.CrossEntropyLoss's conventions:\n{conventions}\n\n"
+                        f"Call it as nn.CrossEntropyLoss: criterion(scores, target), scores (B, n) or (B, n, d_1, ...), target "
+                        f"class indices (B, d_1, ...) or probabilities of the scores' shape.")
 
     def __init__(self, *,
                  weight: torch.Tensor | None = None, # a weight per class, as in nn.CrossEntropyLoss
                  ignore_index: int = -100,           # samples with this target count for nothing
                  reduction: str = "mean",            # 'mean', 'sum' or 'none'
-                 max_support: int | None = None,     # bound on the classes a probability target puts mass on
                  label_smoothing: float = 0.0,       # class indices become (1 - eps) e_y + eps / n, as in F.cross_entropy
+                 max_support: int | None = None,     # bound on the classes a probability target puts mass on
                  check_finite: bool | None = None):  # check the scores (None: on the host path only)
         super().__init__()
         if weight is not None:
