@@ -51,7 +51,9 @@ setuptools.setup(
     packages=setuptools.find_packages(include=[cfg["lib_path"], cfg["lib_path"] + ".*"]),
     include_package_data=True,
     install_requires=cfg["requirements"].split(),
-    extras_require={"dev": cfg["dev_requirements"].split() + cfg["docs_requirements"].split(),
+    extras_require={"dev": cfg["dev_requirements"].split() + cfg["experiments_requirements"].split()
+                           + cfg["docs_requirements"].split(),
+                    "experiments": cfg["experiments_requirements"].split(),
                     "docs": cfg["docs_requirements"].split()},
     entry_points={
         "console_scripts": cfg.get("console_scripts", "").split(),

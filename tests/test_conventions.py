@@ -199,3 +199,138 @@ def test_label_smoothing_is_the_smoothed_target(name):
         torch.testing.assert_close(out, twin(s, smooth))
     if name == "ce":
         torch.testing.assert_close(out, F.cross_entropy(s, y, label_smoothing=eps, reduction="none"))
+
+
+def built(name, **kw):
+    "The registry loss `name` with k=2 where it takes k, on 5 classes."
+    counts = {"class_counts": torch.arange(1, 6)} if LOSSES[name].needs_class_counts else {}
+    return get_loss(name, **{**extra(name), **counts, **({"k": 2} if "k" in LOSSES[name].defaults else {}), **kw})
+
+
+def same_as(ours, ref):
+    "Equal shape and dtype, NaN where the reference is NaN, equal values elsewhere."
+    assert ours.shape == ref.shape and ours.dtype == ref.dtype, (ours, ref)
+    assert torch.equal(ours.isnan(), ref.isnan()) and torch.equal(ours.nan_to_num(), ref.nan_to_num()), (ours, ref)
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_empty_batch_as_in_cross_entropy(name, reduction):
+    for s, y in [(torch.zeros(0, 5), torch.zeros(0, dtype=torch.long)),                # a rank or filter with no sample
+                 (torch.zeros(3, 5, 0), torch.zeros(3, 0, dtype=torch.long))]:       # (B, n, d) with d = 0
+        ref = nn.CrossEntropyLoss(reduction=reduction)(s, y)                         # NaN, 0, empty
+        same_as(built(name, reduction=reduction)(s, y), ref)
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_every_target_ignored_as_in_cross_entropy(name, reduction):
+    s, y = 2.5 * torch.randn(4, 5, generator=torch.Generator().manual_seed(0)), torch.full((4,), -100)
+    for kw in [{}, {"weight": torch.arange(1.0, 6.0)}, {"ignore_index": 3}]:
+        yy = torch.full((4,), kw.get("ignore_index", -100))
+        same_as(built(name, reduction=reduction, **kw)(s, yy), nn.CrossEntropyLoss(reduction=reduction, **kw)(s, yy))
+    s4, y4 = torch.randn(2, 5, 3, 2), torch.full((2, 3, 2), -100)                     # segmentation-shaped
+    same_as(built(name, reduction=reduction)(s4, y4), nn.CrossEntropyLoss(reduction=reduction)(s4, y4))
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_float16_scores_give_the_float32_value_or_a_clear_error(name):
+    g = torch.Generator().manual_seed(1)
+    cases = [torch.tensor([[6e4, -6e4, 0.0, 0.0, 0.0]]), torch.tensor([[-6e4, 6e4, 1.0, 2.0, 3.0]]),
+             torch.tensor([[3e4, -3e4, 0.0, 0.0, 0.0]]), 300 * torch.randn(4, 5, generator=g), torch.randn(4, 5, generator=g)]
+    for s in cases:
+        s16 = s.half()
+        y = torch.arange(s.shape[0]) % 5 if s.shape[0] > 1 else torch.tensor([1])
+        for reduction in ["mean", "sum", "none"]:
+            ref = built(name, reduction=reduction)(s16.float(), y)                     # the same scores, float32
+            try:
+                out = built(name, reduction=reduction)(s16.requires_grad_(), y)
+            except ValueError as error:                                               # only when float16 cannot hold it
+                assert (ref.abs() > torch.finfo(torch.float16).max).any(), (name, s, reduction, ref)
+                assert "beyond torch.float16's largest value" in str(error)
+                continue
+            assert out.dtype == torch.float16 and torch.isfinite(out).all(), (name, s, reduction, out)
+            torch.testing.assert_close(out, ref.half(), rtol=0, atol=0)                # rounded once, from the float32 value
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_integer_scores_are_refused(name):
+    y = torch.tensor([1, 2, 3, 0])
+    for s in [torch.randint(0, 5, (4, 5)), torch.randint(0, 5, (4, 5), dtype=torch.int32)]:
+        with pytest.raises(TypeError, match=r"^scores must be a floating tensor \(float16, bfloat16, float32 or float64\), got torch.int"):
+            built(name)(s, y)
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_errors_name_the_argument(name):
+    s = torch.randn(4, 5)
+    with pytest.raises(TypeError, match=r"^target must hold integer class indices \(int64\) of shape \(4,\)"):
+        built(name)(s, torch.tensor([1.0, 2.0, 3.0, 0.0]))                           # labels stored as floats
+    with pytest.raises(ValueError, match=r"^weight must have one entry per class: the scores have 5 classes, weight has 7$"):
+        built(name, weight=torch.ones(7))(s, torch.tensor([1, 2, 3, 0]))
+    if "k" in LOSSES[name].defaults:
+        with pytest.raises(ValueError, match=r"^k must be an integer in \[1, 4\] for scores with 5 classes"):
+            built(name, k=5)(s, torch.tensor([1, 2, 3, 0]))
+
+
+@pytest.mark.parametrize("make", [
+    lambda m, c: m.BalNoisedTopK(2, 0.5),
+    lambda m, c: m.BalNoisedTopK(k=4, epsilon=1.0, n_sample=8),
+    lambda m, c: m.ImbalNoisedTopK(3, 0.2, 0.3, c.tolist()),
+    lambda m, c: m.ImbalNoisedTopK(k=1, epsilon=0.05, max_m=0.2, cls_num_list=c.numpy(), scale=2, n_sample=3)])
+def test_pytopk_spellings_give_pytopk_numbers_with_the_same_seed(make):
+    g = torch.Generator().manual_seed(4)
+    s, y, counts = 2 * torch.randn(32, 12, generator=g), torch.randint(0, 12, (32,), generator=g), torch.randint(1, 400, (12,), generator=g)
+    results = []
+    for package in (pytopk, topk_nb):                          # one import line changed, nothing else
+        x = s.clone().requires_grad_()
+        torch.manual_seed(11)
+        loss = make(package, counts)(x, y)
+        loss.backward()
+        results.append((loss.detach(), x.grad))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kw", [dict(k=1), dict(k=3, epsilon=0.2, n_sample=6), dict(k=2, dim=0), dict(k=2, epsilon=0.0, dim=1)])
+def test_noised_topk_value_as_pytopk(kw):
+    x = torch.randn(5, 7, 4, generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(3); ref = pytopk.NoisedTopK(**kw)(x)
+    torch.manual_seed(3); ours = topk_nb.NoisedTopK(**kw)(x)
+    torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-6)
+
+
+def test_peer_keywords_get_a_hint_and_smooth_topk_alpha_none_is_one():
+    with pytest.raises(TypeError, match=r"NoisedBal takes no argument 'n_sample' \(did you mean n_samples=\?\)"):
+        topk_nb.NoisedBal(k=2, n_sample=5)
+    with pytest.raises(TypeError, match=r"did you mean class_counts=\?"):
+        topk_nb.NoisedImbal(cls_num_list=COUNTS)
+    s, y = problem(3)
+    ref = topk_nb.smooth_svm(s, y, k=3, tau=0.5, alpha=1.0)             # smooth-topk documents alpha=None as 1
+    torch.testing.assert_close(topk_nb.SmoothTopkSVM(k=3, tau=0.5, alpha=None)(s, y), ref)
+    torch.testing.assert_close(topk_nb.SmoothSVM(k=3, tau=0.5, alpha=None)(s, y), ref)
+
+
+def test_import_star_docstring_and_help_text():
+    namespace = {}
+    exec("from topk_nb import *", namespace)
+    for name in ["SmoothSVM", "get_loss", "LOSSES", "topk_accuracy", "BalNoisedTopK", "ImbalNoisedTopK", "NoisedTopK", "CE"]:
+        assert namespace[name] is getattr(topk_nb, name), name
+    assert all(hasattr(topk_nb, name) for name in topk_nb.__all__)
+    assert topk_nb.__doc__ and "nn.CrossEntropyLoss" in topk_nb.__doc__
+    import inspect
+    for name, entry in LOSSES.items():
+        params = inspect.signature(entry.module.__init__).parameters
+        assert {"weight", "ignore_index", "label_smoothing", "reduction"} <= set(params), name
+        assert "conventions" not in params, name
+        doc = entry.module.__init__.__doc__
+        assert "ignore_index=-100" in doc and "Initialize internal Module state" not in doc, name
+        assert "scores" in entry.module.forward.__doc__ and "see the section above" not in entry.module.forward.__doc__, name
+
+
+def test_topk_accuracy_takes_k_and_still_ks_with_a_warning():
+    s, y = problem(5)
+    ref = {k: (s.topk(k, dim=1).indices == y[:, None]).any(1).double().mean().item() for k in (1, 3)}
+    assert topk_nb.topk_accuracy(s, y, k=(1, 3)) == pytest.approx(ref)
+    with pytest.warns(FutureWarning, match="pass k="):
+        assert topk_nb.topk_accuracy(s, y, ks=(1, 3)) == pytest.approx(ref)

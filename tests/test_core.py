@@ -75,7 +75,7 @@ def test_macro_accuracy_weighs_classes_equally():
     (lambda: check_target(torch.tensor([0, 4]), 4, 2), "target must hold class indices in [0, 3]"),
     (lambda: check_target(torch.tensor([[0, 1]]), 4, 2), "target must have shape (2,)"),
     (lambda: check_target(torch.tensor([0.0, 1.0]), 4, 2), "target must hold integer class indices"),
-    (lambda: topk_accuracy(torch.zeros(2, 3), torch.tensor([0, 1]), 4), "each k in ks must be an integer in [1, 3]"),
+    (lambda: topk_accuracy(torch.zeros(2, 3), torch.tensor([0, 1]), 4), "each k must be an integer in [1, 3]"),
 ])
 def test_bad_input_messages(call, message):
     with pytest.raises((ValueError, TypeError)) as info:

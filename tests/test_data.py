@@ -74,7 +74,7 @@ def test_superclass_noise_properties(p, seed):
     assert abs(changed - 0.8 * p) <= 5 * math.sqrt(0.8 * p * (1 - 0.8 * p) / n) + 1e-12
     assert torch.equal(f2c[noisy], f2c[y]) and torch.equal(noisy[~res], y[~res])
     perfect = (f2c[None, :] == f2c[y][:, None]).float()      # predicts the 5 fine labels of the clean coarse class
-    assert topk_accuracy(perfect, noisy, ks=5)[5] == 1.0
+    assert topk_accuracy(perfect, noisy, k=5)[5] == 1.0
     again = superclass_noise(y, f2c, p, torch.Generator().manual_seed(seed))
     assert torch.equal(again[0], noisy) and torch.equal(again[1], res)
 
@@ -441,7 +441,7 @@ def test_synthetic_images_are_learnable():
     xs = torch.stack([b.train[i][0] for i in range(len(b.train))]).flatten(1)
     means = torch.stack([xs[b.train.targets == c].mean(0) for c in range(5)])
     xt = torch.stack([b.test[i][0] for i in range(len(b.test))]).flatten(1)
-    assert topk_accuracy(-torch.cdist(xt, means), b.test.targets, ks=1)[1] > 0.9
+    assert topk_accuracy(-torch.cdist(xt, means), b.test.targets, k=1)[1] > 0.9
 
 
 def test_synthetic_images_long_tail():

@@ -16,6 +16,19 @@ ROOT = Path(__file__).resolve().parent.parent
 DIRECTIVE = re.compile(r"^\s*#\s*\|.*$\n?", re.MULTILINE)
 
 
+def merge_streams(outputs: list) -> list:
+    "Join consecutive stream outputs of the same stream: how the kernel splits printed text into chunks depends on timing (load)."
+    merged = []
+    for out in outputs:
+        last = merged[-1] if merged else None
+        if (out.get("output_type") == "stream" and last is not None and last.get("output_type") == "stream"
+                and last.get("name") == out.get("name")):
+            last["text"] = last["text"] + out["text"]
+        else:
+            merged.append(out)
+    return merged
+
+
 def render() -> str:
     nb = nbformat.read(ROOT / "nbs" / "index.ipynb", as_version=4)
     NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(ROOT / "nbs")}}).execute()
@@ -25,7 +38,8 @@ def render() -> str:
             if re.search(r"^\s*#\s*\|\s*(hide|default_exp)", cell.source, re.MULTILINE):
                 continue
             cell.source = DIRECTIVE.sub("", cell.source)
-            for out in cell.get("outputs", []):
+            cell.outputs = merge_streams(cell.get("outputs", []))
+            for out in cell.outputs:
                 out.pop("execution_count", None)
             cell.execution_count = None
         cells.append(cell)

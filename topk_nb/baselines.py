@@ -12,8 +12,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .core import (LossModule, all_kept, check_finite, check_int, check_real, check_reduction, check_scores, check_target,
-                          check_loss_finite, flatten_classes, loss_dtype, reduce_loss, selected_hinge, sync_free,
+from .core import (LossModule, all_kept, check_finite, check_int, check_k, check_real, check_reduction, check_scores, check_target,
+                          check_loss_finite, check_weight, flatten_classes, loss_dtype, reduce_loss, selected_hinge, sync_free,
                           twice_differentiable)
 from .noised import margins_from_counts
 
@@ -214,7 +214,7 @@ def cvx_hinge(scores: torch.Tensor, target: torch.Tensor, k: int = 5, alpha: flo
     "Lapin's convexified top-k hinge (mean of the k largest of s + alpha (1 - delta_y), minus s_y)_+ (Garcin 2022, Table 1)."
     scores = check_scores(scores, "scores", ndim=2, min_classes=2, check=check_finite)
     labels, probs = split_target(target, scores)
-    k = check_int(k, "k", 1, scores.shape[1] - 1)
+    k = check_k(k, scores.shape[1])
     alpha = check_real(alpha, "alpha", 0.0)
     reduction = check_reduction(reduction)
 
@@ -231,7 +231,6 @@ def cvx_hinge(scores: torch.Tensor, target: torch.Tensor, k: int = 5, alpha: flo
 
 
 cvx_topk_hinge = cvx_hinge    # the earlier name, kept
-
 
 # %% ../nbs/06_baselines.ipynb #88683470
 def topk_group_mask(scores: torch.Tensor, probs: torch.Tensor, k: int) -> torch.Tensor:
@@ -308,8 +307,7 @@ class _SawadaLabels(torch.autograd.Function):
 def _check_grouping_input(scores, target, k, reduction, check_finite):
     scores = check_scores(scores, "scores", ndim=2, min_classes=2, check=check_finite)
     labels, probs = split_target(target, scores)
-    return scores, labels, probs, check_int(k, "k", 1, scores.shape[1] - 1), check_reduction(reduction)
-
+    return scores, labels, probs, check_k(k, scores.shape[1]), check_reduction(reduction)
 
 # %% ../nbs/06_baselines.ipynb #f9deb5c5
 def topk_grouping(scores: torch.Tensor, target: torch.Tensor, k: int = 5, reduction: str = "mean",
@@ -366,9 +364,11 @@ class CE(LossModule):
         return ce(scores, target, self.label_smoothing, "none", self.check_finite)
 
     def forward(self, scores, target):
-        check_scores(scores, "scores", ndim=None, min_classes=2, check=self.check_finite)
+        "The loss of `scores` (B, n) or (B, n, d_1, ...) for `target` class indices or probabilities: F.cross_entropy with this module's settings."
         out_dtype = loss_dtype(scores)
         s, t, _ = flatten_classes(scores, target)                         # validates the shapes
+        check_scores(s, "scores", ndim=2, min_classes=2, check=self.check_finite)   # (N, n): the classes along dim 1
+        check_weight(self.weight, s.shape[1])
         if not t.is_floating_point() and not all_kept(t, s.shape, self.ignore_index):   # that read the range
             check_target(torch.where(t == self.ignore_index, 0, t), s.shape[1], s.shape[0])
         with torch.autocast(scores.device.type, enabled=False):
@@ -377,12 +377,16 @@ class CE(LossModule):
             w = None if self.weight is None else self.weight.to(s)
             loss = F.cross_entropy(s, t, weight=w, ignore_index=self.ignore_index, reduction=self.reduction,
                                    label_smoothing=self.label_smoothing)
-        check_loss_finite(loss, scores, type(self).__name__, self.check_finite)
-        return loss.to(out_dtype)
+        def count():                                                      # the mean's denominator, read only if the loss is NaN
+            if target.is_floating_point(): return target.numel() // scores.shape[1]   # probabilities: every sample
+            labels = target.reshape(-1)
+            keep = labels != self.ignore_index
+            return keep.sum() if w is None else (w[torch.where(keep, labels, 0)] * keep).sum()
+        return check_loss_finite(loss, scores, type(self).__name__, self.check_finite, out_dtype,
+                                 count if self.reduction == "mean" else None)
 
     def extra_repr(self):
         return f"label_smoothing={self.label_smoothing}, reduction={self.reduction!r}"
-
 
 # %% ../nbs/06_baselines.ipynb #a38bfecb
 class Focal(_NativeSoft):

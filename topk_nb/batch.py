@@ -36,11 +36,12 @@ from .records import (EXECUTED, RECORD, RecordError, atomic_write_json, inspect_
                              load_records, read_record, training_metrics, write_record)
 
 # %% auto #0
-__all__ = ['EXPERIMENTS', 'LOCK', 'KERNEL_START_TRIES', 'KERNEL_START_TIMEOUT', 'JOB_BUSY', 'discover_experiments',
-           'get_experiment', 'parse_value', 'parse_grid', 'expand_grid', 'cell_id', 'cell_slug', 'cell_dir',
-           'with_parameters_tag', 'CellBusy', 'claim_cell', 'record_stamp', 'notebook_final', 'cell_done', 'run_cell',
-           'die_with_parent', 'short_error', 'pending_cells', 'grid_summary', 'notebook_parameters', 'value_mismatch',
-           'check_parameters', 'plan_grid', 'check_out_dir', 'run_grid', 'describe_experiment', 'main']
+__all__ = ['EXPERIMENTS', 'LOCK', 'KERNEL_START_TRIES', 'KERNEL_START_TIMEOUT', 'JOB_BUSY', 'EXPERIMENT_MODULES',
+           'discover_experiments', 'get_experiment', 'parse_value', 'parse_grid', 'expand_grid', 'cell_id', 'cell_slug',
+           'cell_dir', 'with_parameters_tag', 'CellBusy', 'claim_cell', 'record_stamp', 'notebook_final', 'cell_done',
+           'run_cell', 'die_with_parent', 'short_error', 'pending_cells', 'grid_summary', 'notebook_parameters',
+           'value_mismatch', 'check_parameters', 'plan_grid', 'check_out_dir', 'run_grid', 'describe_experiment',
+           'experiment_runtime', 'main']
 
 # %% ../nbs/13_batch.ipynb #3744057c
 def discover_experiments(package: str = "topk_nb.experiments",  # the package whose modules declare the entries
@@ -683,6 +684,29 @@ def _list(name: str | None,  # an experiment, or None: all of them
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
+# %% ../nbs/13_batch.ipynb #42d484bb
+import importlib.util
+
+EXPERIMENT_MODULES = ("papermill", "nbformat", "ipykernel")   # the `experiments` extra
+
+
+def experiment_runtime(kernel_name: str = "python3", # the kernel papermill starts
+                       ) -> str:
+    "Check that the modules which run notebooks are installed (else one-line ModuleNotFoundError), and that `kernel_name` resolves (else register this interpreter under it); returns the kernel's folder."
+    missing = [m for m in EXPERIMENT_MODULES if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ModuleNotFoundError(f"running experiments needs {', '.join(EXPERIMENT_MODULES)} (missing: {', '.join(missing)}): "
+                                  f'pip install "topk_nb[experiments]"')
+    from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
+    try:
+        return KernelSpecManager().get_kernel_spec(kernel_name).resource_dir
+    except NoSuchKernel:
+        from ipykernel.kernelspec import write_kernel_spec
+        root = Path(tempfile.mkdtemp(prefix="topk-nb-kernels-"))
+        folder = write_kernel_spec(root / "kernels" / kernel_name, overrides={"display_name": f"{kernel_name} (topk-nb)"})
+        os.environ["JUPYTER_PATH"] = os.pathsep.join(p for p in (str(root), os.environ.get("JUPYTER_PATH")) if p)
+        return folder
+
 # %% ../nbs/13_batch.ipynb #f79e5574
 def main(argv: Sequence[str] | None = None,  # the words after `topk-nb` (sys.argv[1:] by default)
          ) -> int:
@@ -702,9 +726,10 @@ def main(argv: Sequence[str] | None = None,  # the words after `topk-nb` (sys.ar
             return _fail("report", e)
         return 0
     try:
+        experiment_runtime()                     # papermill, nbformat, ipykernel and a python3 kernel, or one line
         plan_grid(args.experiment, args.preset, parse_grid(args.grid), args.seeds, args.data_root)
         check_out_dir(args.out)                  # last: a mistake above leaves no folder behind
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, ImportError) as e:
         return _fail("run", e)
     summary = run_grid(args.experiment, args.preset, parse_grid(args.grid), args.seeds, args.out, args.gpus, args.jobs,
                        args.timeout, progress=not args.no_progress, data_root=args.data_root)

@@ -6,10 +6,13 @@
 from __future__ import annotations
 
 import contextlib
+import difflib
+import inspect
 import itertools
 import math
 import threading
 import time
+import warnings
 from fractions import Fraction
 from numbers import Integral, Real
 from typing import Callable, Iterable, Sequence
@@ -18,11 +21,12 @@ import torch
 import torch.nn as nn
 
 # %% auto #0
-__all__ = ['FLOAT_DTYPES', 'REDUCTIONS', 'sync_free', 'thread_flag', 'force_sync_free', 'check_int', 'check_real', 'check_finite',
-           'check_scores', 'check_target', 'check_loss_input', 'check_reduction', 'reduce_loss',
-           'scores_without_target', 'target_rank', 'topk_correct', 'topk_accuracy', 'macro_topk_accuracy', 'brute_esp',
-           'brute_log_esp', 'log_binom', 'workspace', 'time_fn', 'median_time', 'fwd_bwd', 'twice_differentiable',
-           'selected_hinge', 'flatten_classes', 'LossModule', 'loss_dtype', 'check_loss_finite', 'all_kept']
+__all__ = ['FLOAT_DTYPES', 'REDUCTIONS', 'CONVENTIONS', 'PEER_SPELLINGS', 'sync_free', 'thread_flag', 'force_sync_free',
+           'check_int', 'check_real', 'check_finite', 'check_scores', 'check_target', 'check_k', 'check_loss_input',
+           'check_reduction', 'reduce_loss', 'scores_without_target', 'target_rank', 'topk_correct', 'topk_accuracy',
+           'macro_topk_accuracy', 'brute_esp', 'brute_log_esp', 'log_binom', 'workspace', 'time_fn', 'median_time',
+           'fwd_bwd', 'twice_differentiable', 'selected_hinge', 'flatten_classes', 'check_weight', 'LossModule',
+           'loss_dtype', 'check_loss_finite', 'all_kept']
 
 # %% ../nbs/00_core.ipynb #576df6fa
 _SYNC_FREE = threading.local()
@@ -143,13 +147,22 @@ def check_target(target, n: int, batch: int, name: str = "target") -> torch.Tens
     return target.long()
 
 
+# %% ../nbs/00_core.ipynb #52cdeeca
+def check_k(k,       # the k of a top-k loss
+            n: int,  # the number of classes (the scores' dimension 1)
+            ) -> int:
+    "Return `k` as an `int` in [1, n - 1], else raise naming k, its range and the number of classes."
+    k = check_int(k, "k")
+    if not 1 <= k <= n - 1:
+        raise ValueError(f"k must be an integer in [1, {n - 1}] for scores with {n} classes (k < the number of classes), got {k}")
+    return k
+
 # %% ../nbs/00_core.ipynb #b0c442ed
 def check_loss_input(scores, target, k, check: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
     "Validate the (scores (B, n), target (B,), k in [1, n-1]) triple that every top-k loss takes."
     scores = check_scores(scores, "scores", ndim=2, min_classes=2, check=check)
     target = check_target(target, scores.shape[1], scores.shape[0])
-    return scores, target, check_int(k, "k", 1, scores.shape[1] - 1)
-
+    return scores, target, check_k(k, scores.shape[1])
 
 # %% ../nbs/00_core.ipynb #59bb36b4
 def check_reduction(reduction: str) -> str:
@@ -188,43 +201,56 @@ def target_rank(scores: torch.Tensor, target: torch.Tensor, ties: str = "pessimi
 
 
 # %% ../nbs/00_core.ipynb #29ec5fec
-def _check_ks(ks, n: int) -> tuple[int, ...]:
-    ks = (ks,) if isinstance(ks, Integral) else tuple(ks)
-    if not ks: raise ValueError("ks must name at least one k")
-    return tuple(check_int(k, "each k in ks", 1, n) for k in ks)
-
+def _check_ks(k, n: int, ks=None, caller: str = "topk_accuracy") -> tuple[int, ...]:
+    "The k (one or several) as a tuple of ints in [1, n]; `ks=`, the earlier keyword, still works with a FutureWarning."
+    if ks is not None:
+        warnings.warn(f"{caller}(ks=...) is deprecated: pass k=... (one k or several), as the losses take k",
+                      FutureWarning, stacklevel=3)
+        k = ks
+    k = (k,) if isinstance(k, Integral) else tuple(k)
+    if not k: raise ValueError("k must name at least one k, got an empty sequence")
+    return tuple(check_int(one, "each k", 1, n) for one in k)
 
 # %% ../nbs/00_core.ipynb #2483fa97
-def topk_correct(scores: torch.Tensor, target: torch.Tensor, ks: int | Sequence[int] = (1, 5),
-                 ties: str = "pessimistic") -> torch.Tensor:
-    "Boolean tensor `(len(ks), B)`: is the target among the top-k classes, for each k (Berrada 2018, eq. 5)."
+def topk_correct(scores: torch.Tensor,                   # (B, n) scores
+                 target: torch.Tensor,                   # (B,) class indices
+                 k: int | Sequence[int] = (1, 5),        # one k, or several
+                 ties: str = "pessimistic",              # ties with the target count against it, or for it ("optimistic")
+                 *, ks: int | Sequence[int] | None = None,   # the earlier name of k (deprecated)
+                 ) -> torch.Tensor:
+    "Boolean tensor `(len(k), B)`: is the target among the top-k classes, for each k (Berrada 2018, eq. 5)."
     rank = target_rank(scores, target, ties)
-    ks = _check_ks(ks, scores.shape[1])
-    return rank[None, :] < torch.tensor(ks, device=rank.device)[:, None]
-
+    k = _check_ks(k, scores.shape[1], ks, "topk_correct")
+    return rank[None, :] < torch.tensor(k, device=rank.device)[:, None]
 
 # %% ../nbs/00_core.ipynb #fe534744
-def topk_accuracy(scores: torch.Tensor, target: torch.Tensor, ks: int | Sequence[int] = (1, 5),
-                  ties: str = "pessimistic") -> dict[int, float]:
-    "Top-k accuracy (fraction in [0, 1]) for each k in `ks`."
-    correct = topk_correct(scores, target, ks, ties)
-    ks = _check_ks(ks, scores.shape[1])
-    return {k: c.float().mean().item() for k, c in zip(ks, correct)}
-
+def topk_accuracy(scores: torch.Tensor,                  # (B, n) scores
+                  target: torch.Tensor,                  # (B,) class indices
+                  k: int | Sequence[int] = (1, 5),       # one k, or several
+                  ties: str = "pessimistic",             # ties with the target count against it, or for it ("optimistic")
+                  *, ks: int | Sequence[int] | None = None,   # the earlier name of k (deprecated)
+                  ) -> dict[int, float]:
+    "Top-k accuracy (fraction in [0, 1]) for each k in `k`: {k: accuracy}."
+    k = _check_ks(k, scores.shape[1], ks, "topk_accuracy")
+    correct = topk_correct(scores, target, k, ties)
+    return {one: c.float().mean().item() for one, c in zip(k, correct)}
 
 # %% ../nbs/00_core.ipynb #7bdc71ea
-def macro_topk_accuracy(scores: torch.Tensor, target: torch.Tensor, ks: int | Sequence[int] = (1, 5),
-                        ties: str = "pessimistic") -> dict[int, float]:
+def macro_topk_accuracy(scores: torch.Tensor,            # (B, n) scores
+                        target: torch.Tensor,            # (B,) class indices
+                        k: int | Sequence[int] = (1, 5), # one k, or several
+                        ties: str = "pessimistic",       # ties with the target count against it, or for it ("optimistic")
+                        *, ks: int | Sequence[int] | None = None,   # the earlier name of k (deprecated)
+                        ) -> dict[int, float]:
     "Macro-average top-k accuracy: top-k accuracy of each class present in `target`, averaged over those classes (Garcin 2022, section 4.5)."
-    correct = topk_correct(scores, target, ks, ties).float()
-    ks = _check_ks(ks, scores.shape[1])
+    k = _check_ks(k, scores.shape[1], ks, "macro_topk_accuracy")
+    correct = topk_correct(scores, target, k, ties).float()
     n = scores.shape[1]
-    per_class_hits = torch.zeros(len(ks), n, device=correct.device).index_add_(1, target.long(), correct)
+    per_class_hits = torch.zeros(len(k), n, device=correct.device).index_add_(1, target.long(), correct)
     per_class_count = torch.bincount(target.long(), minlength=n).to(correct)
     present = per_class_count > 0
     per_class_acc = per_class_hits[:, present] / per_class_count[present]
-    return {k: acc.mean().item() for k, acc in zip(ks, per_class_acc)}
-
+    return {one: acc.mean().item() for one, acc in zip(k, per_class_acc)}
 
 # %% ../nbs/00_core.ipynb #f3947662
 def brute_esp(e: Iterable, j: int) -> Fraction:
@@ -348,30 +374,56 @@ def selected_hinge(scores: torch.Tensor,   # (B, n) scores; the gradient flows t
     return _SelectedHinge.apply(scores, target, index, argument.detach(), float(coef))
 
 # %% ../nbs/00_core.ipynb #627e6e0a
-def flatten_classes(scores: torch.Tensor, # (B, n, d_1, ...): the classes along dimension 1
+def flatten_classes(scores: torch.Tensor, # (B, n, d_1, ...): the classes along dimension 1, floating
                     target: torch.Tensor, # (B, d_1, ...) class indices or (B, n, d_1, ...) probabilities
                     ) -> tuple[torch.Tensor, torch.Tensor, tuple]:
     "Scores as (N, n), targets as (N,) or (N, n), N = B d_1 ...; and the per-sample shape (B, d_1, ...)."
     if not isinstance(scores, torch.Tensor) or scores.ndim < 2:
         raise ValueError(f"scores must be a tensor of shape (B, n) or (B, n, d_1, ...), "
                          f"got {tuple(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__}")
+    if scores.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"scores must be a floating tensor (float16, bfloat16, float32 or float64), got {scores.dtype}")
     if not isinstance(target, torch.Tensor):
         raise TypeError(f"target must be a torch.Tensor of class indices or probabilities, got {type(target).__name__}")
     n, sample_shape = scores.shape[1], (scores.shape[0], *scores.shape[2:])
+    if target.is_floating_point() and target.shape != scores.shape:
+        if target.shape == sample_shape:                  # class indices stored as floats
+            raise TypeError(f"target must hold integer class indices (int64) of shape {sample_shape}, or probabilities "
+                            f"of the scores' shape {tuple(scores.shape)}; got {target.dtype} of shape {tuple(target.shape)} "
+                            f"(for class indices, pass target.long())")
+        raise ValueError(f"target given as probabilities must have the scores' shape {tuple(scores.shape)}, "
+                         f"got {tuple(target.shape)}")
     if scores.ndim == 2:
         return scores, target, sample_shape
     flat = scores.movedim(1, -1).reshape(-1, n)
     if target.is_floating_point():
-        if target.shape != scores.shape:
-            raise ValueError(f"target given as probabilities must have the scores' shape {tuple(scores.shape)}, "
-                             f"got {tuple(target.shape)}")
         return flat, target.movedim(1, -1).reshape(-1, n), sample_shape
     if target.shape != sample_shape:
         raise ValueError(f"target must have shape {sample_shape} for scores of shape {tuple(scores.shape)}, "
                          f"got {tuple(target.shape)}")
     return flat, target.reshape(-1), sample_shape
 
+# %% ../nbs/00_core.ipynb #04a9380f
+def check_weight(weight: torch.Tensor | None, # the class weights, or None
+                 n: int,                      # the number of classes (the scores' dimension 1)
+                 ) -> torch.Tensor | None:
+    "Raise unless `weight` is None or has one entry per class."
+    if weight is not None and weight.numel() != n:
+        raise ValueError(f"weight must have one entry per class: the scores have {n} classes, weight has {weight.numel()}")
+    return weight
+
 # %% ../nbs/00_core.ipynb #6e7eee35
+CONVENTIONS = {      # the keywords every loss module takes, as nn.CrossEntropyLoss takes them, and what they mean
+    "weight": "a weight per class, a 1-D tensor (n,), as in nn.CrossEntropyLoss (None: every class weighs 1)",
+    "ignore_index": "samples whose target is this index count for nothing",
+    "reduction": "'mean' (weighted by the targets' class weights), 'sum' or 'none' (the per-sample losses)",
+    "label_smoothing": "in [0, 1]: a class index y stands for (1 - eps) e_y + eps / n, as in F.cross_entropy",
+    "max_support": "bound on the classes a probability target puts mass on (sync-free path; None: every class)",
+    "check_finite": "check the scores and the loss for NaN and overflow (None: on the host path only)",
+}
+PEER_SPELLINGS = {"n_sample": "n_samples", "cls_num_list": "class_counts", "num_classes": None, "n_classes": None}
+
+
 class LossModule(nn.Module):
     "Base of the loss modules: keyword-only hyper-parameters read at each call, and nn.CrossEntropyLoss's conventions."
     example = "k=5"                                       # shown in the message for positional arguments
@@ -380,16 +432,43 @@ class LossModule(nn.Module):
         if args:
             raise TypeError(f"{cls.__name__} takes keyword arguments only, e.g. {cls.__name__}({cls.example}); "
                             f"the number of classes is read from the scores, so it is not an argument")
-        if "n_classes" in kwargs:
+        if "n_classes" in kwargs or "num_classes" in kwargs:
             raise TypeError(f"{cls.__name__} takes no n_classes: the number of classes is read from the scores")
+        accepted = [p.name for p in inspect.signature(cls.__init__).parameters.values() if p.kind is p.KEYWORD_ONLY]
+        for name in kwargs:
+            if name not in accepted:
+                hint = PEER_SPELLINGS.get(name) or next(iter(difflib.get_close_matches(name, accepted, 1)), None)
+                raise TypeError(f"{cls.__name__} takes no argument {name!r}{f' (did you mean {hint}=?)' if hint else ''}; "
+                                f"it accepts: {', '.join(accepted)}")
         return super().__new__(cls)
+
+    def __init_subclass__(cls, **kwargs):
+        "Give a subclass's `__init__(*, own, **conventions)` the explicit signature and docstring of every keyword it takes."
+        super().__init_subclass__(**kwargs)
+        init = cls.__dict__.get("__init__")
+        if init is None: return
+        sig = inspect.signature(init)
+        params = list(sig.parameters.values())
+        if not params or params[-1].kind is not params[-1].VAR_KEYWORD: return
+        own = params[:-1]
+        names = {p.name for p in own}
+        base = [p for p in inspect.signature(LossModule.__init__).parameters.values()
+                if p.kind is p.KEYWORD_ONLY and p.name not in names]
+        init.__signature__ = sig.replace(parameters=own + base)
+        shown = ", ".join(f"{p.name}={p.default!r}" if p.default is not p.empty else p.name
+                          for p in own if p.name != "self")
+        conventions = "\n".join(f"    {p.name}={p.default!r}: {CONVENTIONS[p.name]}" for p in base)
+        init.__doc__ = (f"{cls.__doc__}\n\nIts own arguments: {shown or 'none'}.\n"
+                        f"nn.CrossEntropyLoss's conventions:\n{conventions}\n\n"
+                        f"Call it as nn.CrossEntropyLoss: criterion(scores, target), scores (B, n) or (B, n, d_1, ...), target "
+                        f"class indices (B, d_1, ...) or probabilities of the scores' shape.")
 
     def __init__(self, *,
                  weight: torch.Tensor | None = None, # a weight per class, as in nn.CrossEntropyLoss
                  ignore_index: int = -100,           # samples with this target count for nothing
                  reduction: str = "mean",            # 'mean', 'sum' or 'none'
-                 max_support: int | None = None,     # bound on the classes a probability target puts mass on
                  label_smoothing: float = 0.0,       # class indices become (1 - eps) e_y + eps / n, as in F.cross_entropy
+                 max_support: int | None = None,     # bound on the classes a probability target puts mass on
                  check_finite: bool | None = None):  # check the scores (None: on the host path only)
         super().__init__()
         if weight is not None:
@@ -450,19 +529,30 @@ def loss_dtype(scores: torch.Tensor) -> torch.dtype:
 
 
 # %% ../nbs/00_core.ipynb #ec60b981
-def check_loss_finite(loss: torch.Tensor,   # per-sample losses
-                      scores: torch.Tensor, # the scores they came from, already checked finite
-                      name: str,            # the loss, for the message
-                      check: bool | None = None) -> torch.Tensor:
-    "Raise if finite scores gave a non-finite loss (an overflow of the scores' dtype); on the host path, or when `check`."
+def check_loss_finite(loss: torch.Tensor,              # the loss: reduced, or per sample
+                      scores: torch.Tensor,            # the scores it came from, already checked finite
+                      name: str,                       # the loss, for the message
+                      check: bool | None = None,       # check (None: on the host path only)
+                      out_dtype: torch.dtype | None = None,   # the dtype to return (None: the loss's own)
+                      count=None,                      # the mean's denominator (a number, tensor, or a function giving one), read only if the loss is not finite
+                      ) -> torch.Tensor:
+    "`loss` in `out_dtype`, raising if finite scores gave a non-finite loss (an overflow of the working dtype or of `out_dtype`); a mean over nothing is NaN, as in nn.CrossEntropyLoss."
+    out = loss if out_dtype is None else loss.to(out_dtype)
     if check is None: check = not sync_free(loss)
-    if not check or not loss.numel(): return loss
-    total = loss.item() if loss.ndim == 0 else loss.sum(dtype=_sum_dtype(loss)).item()   # one pass, one number back
-    if not math.isfinite(total) and not bool(torch.isfinite(loss).all()):
-        big = scores.detach().abs().max().item()
-        raise ValueError(f"{name} overflows {scores.dtype} for these scores (largest |score| {big:.3g}): the scores are "
-                         f"too large for the dtype; rescale them or pass float64 scores")
-    return loss
+    if not check or not out.numel(): return out
+    total = out.item() if out.ndim == 0 else out.sum(dtype=_sum_dtype(out)).item()   # one pass, one number back
+    if math.isfinite(total) or bool(torch.isfinite(out).all()):
+        return out
+    count = count() if callable(count) else count
+    if count is not None and float(count) == 0:
+        return out                                     # 0 / 0: no sample counted (empty batch, every target ignored)
+    if out.dtype != loss.dtype and bool(torch.isfinite(loss).all()):   # computed finite, too large for the dtype returned
+        big = loss.detach().abs().max().item()
+        raise ValueError(f"{name} is {big:.4g} here, beyond {out.dtype}'s largest value {torch.finfo(out.dtype).max:.4g}: "
+                         f"pass float32 scores, or compute under torch.autocast, which returns float32")
+    big = scores.detach().abs().max().item() if scores.numel() else 0.0
+    raise ValueError(f"{name} overflows {loss.dtype} for these scores (largest |score| {big:.3g}): the scores are "
+                     f"too large for the dtype; rescale them or pass float64 scores")
 
 # %% ../nbs/00_core.ipynb #8e2dcaaa
 def all_kept(t: torch.Tensor,   # (N,) class indices
@@ -477,9 +567,9 @@ def all_kept(t: torch.Tensor,   # (N,) class indices
 
 
 def _forward(self, scores: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    "The loss with nn.CrossEntropyLoss's conventions (see the section above)."
-    s, t, shape = flatten_classes(scores, target)
-    out_dtype = loss_dtype(scores)
+    "The loss of `scores` (B, n) or (B, n, d_1, ...) for `target` class indices (B, d_1, ...) or probabilities (the scores' shape), with nn.CrossEntropyLoss's conventions."
+    s, t, shape = flatten_classes(scores, target)                     # floating scores, matching target shapes
+    weight, out_dtype = check_weight(self.weight, s.shape[1]), loss_dtype(scores)
     with torch.autocast(s.device.type, enabled=False):
         s = s if s.dtype in (torch.float32, torch.float64) else s.float()   # (N, n), half computed in float32
         if t.is_floating_point():
@@ -491,7 +581,7 @@ def _forward(self, scores: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         else:
             keep = t != self.ignore_index                                  # (N,)
             labels = torch.where(keep, t, 0)
-            w = keep if self.weight is None else keep * self.weight.to(s)[labels]   # (N,) bool, or weights
+            w = keep if self.weight is None else keep * weight.to(s)[labels]   # (N,) bool, or weights
             if self.label_smoothing > 0:                                   # the smoothed target's expectation, weighted inside
                 eps, n = self.label_smoothing, s.shape[1]
                 smooth = torch.full_like(s, eps / n).scatter_add_(1, labels[:, None], torch.full_like(s[:, :1], 1 - eps))
@@ -503,7 +593,8 @@ def _forward(self, scores: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     if self.reduction == "mean": loss = loss.sum() / total
     elif self.reduction == "sum": loss = loss.sum()
     else: loss = loss.reshape(shape)
-    return check_loss_finite(loss, scores, type(self).__name__, self.check_finite).to(out_dtype)
+    count = total if self.reduction == "mean" else None                  # a mean over no sample is NaN, as in nn.CrossEntropyLoss
+    return check_loss_finite(loss, scores, type(self).__name__, self.check_finite, out_dtype, count)
 
 
 LossModule.forward = _forward

@@ -45,10 +45,12 @@ class LossEntry:
 
     @property
     def defaults(self) -> dict:
-        "Constructor parameters (other than reduction, check_finite, generator, class_counts) and their defaults."
+        "Constructor parameters of the module's own __init__ (other than reduction, check_finite, generator, class_counts) and their defaults."
         sig = inspect.signature(self.module.__init__)
+        code = self.module.__init__.__code__                      # the keywords written in the module's own __init__
+        own = code.co_varnames[code.co_argcount:code.co_argcount + code.co_kwonlyargcount]
         return {p.name: p.default for p in sig.parameters.values()
-                if p.name not in _NOT_PARAMETERS and p.kind is p.KEYWORD_ONLY}
+                if p.name not in _NOT_PARAMETERS and p.name in own and p.kind is p.KEYWORD_ONLY}
 
     @property
     def accepted(self) -> tuple[str, ...]:

@@ -11,11 +11,12 @@ import torch.nn.functional as F
 
 from .core import (LossModule, check_int, check_loss_input, check_real, check_reduction, loss_dtype, reduce_loss,
                           selected_hinge, sync_free)
-from .perturbed import draw_noise, sampled_topk_value, topk_value
+from .perturbed import draw_noise, sampled_topk_value, smooth_topk, topk_value
 
 # %% auto #0
 __all__ = ['noised_bal_topk', 'noised_imbal_topk', 'NoisedBalTopK', 'NoisedImbalTopK', 'cal_hinge', 'noised_bal',
-           'margins_from_counts', 'noised_imbal', 'CalHinge', 'NoisedBal', 'NoisedImbal']
+           'margins_from_counts', 'noised_imbal', 'CalHinge', 'NoisedBal', 'NoisedImbal', 'BalNoisedTopK',
+           'ImbalNoisedTopK', 'NoisedTopK']
 
 # %% ../nbs/05_noised.ipynb #6d2a9022
 def cal_hinge(scores: torch.Tensor, target: torch.Tensor, k: int = 5, alpha: float = 1.0, reduction: str = "mean",
@@ -117,10 +118,10 @@ class _NoisedModule(LossModule):
     "Shared by the noised losses: `forward(scores, target, noise=None)`, explicit noise (n_samples, B, n) for class indices."
 
     def forward(self, scores, target, noise: torch.Tensor | None = None):
+        "The loss of `scores` for `target`, as nn.CrossEntropyLoss; with `noise` (n_samples, B, n), on those draws (class indices, (B, n) scores)."
         if noise is None:
             return LossModule.forward(self, scores, target)
         return reduce_loss(self.per_sample(scores, target, noise), self.reduction)
-
 
 # %% ../nbs/05_noised.ipynb #41c15c5b
 class NoisedBal(_NoisedModule):
@@ -182,3 +183,76 @@ NoisedBalTopK = NoisedBal    # the earlier name, kept
 
 NoisedImbalTopK = NoisedImbal    # the earlier name, kept
 
+
+# %% ../nbs/05_noised.ipynb #8a4bbe98
+def _pytopk_noise(module: nn.Module, like: torch.Tensor) -> torch.Tensor:
+    "pytopk's draw: torch.randn(*like.shape, n_sample), from the module's generator or the global state, as (n_sample, *like.shape)."
+    device = module.generator.device if module.generator is not None else like.device
+    z = torch.randn((*like.shape, module.n_samples), generator=module.generator, device=device)
+    return z.to(like.device).movedim(-1, 0)
+
+
+class BalNoisedTopK(NoisedBal):
+    "pytopk's BalNoisedTopK(k, epsilon, n_sample=5): the noised balanced top-k hinge (Garcin 2022, eq. 10) with pytopk's arguments, defaults and noise draws."
+    example = "k=5, epsilon=1.0"
+
+    def __new__(cls, *args, **kwargs):            # pytopk's positional arguments are accepted here
+        return nn.Module.__new__(cls)
+
+    def __init__(self, k: int,                    # the K of top-K
+                 epsilon: float,                  # noise scale
+                 n_sample: int = 5,               # noise draws per evaluation (pytopk's name and default)
+                 *, generator: torch.Generator | None = None,   # random source (None: the global state, as pytopk)
+                 **conventions):                  # weight, ignore_index, reduction, ... (see LossModule)
+        super().__init__(k=k, epsilon=epsilon, n_samples=n_sample, generator=generator, **conventions)
+
+    n_sample = property(lambda self: self.n_samples, lambda self, value: setattr(self, "n_samples", value))
+
+    def forward(self, scores, target, noise: torch.Tensor | None = None):
+        return super().forward(scores, target, _pytopk_noise(self, scores) if noise is None else noise)
+
+# %% ../nbs/05_noised.ipynb #c8027850
+class ImbalNoisedTopK(NoisedImbal):
+    "pytopk's ImbalNoisedTopK(k, epsilon, max_m, cls_num_list, scale=50, n_sample=5): the noised imbalanced top-k hinge (Garcin 2022, eq. 13) with pytopk's arguments, defaults and noise draws."
+    example = "k=5, epsilon=0.01, max_m=0.2, cls_num_list=counts"
+
+    def __new__(cls, *args, **kwargs):            # pytopk's positional arguments are accepted here
+        return nn.Module.__new__(cls)
+
+    def __init__(self, k: int,                    # the K of top-K
+                 epsilon: float,                  # noise scale, on the unscaled scores
+                 max_m: float,                    # the largest margin (the rarest class)
+                 cls_num_list,                    # training samples of each class (n,)
+                 scale: float = 50,               # multiplies the hinge
+                 n_sample: int = 5,               # noise draws per evaluation (pytopk's name and default)
+                 *, generator: torch.Generator | None = None,   # random source (None: the global state, as pytopk)
+                 **conventions):                  # weight, ignore_index, reduction, ... (see LossModule)
+        super().__init__(class_counts=cls_num_list, k=k, epsilon=epsilon, max_m=max_m, scale=scale, n_samples=n_sample,
+                         generator=generator, **conventions)
+
+    n_sample = property(lambda self: self.n_samples, lambda self, value: setattr(self, "n_samples", value))
+
+    def forward(self, scores, target, noise: torch.Tensor | None = None):
+        return super().forward(scores, target, _pytopk_noise(self, scores) if noise is None else noise)
+
+# %% ../nbs/05_noised.ipynb #07b7e4da
+class NoisedTopK(nn.Module):
+    "pytopk's NoisedTopK(k, epsilon=1.0, n_sample=5, dim=-1): the smoothed k-th largest value along `dim` (Garcin 2022, eq. 11), with pytopk's noise draws."
+
+    def __init__(self, k: int,                                 # the k of the k-th largest value
+                 epsilon: float = 1.0,                         # noise scale; 0 gives the exact k-th value
+                 n_sample: int = 5,                            # noise draws per evaluation
+                 dim: int = -1,                                # the dimension to take it along
+                 generator: torch.Generator | None = None):    # random source (None: the global state, as pytopk)
+        super().__init__()
+        self.k, self.epsilon = check_int(k, "k", 1), check_real(epsilon, "epsilon", 0.0)
+        self.n_samples, self.dim, self.generator = check_int(n_sample, "n_sample", 1), check_int(dim, "dim"), generator
+
+    n_sample = property(lambda self: self.n_samples, lambda self, value: setattr(self, "n_samples", value))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        noise = _pytopk_noise(self, x)                                   # (n_sample, *x.shape)
+        return smooth_topk(x.movedim(self.dim, -1), self.k, self.epsilon, noise=noise.movedim(self.dim % x.ndim + 1, -1))
+
+    def extra_repr(self):
+        return f"k={self.k}, epsilon={self.epsilon}, n_sample={self.n_samples}, dim={self.dim}"

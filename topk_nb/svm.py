@@ -251,12 +251,12 @@ class SmoothSVM(LossModule):
     def __init__(self, *,
                  k: int = 5,                # the k of top-k
                  tau: float = 1.0,          # temperature: tau -> 0 gives the top-k hinge
-                 alpha: float = 1.0,        # margin
+                 alpha: float | None = 1.0, # margin; None means 1, as smooth-topk's SmoothTopkSVM reads it
                  hard_switch: bool = True,  # rows where the smooth loss equals the hinge to rounding take the hinge
                  **conventions):            # weight, ignore_index, reduction, max_support, check_finite (see LossModule)
         super().__init__(**conventions)
         self.k, self.tau = check_int(k, "k", 1), check_real(tau, "tau", 0.0, lo_open=True)
-        self.alpha, self.hard_switch = check_real(alpha, "alpha", 0.0), hard_switch
+        self.alpha, self.hard_switch = check_real(1.0 if alpha is None else alpha, "alpha", 0.0), hard_switch
 
     def per_sample(self, scores, labels):
         return smooth_svm(scores, labels, self.k, self.tau, self.alpha, "none", self.hard_switch, self.check_finite)
@@ -266,7 +266,6 @@ class SmoothSVM(LossModule):
 
 
 SmoothTopkSVM = SmoothSVM    # the earlier name, kept
-
 
 # %% ../nbs/03_smooth_svm.ipynb #ae044957
 class TopkHinge(LossModule):
