@@ -26,8 +26,12 @@ from .losses import LOSSES, get_loss
 from .models import get_model
 
 # %% auto #0
-__all__ = ['SYNCING_OPS', 'time_interleaved', 'bench_scores', 'bench_loss', 'largest_tensor', 'peak_memory', 'loss_speed',
-           'esp_speed', 'epoch_times', 'OpCall', 'op_calls', 'aten_ops', 'syncing_ops', 'op_table']
+__all__ = ['SYNCING_OPS', 'SASS_CLASSES', 'F64_CHAIN', 'H100', 'KERNEL_MODELS', 'COST_STEPS', 'BUDGETS', 'time_interleaved',
+           'bench_scores', 'bench_loss', 'largest_tensor', 'peak_memory', 'loss_speed', 'esp_speed', 'epoch_times',
+           'OpCall', 'op_calls', 'aten_ops', 'syncing_ops', 'op_table', 'SassInstr', 'KernelSass', 'parse_sass',
+           'kernel_sass', 'sass_class', 'f64_transcendentals', 'SourceLoop', 'source_loops', 'sass_loops',
+           'dynamic_counts', 'estimate_time', 'ce_triton', 'KernelModel', 'StepModel', 'kernel_cost', 'cost_table',
+           'Budget', 'within_budget', 'print_cost_table']
 
 # %% ../nbs/14_bench.ipynb #f6ddc67b
 def time_interleaved(fns: Sequence[Callable[[], object]], device="cpu", rounds: int = 5, block: int = 3,
@@ -325,3 +329,644 @@ def op_table(names: Sequence[str] | None = None,  # registry losses; all by defa
                      "launches": sum(c.kernel for c in calls) + triton,
                      "float64_ops": sum(torch.float64 in c.dtypes for c in calls), "syncing": dict(syncs)})
     return rows
+
+# %% ../nbs/14_bench.ipynb #f6e31c00
+import ast
+import atexit
+import functools
+import inspect
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+
+from .core import check_int
+
+# %% ../nbs/14_bench.ipynb #d47b3d54
+_WORKER = r'''
+import contextlib, io, json, sys, traceback
+import triton                                   # first: the kernels' module then leaves TRITON_INTERPRET unset
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import importlib, importlib.util
+
+def kernel(req):
+    try:
+        module = importlib.import_module(req["module"])
+    except ImportError:
+        spec = importlib.util.spec_from_file_location(req["module"], req["file"])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[req["module"]] = module
+        spec.loader.exec_module(module)
+    return getattr(module, req["name"])
+
+for line in sys.stdin:
+    req = json.loads(line)
+    log = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(log):
+            src = ASTSource(fn=kernel(req), signature=req["signature"], constexprs=req["constexprs"])
+            out = triton.compile(src, target=GPUTarget("cuda", req["arch"], 32), options={"num_warps": req["num_warps"]})
+        with open(req["out"], "wb") as f:
+            f.write(out.asm["cubin"])
+        reply = {"ok": True, "log": log.getvalue()}
+    except Exception:
+        reply = {"ok": False, "log": log.getvalue(), "error": traceback.format_exc()[-4000:]}
+    print(json.dumps(reply), flush=True)
+'''
+
+
+class _CompileWorker:
+    "One Python process, without TRITON_INTERPRET, that compiles kernels to cubins on request."
+
+    def __init__(self):
+        self.proc, self.lock = None, threading.Lock()
+        self.dir = tempfile.mkdtemp(prefix="topk_nb_sass_")
+
+    def compile(self, req: dict) -> dict:
+        with self.lock:
+            if self.proc is None or self.proc.poll() is not None:
+                env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+                env.update(TRITON_ALWAYS_COMPILE="1", TRITON_DUMP_PTXAS_LOG="1",   # ptxas runs, and its -v log is printed
+                           PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+                self.proc = subprocess.Popen([sys.executable, "-c", _WORKER], stdin=subprocess.PIPE,
+                                             stdout=subprocess.PIPE, text=True, env=env)
+                atexit.register(self.close)
+            self.proc.stdin.write(json.dumps(req) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("the compile worker stopped (see its stderr above)")
+        return json.loads(line)
+
+    def close(self):
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+
+
+_COMPILER = _CompileWorker()
+
+# %% ../nbs/14_bench.ipynb #5b66a947
+def _nvidia_tool(name: str) -> str:
+    "Path of one of the CUDA binaries Triton ships (nvdisasm, cuobjdump)."
+    import triton
+    path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+    if not path.exists():
+        raise RuntimeError(f"{name} not found at {path}: this Triton ships no CUDA binaries")
+    return str(path)
+
+
+def _python_fn(fn):
+    "The Python function under a Triton kernel (a JIT or interpreter function)."
+    return getattr(fn, "fn", fn)
+
+# %% ../nbs/14_bench.ipynb #227bbe20
+class SassInstr(NamedTuple):
+    "One SASS instruction and where it comes from."
+    addr: int            # byte offset in the kernel
+    pred: str            # guard predicate ('@P0', '@!P1') or ''
+    opcode: str          # with its modifiers, 'DFMA', 'LDG.E.64'
+    operands: str        # as nvdisasm prints them
+    frames: tuple        # source locations (file, line), innermost first: the inlined helpers, then the kernel's line
+    line: int | None     # the kernel's own source line it is attributed to
+
+
+class KernelSass(NamedTuple):
+    "A kernel compiled for one GPU: its SASS and its resources per thread."
+    name: str
+    num_warps: int
+    instructions: list   # [SassInstr]
+    labels: dict         # branch label -> index of the instruction it names
+    registers: int
+    stack: int           # bytes of stack frame
+    local: int           # bytes of local memory
+    shared: int          # bytes of static shared memory per program
+    spill_stores: int    # bytes, from ptxas -v
+    spill_loads: int
+    source: tuple        # (file, first line, last line) of the kernel's Python function
+
+# %% ../nbs/14_bench.ipynb #0a1c27d8
+_ANNOT = re.compile(r'//## File "([^"]+)", line (\d+)(?: inlined at "([^"]+)", line (\d+))?')
+_INSTR = re.compile(r'/\*([0-9a-f]+)\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)\s*(.*?)\s*;')
+_LABEL = re.compile(r'^\s*(\.L_x_\d+):')
+
+
+def parse_sass(text: str,    # `nvdisasm -c -gi` output for one kernel
+               source: tuple # (file, first line, last line) of the kernel's function
+               ) -> tuple[list[SassInstr], dict]:
+    "Instructions with their inline chains and kernel line (an instruction whose chain names no line of the kernel takes the previous one's), and the branch labels; what follows the kernel's final self-branch (padding) is dropped."
+    file, first, last = os.path.realpath(source[0]), source[1], source[2]
+    instrs, labels, frames, pending, line = [], {}, (), [], None
+    for raw in text.splitlines():
+        if m := _LABEL.match(raw):
+            labels[m.group(1)] = len(instrs)
+        elif m := _ANNOT.search(raw):
+            pending.append(m.groups())
+        elif m := _INSTR.search(raw):
+            if pending:
+                frames, pending = tuple(pending), []
+                for f, l, at_f, at_l in reversed(frames):         # outermost first: the kernel's own line
+                    hit = next((int(b) for a, b in ((at_f, at_l), (f, l))
+                                if a and os.path.realpath(a) == file and first <= int(b) <= last), None)
+                    if hit is not None:
+                        line = hit
+                        break
+            instrs.append(SassInstr(int(m.group(1), 16), (m.group(2) or "").strip(), m.group(3), m.group(4),
+                                    tuple((f, int(l)) for f, l, _, _ in frames), line))
+    for i, ins in enumerate(instrs):                               # the trap after EXIT: BRA to itself
+        if ins.opcode == "BRA" and not ins.pred and labels.get(_target(ins)) == i:
+            return instrs[:i], {k: v for k, v in labels.items() if v < i}
+    return instrs, labels
+
+
+def _target(ins: SassInstr) -> str | None:
+    m = re.search(r"(\.L_x_\d+)", ins.operands)
+    return m.group(1) if m else None
+
+# %% ../nbs/14_bench.ipynb #1e0545ae
+_RES = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
+_SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_sass(module: str, source: tuple, name: str, signature: tuple, constexprs: tuple, num_warps: int,
+                 arch: int) -> KernelSass:
+    file = source[0]
+    out = os.path.join(_COMPILER.dir, f"{name}_{abs(hash((module, signature, constexprs, num_warps, arch)))}.cubin")
+    reply = _COMPILER.compile(dict(module=module, file=file, name=name, signature=dict(signature),
+                                   constexprs=dict(constexprs), num_warps=num_warps, arch=arch, out=out))
+    if not reply["ok"]:
+        raise RuntimeError(f"compiling {name} for sm_{arch} failed:\n{reply['error']}")
+    sass = subprocess.run([_nvidia_tool("nvdisasm"), "-c", "-gi", out], capture_output=True, text=True, check=True).stdout
+    res = subprocess.run([_nvidia_tool("cuobjdump"), "-res-usage", out], capture_output=True, text=True, check=True).stdout
+    reg, stack, shared, local = map(int, _RES.search(res).groups())
+    spills = _SPILL.search(reply["log"])
+    instrs, labels = parse_sass(sass, source)
+    return KernelSass(name, num_warps, instrs, labels, reg, stack, local, shared,
+                      *(map(int, spills.groups()) if spills else (0, 0)), source)
+
+
+def kernel_sass(fn,                   # a @triton.jit kernel, defined in an importable module or a file
+                signature: dict,      # argument -> Triton type ('*fp32', 'i32', 'fp64', 'constexpr')
+                constexprs: dict,     # constexpr argument -> value
+                num_warps: int = 4,   # warps per program, as the launch passes them
+                arch: int = 90,       # compute capability: 90 is the H100
+                ) -> KernelSass:
+    "Compile `fn` for `sm_{arch}` (no GPU needed) and read back its SASS, registers, stack, local memory and spills."
+    py = _python_fn(fn)
+    if not callable(py) or not hasattr(py, "__code__"):
+        raise TypeError(f"fn must be a @triton.jit kernel, got {type(fn).__name__}")
+    module, file = py.__module__, py.__code__.co_filename
+    if module == "__main__" or not os.path.exists(file):
+        raise ValueError(f"fn must be defined in an importable module or a file, got {py.__name__} from {module}")
+    check_int(num_warps, "num_warps", 1, 32)
+    missing = [a for a, t in signature.items() if t == "constexpr" and a not in constexprs]
+    if missing:
+        raise ValueError(f"constexprs must give every constexpr argument of signature, missing: {missing}")
+    lines, start = inspect.getsourcelines(py)
+    return _kernel_sass(module, (file, start, start + len(lines) - 1), py.__name__, tuple(signature.items()), tuple(sorted(constexprs.items())),
+                        num_warps, arch)
+
+# %% ../nbs/14_bench.ipynb #e0072988
+SASS_CLASSES = ("fp32", "fp64", "mufu", "int", "mem", "warp", "control", "other")
+_FP32 = {"FADD", "FMUL", "FFMA", "FMNMX", "FSETP", "FSEL", "FSET", "FCHK", "FRND", "FSWZADD", "FADD32I", "FMUL32I",
+         "FFMA32I", "HADD2", "HMUL2", "HFMA2", "HMNMX2", "HSETP2", "F2I", "I2F", "I2FP", "F2IP", "F2F", "F2FP"}
+_FP64 = {"DADD", "DMUL", "DFMA", "DSETP", "DMNMX", "DSET"}
+_INT = {"IADD3", "IADD", "IMAD", "IMADSP", "IMUL", "IABS", "IMNMX", "VIMNMX", "ISETP", "ISCADD", "LEA", "LOP", "LOP3",
+        "SHF", "SHL", "SHR", "SEL", "MOV", "MOV32I", "PRMT", "POPC", "FLO", "BREV", "BMSK", "VIADD", "IDP", "P2R", "R2P",
+        "PLOP3", "VIADDMNMX", "CS2R", "S2R", "S2UR", "R2UR", "SGXT", "PSETP", "CSMTEST"}
+_MEM = {"LDG", "STG", "LDS", "STS", "LDL", "STL", "LD", "ST", "LDC", "ULDC", "ATOM", "ATOMG", "ATOMS", "RED", "LDSM",
+        "LDGSTS", "LDGDEPBAR", "UBLKCP", "UTMALDG", "UTMASTG", "CCTL", "MATCH"}
+_WARP = {"SHFL", "BAR", "VOTE", "VOTEU", "REDUX", "WARPSYNC", "MEMBAR", "FENCE", "DEPBAR", "ERRBAR", "ELECT", "SYNCS",
+         "ARRIVES"}
+_CONTROL = {"BRA", "BRX", "JMP", "JMX", "CALL", "RET", "EXIT", "BSSY", "BSYNC", "BREAK", "BPT", "NOP", "YIELD", "KILL",
+            "WARPGROUP", "ACQBULK", "NANOSLEEP"}
+
+
+def sass_class(opcode: str # 'DFMA', 'LDG.E.64', 'F2F.F64.F32'...
+               ) -> str:
+    "The execution class of one SASS opcode: one of `SASS_CLASSES`."
+    root = opcode.split(".")[0]
+    if root in ("F2F", "F2I", "I2F") and "F64" in opcode.split(".")[1:]: return "fp64"
+    if root == "MUFU": return "mufu"
+    for cls, names in (("fp32", _FP32), ("fp64", _FP64), ("mem", _MEM), ("warp", _WARP), ("control", _CONTROL)):
+        if root in names: return cls
+    if root in _INT or (root.startswith("U") and root[1:] in _INT | {"IADD3", "IMAD", "LEA", "MOV", "LOP3", "SEL",
+                                                                    "ISETP", "SHF", "FLO", "POPC", "PRMT", "BREV"}):
+        return "int"
+    return "other"
+
+# %% ../nbs/14_bench.ipynb #9ccebb9c
+F64_CHAIN = 5      # dependent DFMAs that mark one software float64 transcendental (its polynomial)
+_REG = re.compile(r"^[-|!~]*(U?R\d+)")
+
+
+def f64_transcendentals(instrs: Sequence[SassInstr] # from `kernel_sass(...).instructions`
+                        ) -> list[int]:
+    "Indices of the instructions where a dependent chain of DFMAs reaches `F64_CHAIN`: one per software float64 transcendental."
+    chain, marks = {}, []
+    for i, ins in enumerate(instrs):
+        ops = [o.strip() for o in ins.operands.split(",")]
+        dest = m.group(1) if ops and (m := _REG.match(ops[0])) and not ops[0].startswith("[") else None
+        if ins.opcode.split(".")[0] == "DFMA" and dest:
+            srcs = [m.group(1) for o in ops[1:] if (m := _REG.match(o))]
+            length = 1 + chain.get(dest, 0) if dest in srcs else 1          # Horner: the accumulator in place
+            if length == F64_CHAIN: marks.append(i)
+            chain[dest] = length
+        elif dest:
+            chain[dest] = 0
+    return marks
+
+# %% ../nbs/14_bench.ipynb #c0a89fba
+class SourceLoop(NamedTuple):
+    "A `for` or `while` loop of a kernel's Python source."
+    head: str            # 'for j in range(1, K + 1)'
+    first: int           # its lines in the file, head to last line of the body
+    last: int
+
+
+def source_loops(fn # a @triton.jit kernel (or its Python function)
+                 ) -> list[SourceLoop]:
+    "The loops of the kernel's own source, in source order (the loops of the helpers it calls are not its own)."
+    py = _python_fn(fn)
+    lines, start = inspect.getsourcelines(py)
+    tree = ast.parse(textwrap.dedent("".join(lines)))
+    loops = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.For):
+            head = f"for {ast.unparse(node.target)} in {ast.unparse(node.iter)}"
+        elif isinstance(node, ast.While):
+            head = f"while {ast.unparse(node.test)}"
+        else:
+            continue
+        loops.append(SourceLoop(head, start + node.lineno - 1, start + node.end_lineno - 1))
+    return sorted(loops, key=lambda lp: lp.first)
+
+# %% ../nbs/14_bench.ipynb #5ee17541
+def sass_loops(sass: KernelSass) -> list[tuple[int, int]]:
+    "The SASS loops (first, last) instruction index: each backward branch and its target."
+    loops = []
+    for i, ins in enumerate(sass.instructions):
+        if ins.opcode.split(".")[0] == "BRA" and (j := sass.labels.get(_target(ins))) is not None and j <= i:
+            loops.append((j, i))
+    return loops
+
+
+def dynamic_counts(sass: KernelSass,      # from `kernel_sass`
+                   loops: Sequence[SourceLoop],  # `source_loops` of the same kernel
+                   trips: Sequence[float],       # runs of each loop's body per enclosing pass, in the order of `loops`
+                   ) -> dict:
+    "Instructions one thread executes per program, by class and by opcode; software float64 transcendentals; float64 instructions inside loops; SASS loops that stand for no source loop."
+    if len(trips) != len(loops):
+        raise ValueError(f"trips must give one count per source loop ({len(loops)}: {[lp.head for lp in loops]}), "
+                         f"got {len(trips)}")
+    instrs, regions = sass.instructions, sass_loops(sass)
+    inside = lambda r, s: s[0] <= r[0] and r[1] <= s[1] and r != s                 # r nested in s
+    own, owner = {}, {}
+    for r in regions:
+        own[r] = [instrs[i].line for i in range(r[0], r[1] + 1)
+                  if instrs[i].line is not None and not any(inside(q, r) and q[0] <= i <= q[1] for q in regions)]
+        cands = [k for k, lp in enumerate(loops) if sum(lp.first <= x <= lp.last for x in own[r]) * 2 >= max(len(own[r]), 1)]
+        owner[r] = min(cands, key=lambda k: loops[k].last - loops[k].first) if cands else None
+    parent = {r: min((q for q in regions if inside(r, q)), key=lambda q: q[1] - q[0], default=None) for r in regions}
+    runs = {}
+    for r in regions:                                  # sibling SASS loops of one source loop: unrolled by u, remainder
+        if owner[r] is None or r in runs: continue
+        lp, group = loops[owner[r]], [q for q in regions if owner[q] == owner[r] and parent[q] == parent[r]]
+        body = {q: Counter(instrs[i].opcode for i in range(q[0], q[1] + 1) if instrs[i].line is not None
+                           and lp.first < instrs[i].line <= lp.last and not any(inside(p, q) and p[0] <= i <= p[1]
+                                                                                  for p in regions)) for q in group}
+        ref = min(group, key=lambda q: sum(body[q].values()))         # one copy of the body: the remainder loop
+        op = body[ref].most_common(1)[0][0] if body[ref] else None
+        left = trips[owner[r]]
+        for q in sorted(group, key=lambda q: -sum(body[q].values())):
+            if q == ref: continue
+            u = max(1, round(body[q][op] / body[ref][op])) if op else 1    # copies of the body: the unroll factor
+            runs[q] = left // u
+            left -= runs[q] * u
+        runs[ref] = left
+    mult = [1.0] * len(instrs)
+    for r in regions:
+        if owner[r] is None or any(inside(r, q) and owner[q] == owner[r] for q in regions): continue
+        for i in range(r[0], r[1] + 1):
+            mult[i] *= runs[r]
+    counts, ops = dict.fromkeys(SASS_CLASSES, 0.0), Counter()
+    for ins, m in zip(instrs, mult):
+        counts[sass_class(ins.opcode)] += m
+        ops[ins.opcode.split(".")[0]] += m
+    in_loop = {i for r in regions for i in range(r[0], r[1] + 1)}
+    return {"classes": counts, "ops": ops, "total": sum(counts.values()),
+            "f64_calls": sum(mult[i] for i in f64_transcendentals(instrs)),
+            "fp64_in_loops": sum(sass_class(instrs[i].opcode) == "fp64" for i in in_loop),
+            "global_loads": sum(m for ins, m in zip(instrs, mult) if ins.opcode.split(".")[0] in ("LDG", "LDL", "LD", "ATOM", "ATOMG")),
+            "loops_without_source": sum(owner[r] is None for r in regions)
+                                    + sum(1 for r in regions if owner[r] is not None and any(
+                                        inside(r, q) and owner[q] == owner[r] for q in regions))}
+
+# %% ../nbs/14_bench.ipynb #6de0bf8a
+H100 = {   # name: (value, source)
+    "sms": (132, "H100 SXM5 datasheet: 132 SMs"),
+    "clock_hz": (1.755e9, "sustained SM clock, below the 1.98 GHz maximum boost behind the datasheet's 67 TFLOP/s fp32"),
+    "hbm_bytes_per_s": (3.35e12, "H100 SXM5 datasheet: HBM3, 3.35 TB/s"),
+    "schedulers": (4, "Hopper SM: four partitions, one warp scheduler each, one warp instruction per clock"),
+    "mufu_lanes": (16, "CUDA C++ Programming Guide, arithmetic throughput, cc 9.0: 16 special-function results per clock per SM"),
+    "fp64_lanes": (64, "CUDA C++ Programming Guide, cc 9.0: 64 float64 add/mul/fma per clock per SM (datasheet: 34 TFLOP/s)"),
+    "shfl_lanes": (32, "CUDA C++ Programming Guide, cc 9.0: 32 warp-shuffle results per clock per SM"),
+    "regs_per_sm": (65536, "Hopper SM: 64 K 32-bit registers"),
+    "max_warps_per_sm": (64, "Hopper SM: 64 resident warps"),
+    "latency_cycles": ({"fp32": 4, "int": 4, "fp64": 8, "mufu": 20, "warp": 30, "mem": 30, "control": 4, "other": 8},
+                       "dependent-issue latencies, rounded, in the range microbenchmark studies report for Hopper "
+                       "(Benchmarking and Dissecting the Nvidia Hopper GPU Architecture)"),
+    "global_load_cycles": (600, "a global load that misses the caches, same source, rounded"),
+    "launch_s": (3e-6, "kernel launch overhead, the usual few microseconds of a CUDA launch from PyTorch"),
+}
+
+
+def _h(name: str):
+    return H100[name][0]
+
+# %% ../nbs/14_bench.ipynb #5fac5771
+def estimate_time(per_thread: dict,      # instructions one thread runs per program, by class (`dynamic_counts(...)['classes']`)
+                  programs: int,         # programs in the launch grid
+                  num_warps: int,        # warps per program
+                  bytes_moved: float,    # bytes the launch must read and write in DRAM
+                  launches: int = 1,     # kernel launches this estimate includes
+                  registers: int = 32,   # registers per thread (the resident programs per SM follow from them)
+                  shuffles: float = 0.0, # SHFL instructions per thread per program
+                  global_loads: float = 0.0,  # global loads per thread per program
+                  ) -> dict:
+    "Seconds on an H100 by the model above: each bound, the programs per SM, and the estimate (largest bound + launches)."
+    f, threads = _h("clock_hz"), 32 * num_warps
+    per_sm = math.ceil(programs / _h("sms"))
+    resident = max(1, min(_h("regs_per_sm") // max(1, registers * threads), _h("max_warps_per_sm") // num_warps))
+    lat = _h("latency_cycles")
+    chain = sum(per_thread.get(c, 0.0) * lat[c] for c in lat) + global_loads * (_h("global_load_cycles") - lat["mem"])
+    bounds = {
+        "memory": bytes_moved / _h("hbm_bytes_per_s"),
+        "issue": math.ceil(per_sm * num_warps / _h("schedulers")) * sum(per_thread.values()) / f,
+        "mufu": per_sm * threads * per_thread.get("mufu", 0.0) / (_h("mufu_lanes") * f),
+        "fp64": per_sm * threads * per_thread.get("fp64", 0.0) / (_h("fp64_lanes") * f),
+        "shfl": per_sm * threads * shuffles / (_h("shfl_lanes") * f),
+        "latency": math.ceil(per_sm / resident) * chain / f,
+    }
+    bound = max(bounds, key=bounds.get)
+    return {**bounds, "launch": launches * _h("launch_s"), "programs_per_sm": per_sm, "resident": resident,
+            "bound": bound, "estimate": bounds[bound] + launches * _h("launch_s")}
+
+# %% ../nbs/14_bench.ipynb #3cdb1ad4
+try:
+    import triton
+    import triton.language as tl
+    HAS_TRITON = True
+except ImportError:                            # pragma: no cover - CPU-only torch builds
+    HAS_TRITON = False
+
+if HAS_TRITON:
+    @triton.jit
+    def _ce_forward_kernel(s_ptr, y_ptr, loss_ptr, lse_ptr, n, BLOCK: tl.constexpr):
+        "Program `row`: log-sum-exp of the row (kept for the backward) and the loss lse - s_y."
+        row = tl.program_id(0)
+        lanes = tl.arange(0, BLOCK)
+        m = tl.full([BLOCK], -1e30, tl.float32)                         # running maximum per lane
+        acc = tl.zeros([BLOCK], dtype=tl.float32)                       # running sum of exp(s - m) per lane
+        for start in range(0, n, BLOCK):
+            x = tl.load(s_ptr + row * n + start + lanes, mask=start + lanes < n, other=-1e30).to(tl.float32)
+            m_new = tl.maximum(m, x)
+            acc = acc * tl.exp(m - m_new) + tl.exp(x - m_new)
+            m = m_new
+        top = tl.max(m, 0)
+        lse = top + tl.log(tl.sum(acc * tl.exp(m - top), 0))
+        tl.store(lse_ptr + row, lse)
+        tl.store(loss_ptr + row, lse - tl.load(s_ptr + row * n + tl.load(y_ptr + row)).to(tl.float32))
+
+    @triton.jit
+    def _ce_backward_kernel(s_ptr, y_ptr, lse_ptr, go_ptr, g_ptr, n, BLOCK: tl.constexpr):
+        "Program `row`: dL/ds = go (softmax(s) - onehot(y))."
+        row = tl.program_id(0)
+        lanes = tl.arange(0, BLOCK)
+        y, lse, go = tl.load(y_ptr + row), tl.load(lse_ptr + row), tl.load(go_ptr + row)
+        for start in range(0, n, BLOCK):
+            offs = start + lanes
+            x = tl.load(s_ptr + row * n + offs, mask=offs < n, other=0.0).to(tl.float32)
+            g = go * (tl.exp(x - lse) - tl.where(offs == y, 1.0, 0.0))
+            tl.store(g_ptr + row * n + offs, g, mask=offs < n)
+
+# %% ../nbs/14_bench.ipynb #91fd1d1b
+def ce_triton(scores: torch.Tensor,   # (B, n) scores
+              target: torch.Tensor,   # (B,) class indices
+              block: int = 1024,      # classes per block
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    "Per-row cross-entropy and its gradient (for a gradient of ones) by the two stand-in kernels; on a CPU through Triton's interpreter."
+    B, n = scores.shape
+    s, y = scores.contiguous(), target.contiguous()
+    loss, lse = torch.empty(B, dtype=torch.float32, device=s.device), torch.empty(B, dtype=torch.float32, device=s.device)
+    grad = torch.empty(B, n, dtype=torch.float32, device=s.device)
+    _ce_forward_kernel[(B,)](s, y, loss, lse, n, BLOCK=block)
+    _ce_backward_kernel[(B,)](s, y, lse, torch.ones(B, device=s.device), grad, n, BLOCK=block)
+    return loss, grad
+
+# %% ../nbs/14_bench.ipynb #d42e3af1
+class KernelModel(NamedTuple):
+    "How a kernel is launched and how often its loops run, as functions of the shape {'B', 'n', 'k'}."
+    fn: object                       # the @triton.jit kernel
+    signature: dict                  # argument -> Triton type
+    constexprs: Callable             # shape -> {constexpr: value}
+    loops: tuple                     # ((loop head, shape -> trips per enclosing pass), ...) in source order
+    bytes: Callable                  # shape -> bytes the launch must read and write in DRAM
+    num_warps: Callable = lambda sh: 4
+    programs: Callable = lambda sh: sh["B"]   # the launch grid
+    elements: Callable = lambda sh: sh["n"]   # score elements one program covers
+
+
+class StepModel(NamedTuple):
+    "A loss step (forward and backward) as kernels under the model."
+    kernels: tuple                   # names in KERNEL_MODELS
+    launches: int                    # every launch of the step: the kernels and the PyTorch operators
+    shapes: tuple                    # the shapes of the table
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def _svm_shape(sh: dict) -> tuple[int, int, int]:
+    "(BLOCK_N, blocks, BLOCK_K) as `svm_blocks` chooses them."
+    bk = _pow2(sh["k"] + 1)
+    bn = min(_pow2(sh["n"]), max(32, 8192 // bk))
+    return bn, -(-sh["n"] // bn), bk
+
+# %% ../nbs/14_bench.ipynb #a4596f3f
+def _kernel_models() -> dict:
+    from topk_nb import kernels as K
+    if not K.HAS_TRITON: return {}
+    from topk_nb import bench as ce                 # the package's kernels (importable), also when this chapter runs
+    svm_fwd = dict(zip(["s_ptr", "y_ptr", "loss_ptr", "lsig_ptr", "rho_ptr", "ckpt_ptr"], ["*fp32", "*i64"] + ["*fp64"] * 4))
+    svm_fwd.update(n="i32", n_blocks="i32", inv_ktau="fp64", alpha_tau="fp64", tau="fp64")
+    svm_bwd = dict(zip(["s_ptr", "y_ptr", "go_ptr", "lsig_ptr", "rho_ptr", "ckpt_ptr", "scratch_ptr", "g_ptr"],
+                       ["*fp32", "*i64", "*fp32"] + ["*fp64"] * 4 + ["*fp32"]))
+    svm_bwd.update(n="i32", n_blocks="i32", inv_ktau="fp64")
+    blocks = lambda sh: dict(K=sh["k"], BLOCK_N=_svm_shape(sh)[0], BLOCK_K=_svm_shape(sh)[2])
+    const = {"K": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"}
+    return {
+        "perturbed_kth": KernelModel(
+            K._perturbed_kth_kernel,
+            dict(s_ptr="*fp32", noise_ptr="*fp32", seed_ptr="*i64", mean_ptr="*fp32", idx_ptr="*i64", n_rows="i32",
+                 n="i32", epsilon="fp32", KTH="constexpr", N_SAMPLES="constexpr", GIVEN_NOISE="constexpr",
+                 BLOCK="constexpr"),
+            lambda sh: dict(KTH=sh["k"] + 1, N_SAMPLES=10, GIVEN_NOISE=False, BLOCK=_pow2(sh["n"])),
+            (("for b in range(N_SAMPLES)", lambda sh: 10), ("for _ in range(KTH - 1)", lambda sh: sh["k"])),
+            lambda sh: sh["B"] * sh["n"] * 4 + sh["B"] * (4 + 10 * 8),         # the scores; the means and indices
+            num_warps=lambda sh: min(16, max(1, _pow2(sh["n"]) // 256))),
+        "smooth_svm_forward": KernelModel(
+            K._svm_forward_kernel, {**svm_fwd, **const}, blocks,
+            (("for blk in range(0, n_blocks)", lambda sh: _svm_shape(sh)[1]), ("for j in range(1, K + 1)", lambda sh: sh["k"])),
+            lambda sh: sh["B"] * (sh["n"] * 4 + _svm_shape(sh)[1] * _svm_shape(sh)[2] * 8 + 8 + 40)),  # + checkpoints
+        "smooth_svm_backward": KernelModel(
+            K._svm_backward_kernel, {**svm_bwd, **const}, blocks,
+            (("for bb in range(0, n_blocks)", lambda sh: _svm_shape(sh)[1]), ("for j in range(1, K)", lambda sh: sh["k"] - 1),
+             ("for j in range(1, K)", lambda sh: sh["k"] - 1)),
+            lambda sh: sh["B"] * (3 * sh["n"] * 4 + _svm_shape(sh)[1] * _svm_shape(sh)[2] * 8   # scores twice, gradient
+                                  + sh["k"] * _svm_shape(sh)[0] * 8)),                           # + one block's prefixes
+        "ce_forward": KernelModel(
+            ce._ce_forward_kernel, dict(s_ptr="*fp32", y_ptr="*i64", loss_ptr="*fp32", lse_ptr="*fp32", n="i32",
+                                     BLOCK="constexpr"),
+            lambda sh: dict(BLOCK=min(1024, _pow2(sh["n"]))),
+            (("for start in range(0, n, BLOCK)", lambda sh: -(-sh["n"] // min(1024, _pow2(sh["n"])))),),
+            lambda sh: sh["B"] * (sh["n"] * 4 + 4 + 8)),
+        "ce_backward": KernelModel(
+            ce._ce_backward_kernel, dict(s_ptr="*fp32", y_ptr="*i64", lse_ptr="*fp32", go_ptr="*fp32", g_ptr="*fp32",
+                                      n="i32", BLOCK="constexpr"),
+            lambda sh: dict(BLOCK=min(1024, _pow2(sh["n"]))),
+            (("for start in range(0, n, BLOCK)", lambda sh: -(-sh["n"] // min(1024, _pow2(sh["n"])))),),
+            lambda sh: sh["B"] * sh["n"] * 8),
+    }
+
+
+KERNEL_MODELS = _kernel_models()
+_SVM_SHAPES = tuple(dict(B=256, n=n, k=k) for n in (1000, 100_000) for k in (5, 20, 100))
+COST_STEPS = {
+    "F.cross_entropy": StepModel(("ce_forward", "ce_backward"), 6, ()),
+    "perturbed_kth": StepModel(("perturbed_kth",), 33, tuple(dict(B=256, n=n, k=k) for n in (1000, 8192) for k in (5, 20))),
+    "smooth_svm": StepModel(("smooth_svm_forward", "smooth_svm_backward"), 20, _SVM_SHAPES),
+}
+
+# %% ../nbs/14_bench.ipynb #dd481743
+def kernel_cost(name: str,   # a key of KERNEL_MODELS
+                shape: dict, # {'B', 'n', 'k'}
+                ) -> dict:
+    "One kernel at one shape: instructions per score element by class, software float64 transcendentals per element, registers, spills, the bounds and the estimate."
+    if name not in KERNEL_MODELS:
+        raise ValueError(f"name must be one of {sorted(KERNEL_MODELS)}, got {name!r}")
+    km = KERNEL_MODELS[name]
+    loops = source_loops(km.fn)
+    if [lp.head for lp in loops] != [head for head, _ in km.loops]:
+        raise ValueError(f"the loop table of {name} is stale: the source has {[lp.head for lp in loops]}, "
+                         f"the table {[head for head, _ in km.loops]}")
+    w = km.num_warps(shape)
+    sass = kernel_sass(km.fn, km.signature, km.constexprs(shape), num_warps=w)
+    dyn = dynamic_counts(sass, loops, [trips(shape) for _, trips in km.loops])
+    per_elem = 32 * w / km.elements(shape)
+    est = estimate_time(dyn["classes"], km.programs(shape), w, km.bytes(shape), launches=1, registers=sass.registers,
+                        shuffles=dyn["ops"].get("SHFL", 0.0), global_loads=dyn["global_loads"])
+    return {"kernel": name, **shape, "per_element": {c: v * per_elem for c, v in dyn["classes"].items()},
+            "instr_per_element": dyn["total"] * per_elem, "f64_calls_per_element": dyn["f64_calls"] * per_elem,
+            "fp64_in_loops": dyn["fp64_in_loops"], "loops_without_source": dyn["loops_without_source"],
+            "registers": sass.registers, "spill_bytes": sass.spill_stores + sass.spill_loads, "local": sass.local,
+            "num_warps": w, **est}
+
+# %% ../nbs/14_bench.ipynb #d650819d
+def cost_table(steps: Sequence[str] | None = None,   # names in COST_STEPS; all but F.cross_entropy by default
+               ) -> list[dict]:
+    "Every kernel of each step at each of its shapes, then the step: the sum of its kernels' largest bounds plus all its launches, F.cross_entropy's step under the same model at the same B and n, and the ratio."
+    names = list(steps or [s for s in COST_STEPS if s != "F.cross_entropy"])
+    bad = [s for s in names if s not in COST_STEPS]
+    if bad:
+        raise ValueError(f"steps must be names of COST_STEPS {sorted(COST_STEPS)}, got {bad}")
+    ce_model, rows = COST_STEPS["F.cross_entropy"], []
+    for name in names:
+        for shape in COST_STEPS[name].shapes:
+            ks = [kernel_cost(kn, shape) for kn in COST_STEPS[name].kernels]
+            ce = [kernel_cost(kn, shape) for kn in ce_model.kernels]
+            step = sum(r["estimate"] - r["launch"] for r in ks) + COST_STEPS[name].launches * _h("launch_s")
+            ce_step = sum(r["estimate"] - r["launch"] for r in ce) + ce_model.launches * _h("launch_s")
+            rows += [{**r, "step": name} for r in ks]
+            rows.append({"kernel": f"{name} step", "step": name, **shape, "estimate": step, "ce_estimate": ce_step,
+                         "ratio": step / ce_step, "f64_calls_per_element": sum(r["f64_calls_per_element"] for r in ks),
+                         "fp64_in_loops": sum(r["fp64_in_loops"] for r in ks),
+                         "spill_bytes": sum(r["spill_bytes"] for r in ks)})
+    return rows
+
+# %% ../nbs/14_bench.ipynb #173c8441
+class Budget(NamedTuple):
+    "What a step must meet at the shapes `where` selects."
+    step: str                        # a name in COST_STEPS
+    where: Callable                  # shape -> bool
+    max_ratio: float                 # estimated step time / F.cross_entropy's
+    f64_calls: bool = False          # software float64 transcendentals allowed
+    spills: bool = False             # register spills allowed
+    expected_over: bool = False      # known to be over (the kernels are being redesigned)
+
+
+BUDGETS = {
+    "perturbed_kth, n = 1000, k = 5": Budget("perturbed_kth", lambda sh: sh["n"] == 1000 and sh["k"] == 5, 5.0,
+                                             expected_over=True),   # over under this model: see the table
+    "smooth_svm, n = 1000, k <= 20": Budget("smooth_svm", lambda sh: sh["n"] == 1000 and sh["k"] <= 20, 3.0,
+                                            expected_over=True),
+    "smooth_svm, n = 1e5, k <= 20": Budget("smooth_svm", lambda sh: sh["n"] == 100_000 and sh["k"] <= 20, 2.0,
+                                           expected_over=True),
+    "smooth_svm, k = 100": Budget("smooth_svm", lambda sh: sh["k"] == 100, 5.0, expected_over=True),
+}
+
+
+def within_budget(table: Sequence[dict],   # from `cost_table`
+                  budgets: dict = BUDGETS, # name -> Budget
+                  ) -> dict[str, list[str]]:
+    "For each budget, what its step rows break (an empty list: within budget); a budget that selects no row is an error."
+    out = {}
+    for name, b in budgets.items():
+        rows = [r for r in table if r["kernel"] == f"{b.step} step" and b.where(r)]
+        if not rows:
+            raise ValueError(f"budget {name!r} selects no step row of the table (step {b.step!r})")
+        over = []
+        for r in rows:
+            at = f"n={r['n']}, k={r['k']}"
+            if r["ratio"] > b.max_ratio: over.append(f"{at}: ratio {r['ratio']:.1f} > {b.max_ratio}")
+            if not b.f64_calls and r["f64_calls_per_element"] > 0:
+                over.append(f"{at}: {r['f64_calls_per_element']:.0f} float64 exp/log per element")
+            if not b.spills and r["spill_bytes"] > 0: over.append(f"{at}: {r['spill_bytes']} bytes spilled")
+        out[name] = over
+    return out
+
+# %% ../nbs/14_bench.ipynb #367161a2
+def print_cost_table(table: Sequence[dict], budgets: dict = BUDGETS):
+    "The table as text: per kernel and shape the instructions per score element by class, float64 exp/log per element, registers, spills, programs per SM and the estimate; per step the estimate, cross-entropy's and the ratio, and the budgets."
+    cls = [c for c in SASS_CLASSES if any(r.get("per_element", {}).get(c, 0) for r in table)]
+    print(f"{'kernel':<22}{'n':>7}{'k':>4} " + "".join(f"{c:>8}" for c in cls)
+          + f"{'total':>9}{'f64 e/l':>8}{'regs':>5}{'spill':>6}{'prog/SM':>8}{'bound':>8}{'est us':>9}{'CE us':>8}{'ratio':>7}")
+    marks = {}
+    for name, b in budgets.items():
+        for r in table:
+            if r["kernel"] == f"{b.step} step" and b.where(r):
+                marks.setdefault(id(r), []).append("expected over budget" if b.expected_over else "budget")
+    for r in table:
+        head = f"{r['kernel']:<22}{r['n']:>7}{r['k']:>4} "
+        if "per_element" in r:
+            print(head + "".join(f"{r['per_element'][c]:>8.0f}" for c in cls) + f"{r['instr_per_element']:>9.0f}"
+                  f"{r['f64_calls_per_element']:>8.1f}{r['registers']:>5}{r['spill_bytes']:>6}{r['programs_per_sm']:>8}"
+                  f"{r['bound']:>8}{r['estimate'] * 1e6:>9.1f}")
+        else:
+            print(head + " " * (8 * len(cls) + 9) + f"{r['f64_calls_per_element']:>8.1f}" + " " * 27
+                  + f"{r['estimate'] * 1e6:>9.1f}{r['ce_estimate'] * 1e6:>8.1f}{r['ratio']:>7.1f}"
+                  + (f"  [{', '.join(marks[id(r)])}]" if id(r) in marks else ""))
+    print("\nbudgets:")
+    for name, over in within_budget(table, budgets).items():
+        state = "within" if not over else "over: " + "; ".join(over)
+        print(f"  {name}{' (expected over budget)' if budgets[name].expected_over else ''}: {state}")
+    print("\nassumptions (H100 SXM5):")
+    for key, (value, source) in H100.items():
+        print(f"  {key} = {value}: {source}")
+    print(f"  launches per step: " + ", ".join(f"{s} {m.launches}" for s, m in COST_STEPS.items()))
