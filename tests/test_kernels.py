@@ -169,11 +169,13 @@ fwd.update(n="i32", n_blocks="i32", inv_ktau_bits="i64", alpha_tau_bits="i64", t
 bwd = ptrs(["s_ptr", "y_ptr", "go_ptr", "lsig_ptr", "rho_ptr", "ckpt_ptr", "scratch_ptr", "g_ptr"],
            ["*fp32", "*i64", "*fp32"] + ["*fp64"] * 4 + ["*fp32"])
 bwd.update(n="i32", n_blocks="i32", inv_ktau_bits="i64")
-for k in (1, 3):
+for k, fast in ((1, True), (3, True), (3, False)):
     for fn, sig in ((K._svm_forward_kernel, fwd), (K._svm_backward_kernel, bwd)):
-        sig = {**sig, "K": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"}
-        src = ASTSource(fn=fn, signature=sig, constexprs={"K": k, "BLOCK_N": 64, "BLOCK_K": triton.next_power_of_2(k + 1)})
-        assert triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
+        sig = {**sig, "K": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "FAST": "constexpr"}
+        if not fast:
+            sig = {name: ("*fp64" if name in ("s_ptr", "go_ptr", "g_ptr") else kind) for name, kind in sig.items()}
+        const = {"K": k, "BLOCK_N": 64, "BLOCK_K": triton.next_power_of_2(k + 1), "FAST": fast}
+        assert triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32)).asm["cubin"]
 one = ptrs(["s_ptr", "noise_ptr", "seed_ptr", "mean_ptr", "idx_ptr"], ["*fp32", "*fp32", "*i64", "*fp32", "*i64"])
 one.update(n_rows="i32", n="i32", epsilon="fp32")
 cand = ptrs(["s_ptr", "noise_ptr", "seed_ptr", "cval_ptr", "cidx_ptr"], ["*fp32", "*fp32", "*i64", "*fp32", "*i64"])

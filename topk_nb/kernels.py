@@ -294,21 +294,56 @@ if HAS_TRITON:
         "Lane j of the log-space vector v (BLOCK_K,), by one max over the lanes."
         return tl.max(tl.where(rk == j, v, float("-inf")), 0)
 
+# %% ../nbs/16_kernels.ipynb #3eca4809
+if HAS_TRITON:
+    @triton.jit
+    def _lae_fast(a, b):
+        "log(exp(a) + exp(b)) of float64 values with the correction log(1 + exp(-|a - b|)) in float32; -inf (+) -inf = -inf."
+        m = tl.maximum(a, b)
+        d = (tl.minimum(a, b) - tl.where(m == float("-inf"), 0.0, m)).to(tl.float32)   # <= 0, -inf when a term is log 0
+        return m + tl.log(1.0 + tl.exp(d)).to(tl.float64)
+
+    @triton.jit
+    def _lae_any(a, b, FAST: tl.constexpr):
+        "_lae_fast or the float64 _lae."
+        if FAST:
+            return _lae_fast(a, b)
+        else:
+            return _lae(a, b)
+
+    @triton.jit
+    def _excl_combine_fast(t1, e1, t2, e2):
+        "_excl_combine with the float32 correction."
+        return _lae_fast(t1, t2), _lae_fast(t1, e2)
+
+    @triton.jit
+    def _lse_fast(b):
+        "_lse with the exponentials and their sum in float32 (each term <= 1), the logarithm of the sum in float64."
+        m = tl.max(b, 0)
+        m0 = tl.where(m == float("-inf"), 0.0, m)
+        total = tl.sum(tl.exp((b - m0).to(tl.float32)), 0)
+        return tl.where(m == float("-inf"), m, m0 + tl.log(tl.maximum(total, 1.0).to(tl.float64)))
+
 # %% ../nbs/16_kernels.ipynb #87dd07f3
 if HAS_TRITON:
     @triton.jit
-    def _degree_step(x, a_prev, carry, rk, j):
+    def _degree_step(x, a_prev, carry, rk, j, FAST: tl.constexpr):
         "Degree j over one block: A_j = carry_j (+) exclusive-scan(x + A_{j-1}) (BLOCK_N,), and carry_j (+)= the block's total."
         b = x + a_prev                                                   # (BLOCK_N,) log e_l A_{j-1}(l)
-        _, excl = tl.associative_scan((b, tl.full(b.shape, float("-inf"), tl.float64)), 0, _excl_combine)
+        if FAST:                                                         # float32 scores: float32 corrections
+            _, excl = tl.associative_scan((b, tl.full(b.shape, float("-inf"), tl.float64)), 0, _excl_combine_fast)
+            total = _lse_fast(b)
+        else:
+            _, excl = tl.associative_scan((b, tl.full(b.shape, float("-inf"), tl.float64)), 0, _excl_combine)
+            total = _lse(b)
         c = _pick(carry, rk, j)
-        return _lae(c, excl), tl.where(rk == j, _lae(c, _lse(b)), carry)
+        return _lae_any(c, excl, FAST), tl.where(rk == j, _lae_any(c, total, FAST), carry)
 
 # %% ../nbs/16_kernels.ipynb #e3ddee69
 if HAS_TRITON:
     @triton.jit
     def _svm_forward_kernel(s_ptr, y_ptr, loss_ptr, lsig_ptr, rho_ptr, ckpt_ptr, n, n_blocks, inv_ktau_bits, alpha_tau_bits, tau_bits,
-                            K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                            K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FAST: tl.constexpr):
         "Program `row`: log sigma_{k-1}, log sigma_k of the others by scans, the loss, rho, and the carry at each block's start."
         row = tl.program_id(0).to(tl.int64)                              # int64: row n passes 2^31
         inv_ktau, alpha_tau, tau = _f64(inv_ktau_bits), _f64(alpha_tau_bits), _f64(tau_bits)
@@ -322,7 +357,7 @@ if HAS_TRITON:
             tl.store(ckpt_ptr + (row * n_blocks + blk) * BLOCK_K + rk, carry)
             a = tl.zeros([BLOCK_N], dtype=tl.float64)                     # A_0 = log 1
             for j in range(1, K + 1):
-                a, carry = _degree_step(x, a, carry, rk, j)
+                a, carry = _degree_step(x, a, carry, rk, j, FAST)
         lk1, lk = _pick(carry, rk, K - 1), _pick(carry, rk, K)
         z = alpha_tau + lk - lk1 - tl.load(s_ptr + row * n + y).to(tl.float64) * inv_ktau   # b - a of eq. (10)
         u = tl.exp(-tl.abs(z))
@@ -336,7 +371,7 @@ if HAS_TRITON:
 if HAS_TRITON:
     @triton.jit
     def _svm_backward_kernel(s_ptr, y_ptr, go_ptr, lsig_ptr, rho_ptr, ckpt_ptr, scratch_ptr, g_ptr, n, n_blocks, inv_ktau_bits,
-                             K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                             K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FAST: tl.constexpr):
         "Program `row`: dL/ds by leave-one-out prefixes (recomputed from the checkpoint) and suffixes, blocks last to first."
         row = tl.program_id(0).to(tl.int64)                              # int64: row n passes 2^31
         inv_ktau = _f64(inv_ktau_bits)
@@ -355,7 +390,7 @@ if HAS_TRITON:
             carry, a = tl.load(ckpt_ptr + (row * n_blocks + blk) * BLOCK_K + rk), tl.zeros([BLOCK_N], dtype=tl.float64)
             tl.store(scr + lanes, a)
             for j in range(1, K):                                         # prefixes, in class order
-                a, carry = _degree_step(x, a, carry, rk, j)
+                a, carry = _degree_step(x, a, carry, rk, j, FAST)
                 tl.store(scr + j * BLOCK_N + lanes, a)
             tl.debug_barrier()
             xr = tl.load(s_ptr + row * n + roffs, mask=roffs < n, other=0.0).to(tl.float64)
@@ -364,11 +399,14 @@ if HAS_TRITON:
             hi = tl.load(scr + (K - 1) * BLOCK_N + rev)                   # sum_a A_a S_{K-1-a}, from a = K-1
             lo = tl.load(scr + (K - 2) * BLOCK_N + rev, mask=(lanes >= 0) & (K >= 2), other=float("-inf"))
             for j in range(1, K):                                         # suffixes S_1..S_{K-1}
-                sfx, sc = _degree_step(xr, sfx, sc, rk, j)
-                hi = _lae(hi, tl.load(scr + (K - 1 - j) * BLOCK_N + rev) + sfx)
+                sfx, sc = _degree_step(xr, sfx, sc, rk, j, FAST)
+                hi = _lae_any(hi, tl.load(scr + (K - 1 - j) * BLOCK_N + rev) + sfx, FAST)
                 term = tl.load(scr + (K - 2 - j) * BLOCK_N + rev, mask=(lanes >= 0) & (j <= K - 2), other=float("-inf"))
-                lo = _lae(lo, term + sfx)
-            g = tl.exp(xr + hi - lk) - tl.exp(xr + lo - lk1)              # pi_{k,i} - pi_{k-1,i} (the second is 0 at k = 1)
+                lo = _lae_any(lo, term + sfx, FAST)
+            if FAST:                                                      # pi_{k,i} - pi_{k-1,i} (the second is 0 at k = 1)
+                g = tl.exp((xr + hi - lk).to(tl.float32)) - tl.exp((xr + lo - lk1).to(tl.float32))
+            else:
+                g = tl.exp(xr + hi - lk) - tl.exp(xr + lo - lk1)
             tl.store(g_ptr + row * n + roffs, tl.where(roffs == y, -w, w * g), mask=roffs < n)
             tl.debug_barrier()
 
@@ -404,7 +442,7 @@ def _svm_forward_op(s: torch.Tensor,       # (B, n) float32 or float64 scores, c
     (B, n), (BN, nb, BK) = s.shape, svm_blocks(s.shape[1], k, block_n or None)
     loss, lsig, rho, ckpt = _svm_state(s, k, block_n)
     _launch(_svm_forward_kernel, (B,), s, target, loss, lsig, rho, ckpt, n, nb, f64_bits(1.0 / (k * tau)), f64_bits(alpha / tau), f64_bits(tau),
-            K=k, BLOCK_N=BN, BLOCK_K=BK)
+            K=k, BLOCK_N=BN, BLOCK_K=BK, FAST=s.dtype == torch.float32)
     return loss, lsig, rho, ckpt
 
 
@@ -423,7 +461,7 @@ def _svm_backward_op(s: torch.Tensor, target: torch.Tensor,
     scratch = torch.empty(B, k, BN, dtype=torch.float64, device=s.device)   # each row's prefixes of one block
     out = torch.empty_like(s)
     _launch(_svm_backward_kernel, (B,), s, target, grad.contiguous(), lsig, rho, ckpt, scratch, out, n, nb,
-            f64_bits(1.0 / (k * tau)), K=k, BLOCK_N=BN, BLOCK_K=BK)
+            f64_bits(1.0 / (k * tau)), K=k, BLOCK_N=BN, BLOCK_K=BK, FAST=s.dtype == torch.float32)
     return out
 
 
