@@ -455,7 +455,7 @@ def gpu_check(device="cuda",          # cuda, cuda:N; cpu is a dry run of every 
               out="results/gpu",      # folder of <device-slug>-<YYYY-MM-DD>.json and .md
               log: Callable[[str], object] = print,  # progress lines
               ) -> tuple[dict, Path, Path]:
-    "Run every section on `device`, writing the JSON record after each section and the markdown tables at the end."
+    "Run every section on `device`, writing the JSON record and the markdown tables after each section (a run cut short keeps what it measured)."
     device = torch.device(device)
     if device.type not in ("cuda", "cpu"):
         raise ValueError(f"device must be cuda, cuda:N or cpu, got {str(device)!r}")
@@ -473,7 +473,7 @@ def gpu_check(device="cuda",          # cuda, cuda:N; cpu is a dry run of every 
         if result["status"] in ("failed", "error"): report["failed"].append(section)
         log(f"gpu-check: {section} {result['status']} ({result['seconds']} s)" + (f": {result['error']}" if "error" in result else ""))
         stem.with_suffix(".json").write_text(json.dumps(_plain(report), indent=1) + "\n", encoding="utf-8")
-    stem.with_suffix(".md").write_text(render_markdown(report), encoding="utf-8")
+        stem.with_suffix(".md").write_text(render_markdown(report), encoding="utf-8")
     return report, stem.with_suffix(".json"), stem.with_suffix(".md")
 
 # %% ../nbs/15_gpucheck.ipynb #4b95063c
