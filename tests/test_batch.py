@@ -137,7 +137,7 @@ def test_write_record_is_complete_and_atomic(tmp_path):
     assert [p.name for p in (tmp_path / "c").iterdir()] == [RECORD]
     with pytest.raises(TypeError, match="cannot write object"):
         write_record(tmp_path / "d" / RECORD, {"a": object()})
-    assert not (tmp_path / "d" / RECORD).exists() and list((tmp_path / "d").iterdir()) == []
+    assert not (tmp_path / "d" / RECORD).exists() and list((tmp_path / "d").glob("*")) == []   # no file, not even a partial one
 
 
 # --- resume after kill -9 ---------------------------------------------------------------------------------------

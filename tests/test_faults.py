@@ -404,3 +404,210 @@ def test_list_into_a_closed_pipe_is_quiet():
     finally:
         os.close(write)
     assert res.returncode == 0 and res.stderr == "", res.stderr
+
+
+# --- interrupts -------------------------------------------------------------------------------------------------------
+def leftovers(out: Path) -> list[Path]:
+    return [p for pattern in LEFTOVERS for p in out.rglob(pattern)]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_one_signal_stops_the_run_at_once_with_a_summary(tmp_path, signum):
+    # one Ctrl-C (SIGINT to the runner's process group), or SIGTERM to the runner alone, during cell 2 of 4
+    nb, out, xs = counting_notebook(tmp_path), tmp_path / "runs", [1, 2, 3, 4]
+    proc = subprocess.Popen(runner(nb, out, xs, 2.0, "--jobs", "1"), env=ENV, cwd=tmp_path, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while sum(executions(tmp_path).values()) < 2 and time.monotonic() < deadline: time.sleep(0.05)
+    assert executions(tmp_path) == Counter({1: 1, 2: 1})              # cell 2 is in its notebook
+    if signum == signal.SIGINT: os.killpg(proc.pid, signum)
+    else: os.kill(proc.pid, signum)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signum, (stdout, stderr)
+    assert "Traceback" not in stderr and f"topk-nb run: stopped: interrupted by {signum.name}; 3 of 4 cells not done" in stderr
+    summary = json.loads(stdout.splitlines()[-1])
+    assert summary == {"total": 4, "skipped": 0, "ok": 1, "failed": 0, "missing": 3,
+                       "stopped": f"interrupted by {signum.name}"}
+    assert executions(tmp_path) == Counter({1: 1, 2: 1})              # no cell started after the signal
+    records = load_records(out, status=None)                          # nothing false: cell 1 ok, no failed record
+    assert [(r["params"]["x"], r["status"]) for r in records] == [(1, "ok")]
+    assert leftovers(out) == [] and wait_gone(tmp_path) == []
+    assert [x for x in xs if cell_done(batch.cell_dir(out, "count", {"x": x, "sleep": 2.0}))] == [1]
+
+
+# --- a full disk ------------------------------------------------------------------------------------------------------
+FULL_DISK = """import errno, os
+_flag, _fsync = os.environ.get("FULL_DISK_FLAG"), os.fsync
+def _full_fsync(fd):
+    if _flag and os.path.exists(_flag):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return _fsync(fd)
+os.fsync = _full_fsync
+"""
+
+
+def test_a_full_disk_stops_the_run_with_a_summary_and_keeps_finished_records(tmp_path):
+    # every process of the run (runner, jobs) gets ENOSPC from fsync once the flag file exists: the disk is full
+    shim, flag = tmp_path / "shim", tmp_path / "disk-is-full"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(FULL_DISK)
+    env = {**ENV, "PYTHONPATH": f"{shim}{os.pathsep}{ROOT}", "FULL_DISK_FLAG": str(flag)}
+    nb, out, xs = counting_notebook(tmp_path), tmp_path / "runs", [1, 2, 3]
+    cmd = runner(nb, out, xs, 1.5, "--jobs", "1")
+    proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while sum(executions(tmp_path).values()) < 2 and time.monotonic() < deadline: time.sleep(0.05)
+    first = (batch.cell_dir(out, "count", {"x": 1, "sleep": 1.5}) / RECORD).read_bytes()
+    flag.write_text("")                                                # cell 2 is running: the disk fills up
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in stderr, stderr
+    assert "topk-nb run: stopped: no space left on the device of" in stderr and "free some space, then run the same command again" in stderr
+    assert json.loads(stdout.splitlines()[-1])["stopped"].startswith("no space left on the device of")
+    assert executions(tmp_path) == Counter({1: 1, 2: 1})              # cell 3 not attempted
+    records = load_records(out, status=None)
+    assert [(r["params"]["x"], r["status"]) for r in records] == [(1, "ok")]
+    assert (Path(records[0]["path"])).read_bytes() == first and leftovers(out) == []
+    flag.unlink()                                                      # space again: the same command finishes the grid
+    rerun = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    check_all_done(out, xs)
+
+
+# --- links in a shared --out ------------------------------------------------------------------------------------------
+def test_links_in_cell_folders_are_never_followed(tmp_path):
+    nb, out = counting_notebook(tmp_path), tmp_path / "runs"
+    precious, elsewhere = tmp_path / "precious.txt", tmp_path / "elsewhere"
+    precious.write_text("keep me")
+    elsewhere.mkdir()
+    cell = {x: batch.cell_dir(out, "count", {"x": x, "sleep": 0.0}) for x in (1, 2, 3, 4)}
+    cell[1].mkdir(parents=True)
+    (cell[1] / ".lock").symlink_to(precious)
+    (cell[2].parent / cell[2].name).symlink_to(elsewhere, target_is_directory=True)
+    cell[3].mkdir()
+    (cell[3] / "job.log").symlink_to(precious)
+    res = subprocess.run(runner(nb, out, [1, 2, 3, 4], 0.0), env=ENV, cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+    assert json.loads(res.stdout.splitlines()[-1]) == {"total": 4, "skipped": 0, "ok": 1, "failed": 0, "missing": 3}
+    for x, link in ((1, cell[1] / ".lock"), (2, cell[2]), (3, cell[3] / "job.log")):
+        assert f"not done: {json.dumps({'x': x, 'sleep': 0.0})}: not run: {link} is a symbolic link, which the runner does not follow" in res.stderr
+    assert precious.read_text() == "keep me" and list(elsewhere.iterdir()) == []
+    assert executions(tmp_path) == Counter({4: 1})
+    (cell[4] / RECORD).rename(tmp_path / "moved.json")                 # a record that is a link is not read
+    (cell[4] / RECORD).symlink_to(tmp_path / "moved.json")
+    assert not cell_done(cell[4])
+    with pytest.raises(batch.RecordError, match="is a symbolic link, which the runner never writes"):
+        load_records(out)
+
+
+# --- an ok record is never replaced by a failed one -------------------------------------------------------------------
+def test_a_failed_rerun_keeps_the_ok_record(tmp_path):
+    nb, out = counting_notebook(tmp_path), tmp_path / "runs"
+    assert batch.run_grid(str(nb), grid={"x": [1], "sleep": [3.0]}, out_dir=out, progress=False)["ok"] == 1
+    cell = batch.cell_dir(out, "count", {"x": 1, "sleep": 3.0})
+    ok_text = (cell / RECORD).read_text()
+    (cell / EXECUTED).unlink()                                        # not done: it runs again, and times out
+    summary = batch.run_grid(str(nb), grid={"x": [1], "sleep": [3.0]}, out_dir=out, timeout=1, progress=False)
+    assert (cell / RECORD).read_text() == ok_text                     # the ok record and its metrics stay
+    assert {k: summary[k] for k in ("ok", "failed", "missing")} == {"ok": 0, "failed": 1, "missing": 0}
+    error = summary["failures"][0]["error"]
+    assert "a rerun: the earlier ok record is kept" in error and str(cell / batch.FAILED_ATTEMPT) in error, error
+    assert read_record(cell / batch.FAILED_ATTEMPT)["status"] == "failed"
+    assert [r["metrics"]["final"][0]["y"] for r in load_records(out)] == [10]
+    assert batch.run_grid(str(nb), grid={"x": [1], "sleep": [3.0]}, out_dir=out, progress=False)["ok"] == 1
+    assert not (cell / batch.FAILED_ATTEMPT).exists() and cell_done(cell)
+
+
+# --- records of the wrong shape, changed, or old ----------------------------------------------------------------------
+def test_report_names_records_of_the_wrong_shape_or_changed(tmp_path):
+    out = tmp_path / "runs"
+    params = {"experiment": 1, "sigma": 10, "n_seeds": 1}
+    row = {"loss": "ce", "seed": 0, "top1": 0.5, "top2": 0.8}
+    good = batch.write_record(batch.cell_dir(out, "circles_tradeoffs", params) / RECORD, params, {"final": [row]},
+                              experiment="circles_tradeoffs")
+    rec = json.loads(good.read_text())
+    old = {k: v for k, v in rec.items() if k not in ("format", "checksum")}
+    texts = {"a changed digit": json.dumps(rec).replace('"top1": 0.5', '"top1": 0.6'),
+             "status alone": json.dumps({"status": "ok"}),
+             "metrics a string": json.dumps({**old, "metrics": "top1=0.5"}),
+             "final a string": json.dumps({**old, "metrics": {"final": "0.5"}}),
+             "params a list": json.dumps({**old, "params": [1, 2]})}
+    paths = {}
+    for i, (name, text) in enumerate(texts.items()):
+        paths[name] = batch.cell_dir(out, "circles_tradeoffs", {**params, "sigma": 20 + i}) / RECORD
+        paths[name].parent.mkdir(parents=True)
+        paths[name].write_text(text)
+    legacy = batch.cell_dir(out, "circles_tradeoffs", {**params, "sigma": 40}) / RECORD
+    legacy.parent.mkdir(parents=True)
+    legacy.write_text(json.dumps({**old, "params": {**params, "sigma": 40}}))   # written before records had a checksum
+    done = _report("circles_tradeoffs", "--out", str(out))
+    assert done.returncode == 1 and done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.startswith("topk-nb report: error: 5 unreadable record(s)")
+    for name, why in (("a changed digit", "its content does not match its checksum"),
+                      ("status alone", "not a record: no 'params'"),
+                      ("metrics a string", "'metrics' is a string, not an object"),
+                      ("final a string", "'metrics.final' is a string"),
+                      ("params a list", "'params' is a list, not an object")):
+        assert f"{paths[name]}: {why}" in done.stderr, (name, done.stderr)
+    md = (out / "circles_tradeoffs" / "report" / "report.md").read_text()
+    assert "2 successful records, 0 failed, 5 unreadable" in md, md
+    assert "> **1 of 2 records carry no checksum**" in md and f"| {legacy} | ok |" in md, md
+    assert not batch.cell_done(paths["status alone"].parent)
+
+
+# --- notebooks and grids that could run code or write outside --out ---------------------------------------------------
+def _cli(*words) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stderr(err):
+        from contextlib import redirect_stdout
+        with redirect_stdout(out):
+            code = batch.main(list(words))
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_grid_keys_are_identifiers_and_notebook_names_stay_inside_out(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    nb = nbformat.read(str(counting_notebook(tmp_path)), as_version=4)
+    nb.cells[0].source = "%env SOME_SETTING=1\n" + nb.cells[0].source   # a parameters cell that does not parse
+    nbformat.write(nb, str(tmp_path / "magic.ipynb"))
+    mark = tmp_path / "was-run"
+    code, out, err = _cli("run", str(tmp_path / "magic.ipynb"), "--out", str(tmp_path / "runs"),
+                          "--grid", f"tag;__import__('os').system('touch {mark}');z=1")
+    assert (code, out, err.count("\n")) == (2, "", 1) and "is not a parameter name" in err, err
+    nbformat.write(nb, str(tmp_path / "...ipynb"))                      # its name would be the folder '..'
+    code, out, err = _cli("run", str(tmp_path / "...ipynb"), "--out", str(tmp_path / "runs"))
+    assert (code, err.count("\n")) == (2, 1) and "the experiment name '..' cannot name the folder of its cells" in err, err
+    assert not mark.exists() and not (tmp_path / "runs").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["...ipynb", "count.ipynb", "magic.ipynb"]
+
+
+@pytest.mark.parametrize("words, expected", [
+    (["--out", ""], "--out '' is empty: give the folder for the cells"),
+    (["--grid", 'losses=["nosuchloss"]'], "--grid losses=[\"nosuchloss\"]: 'nosuchloss' is no loss of the registry"),
+    (["--grid", "sigma=NaN"], "--grid sigma=NaN: sigma takes a number"),
+    (["--grid", "sigma=Infinity"], "--grid sigma=Infinity: sigma takes a number"),
+])
+def test_command_line_gaps_are_one_line(tmp_path, monkeypatch, words, expected):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = _cli("run", "circles_tradeoffs", *(["--out", str(tmp_path / "runs")] if words[0] != "--out" else []),
+                          *words)
+    assert (code, out, err.count("\n")) == (2, "", 1) and expected in err, err
+    assert list(tmp_path.iterdir()) == []                               # nothing written, not even in the current folder
+
+
+def test_a_list_with_several_elements_is_one_value():
+    exp, cells = batch.plan_grid("circles_tradeoffs", grid=batch.parse_grid(['losses=["ce","topk_grouping"],["ce"]']))
+    assert [c["losses"] for c in cells] == [["ce", "topk_grouping"], ["ce"]]
+
+
+# --- a checkpoint with a sound header and the wrong content -------------------------------------------------------------
+def test_a_checkpoint_without_the_training_state_is_refused_in_one_line(tmp_path):
+    run = tmp_path / "run"
+    save_checkpoint({"epoch": 1, "weights": torch.zeros(3)}, run / "checkpoint.pt")   # sound file, another program's state
+    with pytest.raises(CheckpointError) as info:
+        _fit(run, 2)
+    message = str(info.value)
+    assert message.startswith(f"checkpoint {run / 'checkpoint.pt'}: its content lacks 'config', ") and "\n" not in message
+    assert "delete it to start the run over" in message
+    code, err = _train_cli(*TRAIN_OK, f"out_dir={run}")
+    assert code == 2 and err.count("\n") == 1 and "its content lacks 'config'" in err, err

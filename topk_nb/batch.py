@@ -8,10 +8,12 @@ from __future__ import annotations
 import argparse
 import builtins
 import contextlib
+import errno
 import hashlib
 import importlib
 import itertools
 import json
+import keyword
 import pkgutil
 import math
 import os
@@ -32,16 +34,18 @@ from tqdm import tqdm
 
 from .catalogue import (Experiment, Figure, Finding, PaperValue,  # noqa: F401 (the entry types, importable from here)
                               experiments_dir)
-from .records import (EXECUTED, RECORD, RecordError, atomic_write_json, inspect_record,  # noqa: F401 (the record format)
+from .records import (EXECUTED, RECORD, RecordError, atomic_write_json, inspect_record, seal_record,  # noqa: F401 (the record format)
                              load_records, read_record, training_metrics, write_record)
 
 # %% auto #0
-__all__ = ['EXPERIMENTS', 'LOCK', 'KERNEL_START_TRIES', 'KERNEL_START_TIMEOUT', 'JOB_BUSY', 'EXPERIMENT_MODULES',
-           'discover_experiments', 'get_experiment', 'parse_value', 'parse_grid', 'expand_grid', 'cell_id', 'cell_slug',
-           'cell_dir', 'with_parameters_tag', 'CellBusy', 'claim_cell', 'record_stamp', 'notebook_final', 'cell_done',
-           'run_cell', 'die_with_parent', 'short_error', 'pending_cells', 'grid_summary', 'notebook_parameters',
-           'value_mismatch', 'check_parameters', 'plan_grid', 'check_out_dir', 'run_grid', 'describe_experiment',
-           'experiment_runtime', 'main']
+__all__ = ['EXPERIMENTS', 'LOCK', 'JOB_LOG', 'FAILED_ATTEMPT', 'FAILED_NOTEBOOK', 'KERNEL_START_TRIES', 'KERNEL_START_TIMEOUT',
+           'NO_SPACE', 'JOB_BUSY', 'JOB_NO_SPACE', 'JOB_UNSAFE', 'STOP_GRACE', 'EXPERIMENT_MODULES',
+           'discover_experiments', 'check_folder_name', 'get_experiment', 'parse_value', 'check_key', 'parse_grid',
+           'expand_grid', 'cell_id', 'cell_slug', 'cell_dir', 'with_parameters_tag', 'CellBusy', 'UnsafeCell',
+           'cell_links', 'claim_cell', 'record_stamp', 'notebook_final', 'cell_done', 'Stopped', 'no_space', 'run_cell',
+           'die_with_parent', 'short_error', 'pending_cells', 'grid_summary', 'RunStop', 'notebook_parameters',
+           'value_mismatch', 'unknown_losses', 'check_parameters', 'plan_grid', 'check_out_dir', 'run_grid',
+           'describe_experiment', 'experiment_runtime', 'main']
 
 # %% ../nbs/13_batch.ipynb #3744057c
 def discover_experiments(package: str = "topk_nb.experiments",  # the package whose modules declare the entries
@@ -61,37 +65,72 @@ def discover_experiments(package: str = "topk_nb.experiments",  # the package wh
 EXPERIMENTS: dict[str, Experiment] = discover_experiments()   # the catalogue: every experiment notebook's entry
 
 # %% ../nbs/13_batch.ipynb #477b8454
+def check_folder_name(name: str,  # an experiment's name: the folder of its cells under --out
+                      ) -> str:
+    "`name`, if it can name one folder inside `--out` (letters, digits, `_ . + -`, not starting with a dot); else a one-line ValueError."
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_+-][A-Za-z0-9_.+-]*", name):
+        raise ValueError(f"the experiment name {str(name)!r} cannot name the folder of its cells inside --out: use letters, "
+                         "digits, _ . + - and no leading dot (rename the notebook)")
+    return name
+
+
 def get_experiment(name: str | os.PathLike,  # a catalogue name, or the path of a notebook
                    ) -> Experiment:
-    "The catalogue entry `name`, or an ad-hoc entry (no presets) for the path of a notebook."
+    "The catalogue entry `name`, or an ad-hoc entry (no presets) for the path of a notebook, named after its file (`check_folder_name`)."
     if isinstance(name, str) and name in EXPERIMENTS:
         return EXPERIMENTS[name]
     path = Path(name)
     if path.suffix == ".ipynb" and path.is_file():
-        return Experiment(path.stem, str(path.resolve()), f"notebook {path.name}")
+        return Experiment(check_folder_name(path.stem), str(path.resolve()), f"notebook {path.name}")
     raise ValueError(f"unknown experiment {str(name)!r}: give a notebook path or one of {', '.join(EXPERIMENTS)}")
 
 # %% ../nbs/13_batch.ipynb #0bede397
+def _no_constant(name):
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
 def parse_value(text: str):
-    "A command-line value: JSON if it parses (`10`, `0.5`, `null`, `true`), else the string."
+    "A command-line value: JSON if it parses (`10`, `0.5`, `null`, `true`, `[\"ce\", \"focal\"]`), else the string; `NaN` and `Infinity` stay strings."
     try:
-        return json.loads(text)
-    except json.JSONDecodeError:
+        return json.loads(text, parse_constant=_no_constant)
+    except ValueError:             # json.JSONDecodeError, or NaN / Infinity
         return text
 
 # %% ../nbs/13_batch.ipynb #d22da915
+def _split_values(text: str) -> list[str]:
+    "Split `text` at the commas outside JSON brackets and strings: `[1,2],[3]` -> `['[1,2]', '[3]']`."
+    parts, depth, quoted, escaped, start = [], 0, False, False, 0
+    for i, ch in enumerate(text):
+        if quoted:
+            escaped, quoted = (not escaped and ch == "\\"), quoted and (escaped or ch != '"')
+        elif ch == '"': quoted = True
+        elif ch in "[{": depth += 1
+        elif ch in "]}": depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(text[start:i]); start = i + 1
+    return parts + [text[start:]]
+
+
+def check_key(key, where: str = "--grid") -> None:
+    "Raise ValueError unless `key` is a Python identifier (not a keyword): the only names a parameters cell assigns, whatever the notebook."
+    if not isinstance(key, str) or not key.isidentifier() or keyword.iskeyword(key):
+        raise ValueError(f"{where} key {key!r} is not a parameter name: a name is letters, digits and _, "
+                         "not starting with a digit (a Python identifier)")
+
+
 def parse_grid(words: Sequence[str]) -> dict[str, list]:
-    "`['sigma=10,20', 'loss=ce']` -> `{'sigma': [10, 20], 'loss': ['ce']}`."
+    "`['sigma=10,20', 'loss=ce', 'losses=[\"ce\",\"focal\"]']` -> `{'sigma': [10, 20], 'loss': ['ce'], 'losses': [['ce', 'focal']]}`: commas inside JSON lists and objects do not split."
     grid = {}
     for word in words or ():
         key, sep, values = word.partition("=")
         if not sep or not key or not values:
             raise ValueError(f"--grid expects key=v1,v2,..., got {word!r}")
+        check_key(key)
         if key in grid:
             raise ValueError(f"--grid gives {key} twice ({word!r}): write key=v1,v2,... once per key")
-        if any(not v.strip() for v in values.split(",")):
+        if any(not v.strip() for v in _split_values(values)):
             raise ValueError(f"--grid {word!r} has an empty value: write key=v1,v2,... without empty entries")
-        grid[key] = [parse_value(v) for v in values.split(",")]
+        grid[key] = [parse_value(v) for v in _split_values(values)]
     return grid
 
 # %% ../nbs/13_batch.ipynb #6538f315
@@ -132,13 +171,13 @@ def cell_slug(params: dict, keys: Sequence[str] | None = None, max_len: int = 80
 
 # %% ../nbs/13_batch.ipynb #25dbc8eb
 def cell_dir(out_dir, experiment: str | Experiment, params: dict) -> Path:
-    "Where a cell's record and executed notebook live: `out_dir/experiment/slug` (an absolute path)."
+    "Where a cell's record and executed notebook live: `out_dir/experiment/slug`, absolute; only `out_dir` is resolved (a link below it is never followed: `cell_links`)."
     if isinstance(experiment, Experiment):
         keys = [k for k in experiment.group_by if k in params] + ["seed"] if experiment.group_by else None
         experiment = experiment.name
     else:
         keys = None
-    return (Path(out_dir) / experiment / cell_slug(params, keys)).resolve()
+    return Path(out_dir).resolve() / check_folder_name(experiment) / cell_slug(params, keys)
 
 # %% ../nbs/13_batch.ipynb #6a26b1bc
 def with_parameters_tag(notebook):
@@ -156,27 +195,66 @@ def with_parameters_tag(notebook):
 LOCK = ".lock"
 
 
+JOB_LOG = "job.log"
+
+
+FAILED_ATTEMPT, FAILED_NOTEBOOK = "failed_attempt.json", "failed_attempt.ipynb"   # a rerun that failed beside an ok record
+
+
 class CellBusy(RuntimeError):
     "Another process owns the cell."
 
+
+class UnsafeCell(RuntimeError):
+    "A cell folder holding a symbolic link where the runner writes: the runner does not follow links it did not make."
+
 # %% ../nbs/13_batch.ipynb #90dd5875
+def cell_links(directory,  # a cell's folder
+               ) -> str | None:
+    "What in `directory` is a symbolic link where the runner writes (the experiment's folder, the cell's, its lock, log, record, notebook), in one line; None if nothing is."
+    directory = Path(directory)
+    paths = [directory.parent, directory] + [directory / n for n in (LOCK, JOB_LOG, RECORD, EXECUTED, FAILED_ATTEMPT, FAILED_NOTEBOOK)]
+    links = [str(p) for p in paths if p.is_symlink()]
+    if not links: return None
+    return (f"{', '.join(links)} {'is a symbolic link' if len(links) == 1 else 'are symbolic links'}, which the runner "
+            "does not follow (it makes none): remove them and run again")
+
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def _open_in_cell(directory: Path, name: str, flags: int) -> int:
+    "`os.open` of `directory/name` that follows no link, neither the folder nor the file; a link raises UnsafeCell."
+    try:
+        dir_fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _NOFOLLOW)
+        try: return os.open(name, flags | _NOFOLLOW, 0o666, dir_fd=dir_fd)
+        finally: os.close(dir_fd)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR) and (problem := cell_links(directory)):
+            raise UnsafeCell(problem) from None
+        raise
+
+
 @contextlib.contextmanager
 def claim_cell(directory,  # the cell's folder (created if missing)
                wait: bool = False,  # block until the owner releases the cell instead of raising CellBusy
                ):
-    "Own the cell folder `directory` inside the `with` block: an exclusive `flock` on `directory/.lock`, which dies with the process."
+    "Own the cell folder `directory` inside the `with` block: an exclusive `flock` on `directory/.lock`, which dies with the process. A link in the cell raises UnsafeCell."
     import fcntl
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    fd = os.open(directory / LOCK, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
+    if problem := cell_links(directory):
+        raise UnsafeCell(problem)
+    fd = _open_in_cell(directory, LOCK, os.O_RDWR | os.O_CREAT)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
         except BlockingIOError:
             owner = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "a process"
             raise CellBusy(f"the cell {directory} is being run by {owner}") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()}\n".encode(), 0)     # who owns it, for the message above
+        with contextlib.suppress(OSError):                     # who owns it, for the message above (a full disk: none)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()}\n".encode(), 0)
         yield directory
     finally:
         os.close(fd)                                            # releases the lock
@@ -195,6 +273,7 @@ def record_stamp(directory,  # a cell's folder
 def notebook_final(path,  # an executed notebook
                    ) -> bool:
     "Whether `path` is a notebook papermill finished executing (its `metadata.papermill.end_time` is set)."
+    if Path(path).is_symlink(): return False            # a link the runner did not make (`cell_links`)
     try:
         nb = json.loads(Path(path).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
@@ -225,8 +304,20 @@ def _clear_attempts(directory: Path) -> None:
             with contextlib.suppress(FileNotFoundError): p.unlink()
 
 # %% ../nbs/13_batch.ipynb #7a942a1d
+def _ok_record(directory: Path) -> bool:
+    "Whether the cell's `record.json` is a sound record that says ok."
+    return (read_record(directory / RECORD) or {}).get("status") == "ok"
+
+
 def _publish(directory: Path, record: Path, notebook: Path) -> None:
-    "Make an attempt final: its executed notebook becomes `notebook.ipynb`, then its record `record.json` (last)."
+    "Make an attempt final: its executed notebook becomes `notebook.ipynb`, then its record `record.json` (last); a failed attempt beside an ok record goes to `failed_attempt.*` instead, and the ok record stays."
+    if (read_record(record) or {}).get("status") != "ok" and _ok_record(directory):
+        for src, dst in ((notebook, directory / FAILED_NOTEBOOK), (record, directory / FAILED_ATTEMPT)):
+            if src.exists(): os.replace(src, dst)
+            else:
+                with contextlib.suppress(FileNotFoundError): dst.unlink()
+        _fsync(directory)
+        return
     final = directory / EXECUTED
     if notebook.exists():
         _fsync(notebook)
@@ -235,6 +326,8 @@ def _publish(directory: Path, record: Path, notebook: Path) -> None:
         with contextlib.suppress(FileNotFoundError): final.unlink()
     _fsync(directory)
     os.replace(record, directory / RECORD)
+    for name in (FAILED_ATTEMPT, FAILED_NOTEBOOK):   # an older rerun's failure: this attempt's outcome supersedes it
+        with contextlib.suppress(FileNotFoundError): (directory / name).unlink()
     _fsync(directory)
 
 # %% ../nbs/13_batch.ipynb #4bb93c88
@@ -268,38 +361,71 @@ def _with_kernel_retries(run: Callable[[], object], tries: int = KERNEL_START_TR
             if attempt == tries or not _kernel_did_not_start(e): raise
             print(f"the kernel did not start ({e}); trying again ({attempt + 1} of {tries})", file=sys.stderr)
 
+# %% ../nbs/13_batch.ipynb #daeb8e7e
+@contextlib.contextmanager
+def _signals_held():
+    "Hold SIGINT and SIGTERM back inside the block (the two renames of `_publish`), delivered after it; a no-op outside the main thread's reach."
+    held = {signal.SIGINT, signal.SIGTERM}
+    try: old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    except (AttributeError, OSError, ValueError): old = None
+    try:
+        yield
+    finally:
+        if old is not None: signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
 # %% ../nbs/13_batch.ipynb #ef74f347
+class Stopped(BaseException):
+    "The job process was told to stop (SIGTERM or SIGINT): its attempt leaves no record."
+
+
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def no_space(e: BaseException,  # an exception
+             ) -> bool:
+    "Whether `e` says the disk is full (or the quota spent): an OSError with ENOSPC or EDQUOT, or a notebook's error naming one."
+    if isinstance(e, OSError) and e.errno in NO_SPACE: return True
+    return isinstance(e, Exception) and any(f"[Errno {n}] {os.strerror(n)}" in str(e) for n in NO_SPACE)
+
+
 def _execute(notebook, params: dict, directory: Path, experiment, timeout, log_output, identity=None) -> dict:
-    "Run one attempt in a folder this process owns, publish its notebook and record (with `identity` added); returns the record."
+    "Run one attempt in a folder this process owns, publish its notebook and record (sealed, with `identity` added); returns the record. Interrupted, or on a full disk, the attempt leaves no file and the exception goes on."
     import papermill as pm
     _clear_attempts(directory)
     attempt = f"{os.getpid()}-{secrets.token_hex(4)}"
     record, executed = directory / f".record.{attempt}.json", directory / f".notebook.{attempt}.ipynb"
-    start, interrupted = time.perf_counter(), None
+    start = time.perf_counter()
     try:
-        _with_kernel_retries(lambda: pm.execute_notebook(
-            with_parameters_tag(notebook), str(executed), parameters={**params, "record_path": str(record)},
-            kernel_name="python3", cwd=str(Path(notebook).parent), progress_bar=False, log_output=log_output,
-            execution_timeout=timeout, start_timeout=KERNEL_START_TIMEOUT))
-        written = read_record(record)
-        if written is None:
-            raise RuntimeError("the notebook ran but wrote no record to record_path")
-        if identity is not None: atomic_write_json(record, {**written, "identity": {**identity, "seed": written.get("seed")}})
-    except BaseException as e:
-        error = f"{type(e).__name__}: {e}"
-        if not isinstance(e, Exception): error, interrupted = error + " (interrupted)", e
-        write_record(record, params, experiment=experiment, status="failed", error=error[-4000:],
-                     seed=params.get("seed"), wall_time_s=time.perf_counter() - start,
-                     traceback=traceback.format_exc()[-4000:], **({"identity": identity} if identity else {}))
-    _publish(directory, record, executed)
-    if interrupted is not None: raise interrupted
+        try:
+            _with_kernel_retries(lambda: pm.execute_notebook(
+                with_parameters_tag(notebook), str(executed), parameters={**params, "record_path": str(record)},
+                kernel_name="python3", cwd=str(Path(notebook).parent), progress_bar=False, log_output=log_output,
+                execution_timeout=timeout, start_timeout=KERNEL_START_TIMEOUT))
+            written, problem = inspect_record(record)
+            if written is None:
+                raise RuntimeError(f"the record the notebook wrote to record_path {problem}" if problem else
+                                   "the notebook ran but wrote no record to record_path")
+            if identity is not None: written = {**written, "identity": {**identity, "seed": written.get("seed")}}
+            atomic_write_json(record, seal_record(written))
+        except Exception as e:
+            if no_space(e): raise
+            write_record(record, params, experiment=experiment, status="failed", error=f"{type(e).__name__}: {e}"[-4000:],
+                         seed=params.get("seed"), wall_time_s=time.perf_counter() - start,
+                         traceback=traceback.format_exc()[-4000:], **({"identity": identity} if identity else {}))
+        with _signals_held():
+            _publish(directory, record, executed)
+    except BaseException:             # Stopped, KeyboardInterrupt, a full disk: nothing of this attempt stays
+        for path in (record, executed):
+            with contextlib.suppress(OSError): path.unlink()
+        with contextlib.suppress(OSError): _clear_attempts(directory)
+        raise
     return read_record(directory / RECORD)
 
 # %% ../nbs/13_batch.ipynb #1a848727
 def _log_to(path: Path) -> None:
-    "Send this process's stdout and stderr, and those of the processes it starts (the kernel), to `path`."
+    "Send this process's stdout and stderr, and those of the processes it starts (the kernel), to `path` (never through a link)."
     sys.stdout.flush(); sys.stderr.flush()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    fd = _open_in_cell(path.parent, path.name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(fd, 1); os.dup2(fd, 2)
     os.close(fd)
 
@@ -316,7 +442,7 @@ def run_cell(notebook,  # the experiment notebook
              identity: dict | None = None,  # what the record measured (experiment, preset, cell): added to the record
              ) -> dict:
     "Execute `notebook` for one grid cell into `directory` as its owner; returns the cell's record. A done cell is not run again."
-    directory = Path(directory).resolve()         # the kernel runs in the notebook's folder
+    directory = Path(os.path.abspath(directory))  # absolute (the kernel runs in the notebook's folder), links not resolved
     if wait and since is None: since = record_stamp(directory)
     with claim_cell(directory, wait):
         done = _finished_record(directory, since)
@@ -326,6 +452,12 @@ def run_cell(notebook,  # the experiment notebook
 
 # %% ../nbs/13_batch.ipynb #8322871a
 JOB_BUSY = 75          # exit status of a job whose cell another process owns (EX_TEMPFAIL)
+
+
+JOB_NO_SPACE = 74      # exit status of a job that found the disk full (EX_IOERR): its attempt left nothing
+
+
+JOB_UNSAFE = 77        # exit status of a job whose cell holds a link where the runner writes (`cell_links`)
 
 
 def die_with_parent(parent: int,  # the pid of the process that started this one
@@ -344,19 +476,36 @@ def die_with_parent(parent: int,  # the pid of the process that started this one
     return os.getppid() == parent       # checked after the request: a parent that died before it is seen here
 
 # %% ../nbs/13_batch.ipynb #b316a119
+def _stop_on_signals() -> None:
+    "In a job process: the first SIGTERM or SIGINT raises Stopped (the attempt cleans up after itself), later ones are ignored."
+    def stop(signum, frame):
+        for s in (signal.SIGTERM, signal.SIGINT): signal.signal(s, signal.SIG_IGN)
+        raise Stopped(signal.Signals(signum).name)
+    for s in (signal.SIGTERM, signal.SIGINT): signal.signal(s, stop)
+
+
 def _job_main(spec_json: str) -> int:
-    "The job process: run one cell as its owner; exit 0 (ok), 1 (failed) or JOB_BUSY (another process owns it)."
+    "The job process: run one cell as its owner; exit 0 (ok), 1 (failed), JOB_BUSY (another process owns it), JOB_NO_SPACE (a full disk), JOB_UNSAFE (a link in the cell) or 128 + the signal that stopped it."
     spec = json.loads(spec_json)
     if spec.get("parent") is not None and not die_with_parent(spec["parent"]):
         return 1                                                 # the runner died before this process started
+    _stop_on_signals()
     directory = Path(spec["directory"])
     try:
         rec = run_cell(spec["notebook"], spec["params"], directory, spec.get("experiment"), spec.get("timeout"),
-                       wait=spec.get("wait", False), since=spec.get("since"), log=directory / "job.log",
+                       wait=spec.get("wait", False), since=spec.get("since"), log=directory / JOB_LOG,
                        identity=spec.get("identity"))
     except CellBusy as e:
         print(e)
         return JOB_BUSY
+    except UnsafeCell as e:
+        print(e)
+        return JOB_UNSAFE
+    except Stopped as e:
+        return 128 + signal.Signals[str(e)].value
+    except OSError as e:
+        if not no_space(e): raise
+        return JOB_NO_SPACE                                      # its output goes to job.log: the runner says it
     return 0 if rec.get("status") == "ok" else 1
 
 # %% ../nbs/13_batch.ipynb #d1934cb1
@@ -383,13 +532,19 @@ def grid_summary(experiment: Experiment,  # the catalogue entry
     summary = {"total": len(cells), "skipped": skipped, "ok": 0, "failed": 0, "missing": 0, "failures": []}
     for params in cells:
         directory = cell_dir(out_dir, experiment, params)
-        rec, problem = inspect_record(directory / RECORD)
-        if cell_done(directory):
+        if cell_done(directory) and not cell_links(directory):
             summary["ok"] += 1
             continue
-        if rec is not None and rec["status"] == "failed":
+        links = cell_links(directory)
+        rec, problem = inspect_record(directory / RECORD)
+        rerun = read_record(directory / FAILED_ATTEMPT) if rec is not None and rec["status"] == "ok" else None
+        if links:
+            summary["missing"] += 1
+            error = f"not run: {links}"
+        elif rec is not None and rec["status"] == "failed" or rerun is not None:
             summary["failed"] += 1
-            error = rec.get("error")
+            error = rec.get("error") if rerun is None else \
+                f"{short_error(rerun.get('error'))} (a rerun: the earlier ok record is kept, this attempt's is {directory / FAILED_ATTEMPT})"
         else:
             summary["missing"] += 1
             error = (f"record {directory / RECORD} {problem}" if problem else
@@ -407,16 +562,17 @@ def _signal_text(code: int) -> str:
 # %% ../nbs/13_batch.ipynb #a9f23f35
 def _record_crash(experiment: Experiment, params: dict, directory: Path, code: int, output: str, since: list,
                   identity: dict | None = None) -> None:
-    "A job process that died without a record: write a failed one, if this process can own the cell and nobody wrote a record since `since`."
+    "A job process that died without a record: write a failed one, if this process can own the cell and nobody wrote a record since `since` (beside an ok record, as `failed_attempt.json`: the ok record stays)."
     try:
         with claim_cell(directory):
             if record_stamp(directory) == since and not cell_done(directory):
                 tail = " | ".join(line for line in output.splitlines()[-5:] if line.strip())
-                write_record(directory / RECORD, params, experiment=experiment.name, status="failed",
+                target = directory / (FAILED_ATTEMPT if _ok_record(directory) else RECORD)
+                write_record(target, params, experiment=experiment.name, status="failed",
                              error=f"the job process {_signal_text(code)} without a record (see job.log)"
                                    + (f"; its output: {tail}" if tail else ""), **({"identity": identity} if identity else {}))
-    except CellBusy:
-        pass                                    # another runner owns it now: its outcome will be the record
+    except (CellBusy, UnsafeCell):
+        pass                                    # another runner owns it now (its outcome will be the record), or links
 
 # %% ../nbs/13_batch.ipynb #5a352155
 # The job's first statement asks to die with its parent (Linux), before the seconds that importing torch takes.
@@ -427,21 +583,59 @@ _JOB_LAUNCHER = ("import signal, sys\n"
                  "sys.exit(main(sys.argv[1:]))")
 
 
+STOP_GRACE = 10.0   # seconds a stopped job has to clean up before it is killed
+
+
+class RunStop:
+    "Why a run stops before its grid is over (a signal, a full disk), and the job processes to end then."
+    def __init__(self):
+        self.reason, self.signum, self.jobs = None, None, {}
+
+    def stop(self, reason: str, signum: int | None = None) -> None:
+        "Start no more cells; the first reason is kept. The running jobs get SIGTERM, and SIGKILL after `STOP_GRACE` seconds."
+        if self.reason is None: self.reason, self.signum = reason, signum
+        self.signal_jobs(signal.SIGTERM)
+        timer = threading.Timer(STOP_GRACE, self.signal_jobs, (signal.SIGKILL,))
+        timer.daemon = True
+        timer.start()
+
+    def signal_jobs(self, signum: int) -> None:
+        for proc in list(self.jobs.values()):
+            with contextlib.suppress(OSError):
+                if proc.poll() is None: proc.send_signal(signum)
+
+
 def _launch(experiment: Experiment, params: dict, out_dir, device: str | None, timeout, wait: bool,
-            since: list, preset: str | None = None) -> bool:
-    "Run one cell in a job process; False if another process owns the cell (and `wait` is False)."
+            since: list, preset: str | None = None, stop: RunStop | None = None) -> bool | None:
+    "Run one cell in a job process; False if another process owns the cell (and `wait` is False), None if the run stopped before it started (`stop`)."
+    stop = stop or RunStop()
     directory = cell_dir(out_dir, experiment, params)
+    if stop.reason is not None: return None
+    if cell_links(directory): return True              # not run: `grid_summary` names the links
     identity = {"experiment": experiment.name, "preset": preset, "cell": params, "cell_id": cell_id(params)}
     spec = {"notebook": str(experiment.notebook_path()), "params": params, "directory": str(directory),
             "experiment": experiment.name, "timeout": timeout, "wait": wait, "since": since, "parent": os.getpid(),
             "identity": identity}
     env = dict(os.environ)
     if device is not None: env["CUDA_VISIBLE_DEVICES"] = device     # one GPU per job; CPU workers inherit the setting
-    proc = subprocess.run([sys.executable, "-c", _JOB_LAUNCHER, "job", json.dumps(spec)], env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
-    if proc.returncode == JOB_BUSY: return False
-    if proc.returncode != 0:              # a failed cell has its record; a crashed job gets one here
-        _record_crash(experiment, params, directory, proc.returncode, proc.stdout, since, identity)
+    proc = subprocess.Popen([sys.executable, "-c", _JOB_LAUNCHER, "job", json.dumps(spec)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
+    stop.jobs[proc.pid] = proc
+    try:
+        if stop.reason is not None: proc.send_signal(signal.SIGTERM)   # stopped while it was starting
+        output, _ = proc.communicate()
+    finally:
+        stop.jobs.pop(proc.pid, None)
+    code = proc.returncode
+    if code == JOB_BUSY: return False
+    if code == JOB_NO_SPACE:
+        stop.stop(f"no space left on the device of {out_dir} (the job of {directory.name} could not write)")
+    elif code not in (0, JOB_UNSAFE) and stop.reason is None:   # a failed cell has its record; a crashed job gets one
+        try:
+            _record_crash(experiment, params, directory, code, output, since, identity)
+        except OSError as e:
+            if not no_space(e): raise
+            stop.stop(f"no space left on the device of {out_dir} (writing the failed record of {directory.name})")
     return True
 
 # %% ../nbs/13_batch.ipynb #e118ebe8
@@ -470,10 +664,10 @@ def notebook_parameters(notebook,  # an experiment notebook
 def value_mismatch(default,  # the parameter's default in the notebook's parameters cell (None: any value)
                    value,    # a value given for it
                    ) -> str | None:
-    "The kind of value a parameter takes, judged by its default, if `value` is not of that kind; else None. A default of None admits anything, and None is admitted everywhere (the notebooks read it as 'the training preset's value')."
+    "The kind of value a parameter takes, judged by its default, if `value` is not of that kind (NaN and infinities are no numbers); else None. A default of None admits anything, and None is admitted everywhere (the notebooks read it as 'the training preset's value')."
     if default is None or value is None:
         return None
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if isinstance(default, bool): ok, kind = isinstance(value, bool), "true or false"
     elif isinstance(default, int): ok, kind = number and isinstance(value, int), "an integer"
     elif isinstance(default, float): ok, kind = number, "a number"
@@ -483,12 +677,29 @@ def value_mismatch(default,  # the parameter's default in the notebook's paramet
     else: return None
     return None if ok else kind
 
+
+def unknown_losses(key: str,  # a parameter's name
+                   default,  # its default in the notebook's parameters cell
+                   value,  # a value given for it
+                   ) -> str | None:
+    "For a parameter named `loss` or `...losses` whose default names losses of the registry (`topk_nb.losses.LOSSES`): what in `value` names none, in words; else None."
+    def names(v): return [v] if isinstance(v, str) else [x for x in v if isinstance(x, str)] if isinstance(v, list) else []
+    if not (key == "loss" or key.endswith("losses")) or not names(default):
+        return None
+    from topk_nb.losses import LOSSES
+    if not all(n in LOSSES for n in names(default)):
+        return None                              # the notebook names losses of its own
+    bad = [n for n in names(value) if n not in LOSSES]
+    return f"{', '.join(map(repr, bad))} is no loss of the registry; valid names: {', '.join(LOSSES)}" if bad else None
+
 # %% ../nbs/13_batch.ipynb #7e305007
 def check_parameters(exp: Experiment,  # the catalogue entry
                      preset: str | None = None,  # the preset to run (None: the notebook's defaults)
                      grid: dict | None = None,  # the `--grid` overrides {parameter: [values]}
                      ) -> None:
-    "Raise ValueError, in one line naming the key and the notebook's parameters, if the preset or `grid` sets a name its parameters cell does not assign (or `record_path`, which the runner sets), or a value of another kind than the parameter's default."
+    "Raise ValueError, in one line naming the key and the notebook's parameters, if `grid` has a key that is no identifier (whatever the notebook), or the preset or `grid` sets a name its parameters cell does not assign (or `record_path`, which the runner sets), a value of another kind than the parameter's default, or a loss the registry lacks (`unknown_losses`)."
+    for key in grid or {}:
+        check_key(key)                           # always: papermill writes each key as Python code
     known = notebook_parameters(exp.notebook_path())
     if known is None:
         return                                   # a parameters cell that does not parse: papermill will say so
@@ -497,9 +708,11 @@ def check_parameters(exp: Experiment,  # the catalogue entry
         if key == "record_path" or key not in known:
             raise ValueError(f"--grid {key}=...: {key!r} is not a parameter of {name}; its parameters: {allowed}")
         for value in grid[key]:
+            shown = json.dumps(value) if not isinstance(value, str) else value
             if kind := value_mismatch(known[key], value):
-                raise ValueError(f"--grid {key}={json.dumps(value) if not isinstance(value, str) else value}: {key} takes "
-                                 f"{kind} (its default in {name} is {known[key]!r})")
+                raise ValueError(f"--grid {key}={shown}: {key} takes {kind} (its default in {name} is {known[key]!r})")
+            if wrong := unknown_losses(key, known[key], value):
+                raise ValueError(f"--grid {key}={shown}: {wrong}")
     for cell in expand_grid(exp.presets[preset]) if preset is not None else []:
         for key in cell:
             if key == "record_path" or key not in known:
@@ -507,6 +720,8 @@ def check_parameters(exp: Experiment,  # the catalogue entry
                                  f"its parameters: {allowed}")
             if kind := value_mismatch(known[key], cell[key]):
                 raise ValueError(f"preset {preset!r} of {exp.name} sets {key}={cell[key]!r}, but {key} takes {kind}")
+            if wrong := unknown_losses(key, known[key], cell[key]):
+                raise ValueError(f"preset {preset!r} of {exp.name} sets {key}={cell[key]!r}: {wrong}")
 
 # %% ../nbs/13_batch.ipynb #a624eb95
 def plan_grid(experiment: str | Experiment,  # a catalogue name, or the path of a notebook
@@ -541,7 +756,9 @@ def plan_grid(experiment: str | Experiment,  # a catalogue name, or the path of 
 # %% ../nbs/13_batch.ipynb #791b0eab
 def check_out_dir(out_dir,  # the folder of a run's cells (made if missing)
                   ) -> Path:
-    "The folder, made if missing; a one-line ValueError if it cannot be made or written to."
+    "The folder, made if missing; a one-line ValueError if it is empty, or cannot be made or written to."
+    if not str(out_dir).strip():
+        raise ValueError(f"--out {str(out_dir)!r} is empty: give the folder for the cells (the current folder is ./)")
     out = Path(out_dir).expanduser()
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -553,7 +770,7 @@ def check_out_dir(out_dir,  # the folder of a run's cells (made if missing)
 
 # %% ../nbs/13_batch.ipynb #f387e342
 def _run_pool(cells: list[dict], run, devices: list, bar) -> list[dict]:
-    "Run `run(params, device)` over `cells` with one worker per device; returns the cells for which it returned False."
+    "Run `run(params, device)` over `cells` with one worker per device; returns the cells for which it returned False (None: not started)."
     free, lock, put_aside = list(devices), threading.Lock(), []
     def work(params):
         with lock: device = free.pop()
@@ -565,8 +782,24 @@ def _run_pool(cells: list[dict], run, devices: list, bar) -> list[dict]:
         for fut in as_completed([pool.submit(work, c) for c in cells]):
             params, finished = fut.result()
             if finished: bar.update(1)
-            else: put_aside.append(params)
+            elif finished is False: put_aside.append(params)
     return put_aside
+
+# %% ../nbs/13_batch.ipynb #cb37da24
+@contextlib.contextmanager
+def _stop_on(stop: RunStop):
+    "Inside the block (in the main thread), SIGINT and SIGTERM stop the run (`RunStop.stop`); a second one kills its jobs at once."
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    def handler(signum, frame):
+        if stop.signum is not None: stop.signal_jobs(signal.SIGKILL)
+        else: stop.stop(f"interrupted by {signal.Signals(signum).name}", signum)
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in old.items(): signal.signal(s, h)
 
 # %% ../nbs/13_batch.ipynb #33566009
 def run_grid(experiment: str | Experiment,  # a catalogue name, or the path of a notebook
@@ -580,7 +813,7 @@ def run_grid(experiment: str | Experiment,  # a catalogue name, or the path of a
              progress: bool = True,  # show a progress bar
              data_root=None,  # the real data's folder (the parameter `data_root`)
              ) -> dict:
-    "Run the cells of a grid that are not done; returns `grid_summary` of the files on disk."
+    "Run the cells of a grid that are not done; returns `grid_summary` of the files on disk, with `stopped` (why) when a signal or a full disk ended the run early."
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise ValueError(f"jobs must be a positive integer, got {jobs!r}")
     if timeout is not None and not (isinstance(timeout, (int, float)) and 0 < timeout < math.inf):
@@ -590,11 +823,14 @@ def run_grid(experiment: str | Experiment,  # a catalogue name, or the path of a
     todo = pending_cells(exp, cells, out_dir)
     since = {cell_id(c): record_stamp(cell_dir(out_dir, exp, c)) for c in todo}
     devices = [str(g) for g in gpus] if gpus else [None] * jobs
-    with tqdm(total=len(todo), desc=exp.name, disable=not progress, unit="cell") as bar:
-        busy = _run_pool(todo, lambda c, d: _launch(exp, c, out_dir, d, timeout, False, since[cell_id(c)], preset),
+    stop = RunStop()
+    with _stop_on(stop), tqdm(total=len(todo), desc=exp.name, disable=not progress, unit="cell") as bar:
+        busy = _run_pool(todo, lambda c, d: _launch(exp, c, out_dir, d, timeout, False, since[cell_id(c)], preset, stop),
                          devices, bar)
-        _run_pool(busy, lambda c, d: _launch(exp, c, out_dir, d, timeout, True, since[cell_id(c)], preset), devices, bar)
-    return grid_summary(exp, cells, out_dir, skipped=len(cells) - len(todo))
+        _run_pool(busy, lambda c, d: _launch(exp, c, out_dir, d, timeout, True, since[cell_id(c)], preset, stop),
+                  devices, bar)
+    summary = grid_summary(exp, cells, out_dir, skipped=len(cells) - len(todo))
+    return summary if stop.reason is None else {**summary, "stopped": stop.reason, "signal": stop.signum}
 
 # %% ../nbs/13_batch.ipynb #f0d7430d
 class _Parser(argparse.ArgumentParser):
@@ -718,6 +954,7 @@ def main(argv: Sequence[str] | None = None,  # the words after `topk-nb` (sys.ar
         return _list(args.name)
     if args.command == "report":
         from topk_nb.report import report       # the report builds on the runner (grid, catalogue)
+        if not args.out.strip(): return _fail("report", ValueError("--out is empty: give the folder `topk-nb run` wrote"))
         try:
             print(report(args.experiment, args.out, args.report_dir))
         except RecordError as e:
@@ -735,7 +972,12 @@ def main(argv: Sequence[str] | None = None,  # the words after `topk-nb` (sys.ar
                        args.timeout, progress=not args.no_progress, data_root=args.data_root)
     for f in summary["failures"]:
         print(f"not done: {json.dumps(f['params'])}: {short_error(f['error'])}", file=sys.stderr)
-    print(json.dumps({k: v for k, v in summary.items() if k != "failures"}))
+    if "stopped" in summary:
+        print(f"topk-nb run: stopped: {summary['stopped']}; {summary['failed'] + summary['missing']} of "
+              f"{summary['total']} cells not done: " + ("free some space, then " if summary["signal"] is None else "")
+              + "run the same command again to resume (done cells are kept)", file=sys.stderr)
+    print(json.dumps({k: v for k, v in summary.items() if k not in ("failures", "signal")}))
+    if "stopped" in summary: return 1 if summary["signal"] is None else 128 + summary["signal"]
     return 1 if summary["failed"] or summary["missing"] else 0
 
 

@@ -11,7 +11,7 @@ import io
 import os
 import secrets
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -129,15 +129,30 @@ def _checkpoint_data(path: Path) -> memoryview:
     return memoryview(rest)
 
 # %% ../nbs/18_files.ipynb #bcdf7624
+def _fix(path: Path) -> str:
+    "What to do about a checkpoint that cannot be used: start over, or go back to the previous one where there is one."
+    prev = previous_checkpoint(path)
+    return "delete it to start the run over" + (f", or put the previous checkpoint in its place (mv {prev} {path})"
+                                                 if prev.is_file() else "")
+
+
 def load_checkpoint(path: str | os.PathLike,  # a file written by `save_checkpoint`
                     map_location="cpu",  # where the tensors go (torch.load's map_location)
+                    keys: Sequence[str] = (),  # the entries the caller reads: a checkpoint that is no dict holding them all is refused
                     ) -> dict:
-    "Load a checkpoint written by `save_checkpoint` after checking its length and SHA-256 (tensors, numbers and strings only: weights_only=True)."
+    "Load a checkpoint written by `save_checkpoint` after checking its length and SHA-256 (tensors, numbers and strings only: weights_only=True), and that it holds `keys`."
     path = Path(path)
     data = _checkpoint_data(path)
     try:
-        return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+        state = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
     except Exception as e:   # the checksum matched: written by save_checkpoint, but holding objects weights_only refuses
         raise CheckpointError(f"checkpoint {path}: torch.load(weights_only=True) refuses its content "
                               f"({type(e).__name__}); it holds objects other than tensors, numbers and strings: "
                               "save such state in another file") from None
+    if keys and not isinstance(state, dict):
+        raise CheckpointError(f"checkpoint {path}: its content is {type(state).__name__}, not the dict of a training "
+                              f"state (written by another program); {_fix(path)}")
+    if missing := [k for k in keys if k not in state]:
+        raise CheckpointError(f"checkpoint {path}: its content lacks {', '.join(map(repr, missing))} (a checkpoint of "
+                              f"another program or version); {_fix(path)}")
+    return state

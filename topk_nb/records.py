@@ -5,6 +5,7 @@
 # %% ../nbs/19_records.ipynb #dcfadf64
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -15,8 +16,9 @@ from pathlib import Path
 from .catalogue import package_dir
 
 # %% auto #0
-__all__ = ['RECORD', 'EXECUTED', 'git_commit', 'environment', 'atomic_write_json', 'write_record', 'RecordError',
-           'inspect_record', 'read_record', 'load_records', 'training_metrics']
+__all__ = ['RECORD', 'EXECUTED', 'RECORD_FORMAT', 'UNCHECKED', 'git_commit', 'environment', 'atomic_write_json',
+           'record_checksum', 'seal_record', 'record_problem', 'write_record', 'RecordError', 'inspect_record',
+           'read_record', 'load_records', 'training_metrics']
 
 # %% ../nbs/19_records.ipynb #cfc8db04
 RECORD = "record.json"
@@ -65,16 +67,80 @@ def _json_default(x):
     if isinstance(x, Path): return str(x)
     raise TypeError(f"cannot write {type(x).__name__} to a JSON record")
 
+# %% ../nbs/19_records.ipynb #8ac574c3
+RECORD_FORMAT = "topk_nb record v1"   # the `format` field of the records this version writes
+
+
+UNCHECKED = "unchecked"   # the key `inspect_record` sets on a record written without a checksum (an older version)
+
+
+def record_checksum(record: dict,  # a record, with or without its `checksum` (and the `path` `load_records` adds)
+                    ) -> str:
+    "SHA-256 of the record's canonical JSON (sorted keys, no spaces), leaving out `checksum`, `path` and `UNCHECKED`."
+    body = {k: v for k, v in record.items() if k not in ("checksum", "path", UNCHECKED)}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), default=_json_default)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+# %% ../nbs/19_records.ipynb #4a18b758
+def seal_record(record: dict,  # the fields of a record (status, params, metrics, ...)
+                ) -> dict:
+    "The record as it is written: its JSON form, with `format` set to `RECORD_FORMAT` and its `checksum` added last."
+    body = {k: v for k, v in record.items() if k not in ("checksum", "path", UNCHECKED)}
+    body = json.loads(json.dumps({**body, "format": RECORD_FORMAT}, default=_json_default))   # what reading gives back
+    return {**body, "checksum": record_checksum(body)}
+
+# %% ../nbs/19_records.ipynb #d8137f00
+def _kind(value) -> str:
+    "How a JSON value is called in a message: an object, a list, a string, a number, true or false, null."
+    if isinstance(value, bool): return "true or false"
+    if isinstance(value, (int, float)): return "a number"
+    return {dict: "an object", list: "a list", str: "a string", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+_FIELDS = {"params": ("an object",), "experiment": ("a string", "null"), "error": ("a string", "null"),
+           "environment": ("an object", "null"), "identity": ("an object", "null"), "finished": ("a string", "null"),
+           "wall_time_s": ("a number", "null")}   # the kinds each field of a record may have
+
+
+def record_problem(rec,  # a record as read from JSON
+                   ) -> str | None:
+    "What is wrong with `rec`: a missing or ill-kinded field, an ok record without metrics, a format or checksum that does not match; None for a sound record."
+    if not isinstance(rec, dict) or rec.get("status") not in ("ok", "failed"):
+        return "not a record: no 'status' of 'ok' or 'failed'"
+    if "params" not in rec: return "not a record: no 'params'"
+    metrics = ("an object",) if rec["status"] == "ok" else ("an object", "null")
+    for key, allowed in {**_FIELDS, "metrics": metrics}.items():
+        if _kind(rec.get(key)) not in allowed:
+            what = "missing" if key not in rec else _kind(rec[key])
+            return f"'{key}' is {what}, not {' or '.join(allowed)}" + (" (an ok record holds its metrics)" if key == "metrics" else "")
+    final = (rec.get("metrics") or {}).get("final")
+    rows = [final] if isinstance(final, dict) else final if isinstance(final, list) else [final]
+    if final is not None and not all(isinstance(r, dict) for r in rows):
+        return f"'metrics.final' is {_kind(final)}" + (f" holding {_kind(next(r for r in rows if not isinstance(r, dict)))}"
+                                                        if isinstance(final, list) else "") + ", not a row (an object) or a list of rows"
+    cell = (rec.get("identity") or {}).get("cell")
+    if _kind(cell) not in ("an object", "null"):
+        return f"'identity.cell' is {_kind(cell)}, not an object"
+    if "format" in rec and rec["format"] != RECORD_FORMAT:
+        return f"written in the format {str(rec['format'])[:40]!r}; this version reads {RECORD_FORMAT!r}"
+    if "checksum" not in rec:
+        return None if "format" not in rec else "its 'checksum' is missing (removed after the record was written)"
+    if rec["checksum"] != record_checksum(rec):
+        return "its content does not match its checksum (the file was changed after it was written)"
+    return None
+
 # %% ../nbs/19_records.ipynb #9fd78355
 def write_record(path, params: dict, metrics: dict | None = None, *, experiment: str | None = None,
                  seed: int | None = None, wall_time_s: float | None = None, status: str = "ok",
                  error: str | None = None, **extra) -> Path:
-    "Write a result record (atomically) to `path`: parameters, metrics, environment, seed, wall time, status."
+    "Write a result record (atomically) to `path`: parameters, metrics, environment, seed, wall time, status; sealed (`seal_record`), and refused (ValueError) if it would not read back."
     if status not in ("ok", "failed"):
         raise ValueError(f"status must be 'ok' or 'failed', got {status!r}")
-    record = {"experiment": experiment, "status": status, "params": params, "metrics": metrics, "error": error,
-              "seed": seed, "wall_time_s": wall_time_s, "environment": environment(),
-              "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **extra}
+    record = seal_record({"experiment": experiment, "status": status, "params": params, "metrics": metrics,
+                          "error": error, "seed": seed, "wall_time_s": wall_time_s, "environment": environment(),
+                          "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **extra})
+    if problem := record_problem(record):
+        raise ValueError(f"write_record: this record would not read back: {problem}")
     return atomic_write_json(path, record)
 
 # %% ../nbs/19_records.ipynb #155ad565
@@ -84,20 +150,24 @@ class RecordError(ValueError):
 # %% ../nbs/19_records.ipynb #b3352a24
 def inspect_record(path,  # a record file
                    ) -> tuple[dict | None, str | None]:
-    "`(record, None)` for a readable record, `(None, None)` when there is none, `(None, what is wrong)` when it cannot be read."
+    "`(record, None)` for a sound record (marked `UNCHECKED` when it has no checksum), `(None, None)` when there is none, `(None, what is wrong)` when it cannot be read or fails `record_problem`."
     try:
-        text = Path(path).read_text()
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+        with open(fd, encoding="utf-8") as f:
+            text = f.read()
     except FileNotFoundError:
         return None, None
     except (OSError, UnicodeDecodeError) as e:
+        if Path(path).is_symlink():
+            return None, "is a symbolic link, which the runner never writes (remove it)"
         return None, f"cannot be read ({type(e).__name__}: {e})"
     try:
         rec = json.loads(text)
     except json.JSONDecodeError as e:
         return None, f"not complete JSON ({len(text)} characters; {e})"
-    if not isinstance(rec, dict) or rec.get("status") not in ("ok", "failed"):
-        return None, "not a record: no 'status' of 'ok' or 'failed'"
-    return rec, None
+    if problem := record_problem(rec):
+        return None, problem
+    return (rec if "checksum" in rec else {**rec, UNCHECKED: True}), None
 
 # %% ../nbs/19_records.ipynb #b85590b9
 def read_record(path,  # a record file

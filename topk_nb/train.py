@@ -509,7 +509,8 @@ def _resume(ckpt_path: Path | None, config: TrainConfig, env: DistEnv, model, op
             out_dir.mkdir(parents=True, exist_ok=True)
             atomic_write(out_dir / "metrics.jsonl", lambda f: None, "w")
         return [], None, None, None, 0
-    ckpt = load_checkpoint(ckpt_path)
+    ckpt = load_checkpoint(ckpt_path, keys=("config", "model", "optimizer", "scheduler", "scaler", "rng", "epoch",
+                                            "history", "best_epoch", "best_value", "best_model"))
     _check_resumable(ckpt["config"], config, ckpt_path)
     try:
         model.load_state_dict(ckpt["model"])
