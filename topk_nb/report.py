@@ -430,7 +430,9 @@ def plot_figure(rows: list[dict],  # tidy result rows (`unique_rows`)
         title = _draw_panel(ax, aggs[m], points[m], mine, colours, fig.unit, samples)
         _x_axis(ax, _order({x for x, _ in aggs[m]} | {x for src in points[m].values() for p in src.values() for x, _, _ in p}))
         ax.set_xlabel(fig.x); ax.set_ylabel(f"{m} ({fig.unit})"); ax.grid(alpha=0.3)
-        ax.legend(fontsize=6.5, title=title, title_fontsize=6.5, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
+        labels = ax.get_legend_handles_labels()[1]
+        ax.legend(fontsize=6.5, title=title, title_fontsize=6.5, loc="upper center", bbox_to_anchor=(0.5, -0.16),
+                  ncol=2 if max(map(len, labels), default=0) <= 36 else 1)      # settings' labels: one column
     panels.suptitle(fig.title + (f"\n{banner}" if banner else ""), fontsize=10, color="k" if not banner else "tab:red")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -46,6 +46,8 @@ _FIGURES = (
            metrics=("zero_share",)),
     Figure("top_corner", "Loss at the top corner s = (0, 0, 2), true class ahead by 2 (x100)", _LS_MAIN, "k",
            series="panel", metrics=("value_top",)),
+    Figure("bottom_mid", "Loss at the middle of the bottom edge, true class the smallest score (x100)", _LS_MAIN, "k",
+           series="panel", metrics=("value_bottom_mid",)),
     Figure("fig4", "Garcin 2022 Fig. 4 (ε = 1): Monte-Carlo error of one draw of the noised balanced loss vs B",
            {"sweep": "n_samples"}, "n_samples", series="k", metrics=("mc_error",), unit="loss",
            note="The paper's Fig. 4 is level-set drawings without numbers; ours are level_sets_fig4_K*.png beside "
