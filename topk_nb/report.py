@@ -19,8 +19,8 @@ from .records import RecordError, load_records
 __all__ = ['ENVIRONMENT_PARAMS', 'NOT_IDENTITY', 'IDENTITY', 'SETTING', 'LEVEL', 'SINGLE_RUN', 'VERDICT_MARKS', 'SMOKE_BANNER',
            'record_rows', 'summarise', 'aggregate', 'fmt', 'record_settings', 'unique_rows', 'setting_labels',
            'label_rows', 'beta_inc', 't_two_sided', 'welch_test', 'verdict', 'single_run_verdict', 'check_finding',
-           'draws', 'paper_points', 'undrawn_paper_values', 'settings_as_series', 'plot_figure', 'paper_cells',
-           'comparability', 'banners', 'verdict_counts', 'report']
+           'draws', 'paper_points', 'undrawn_paper_values', 'settings_as_series', 'series_colours', 'plot_figure',
+           'paper_cells', 'comparability', 'banners', 'verdict_counts', 'report']
 
 # %% ../nbs/20_report.ipynb #05734c7c
 def record_rows(records: list[dict]) -> list[dict]:
@@ -402,6 +402,16 @@ def settings_as_series(rows: list[dict],  # tidy result rows (`unique_rows`)
     return [{**r, fig.series: f"{r.get(fig.series)} [{r[SETTING]}]"} if r[SETTING] else r
             for r in label_rows(rows, [fig.x, fig.series], fig.where)]
 
+# %% ../nbs/20_report.ipynb #fc5238d1
+def series_colours(series: Sequence,  # the series of a figure, in drawing order
+                   ) -> dict:
+    "A distinct colour per series: matplotlib's ten default colours, `tab20` up to 20 series, evenly spaced hues of `turbo` beyond."
+    import matplotlib
+    n = len(series)
+    if n <= 10: return {s: f"C{i}" for i, s in enumerate(series)}
+    if n <= 20: return {s: matplotlib.colors.to_hex(matplotlib.colormaps["tab20"](i)) for i, s in enumerate(series)}
+    return {s: matplotlib.colors.to_hex(matplotlib.colormaps["turbo"](i / (n - 1))) for i, s in enumerate(series)}
+
 # %% ../nbs/20_report.ipynb #ed15cc35
 def plot_figure(rows: list[dict],  # tidy result rows (`unique_rows`)
                 fig: Figure,  # the figure of the catalogue
@@ -420,7 +430,7 @@ def plot_figure(rows: list[dict],  # tidy result rows (`unique_rows`)
     if not any(aggs.values()): return None
     points = {m: paper_points(paper, fig, m) for m in fig.metrics}
     names = [s for m in fig.metrics for _, s in aggs[m]] + [s for m in fig.metrics for s in points[m]]
-    colours = {s: f"C{i}" for i, s in enumerate(s for s in dict.fromkeys(names) if s != "bayes")}
+    colours = series_colours([s for s in dict.fromkeys(names) if s != "bayes"])
     colours.update({"bayes": "k"} if "bayes" in names else {})
     panels, axes = plt.subplots(1, len(fig.metrics), figsize=(5.0 * len(fig.metrics), 4.6), squeeze=False,
                                 layout="constrained")
