@@ -398,9 +398,9 @@ def _draw_panel(ax, agg: dict, points: dict, claims: list, colours: dict, unit: 
 def settings_as_series(rows: list[dict],  # tidy result rows (`unique_rows`)
                        fig: Figure,  # the figure
                        ) -> list[dict]:
-    "The rows with each series of `fig` split by setting: where identities would be pooled, the series' name gets the setting's label in brackets."
+    "The rows `fig` shows (those matching its `where`), each series split by setting: where identities would be pooled, the series' name gets the setting's label in brackets."
     return [{**r, fig.series: f"{r.get(fig.series)} [{r[SETTING]}]"} if r[SETTING] else r
-            for r in label_rows(rows, [fig.x, fig.series], fig.where)]
+            for r in label_rows(rows, [fig.x, fig.series], fig.where) if _matches(r, fig.where)]
 
 # %% ../nbs/20_report.ipynb #fc5238d1
 def series_colours(series: Sequence,  # the series of a figure, in drawing order
@@ -425,8 +425,8 @@ def plot_figure(rows: list[dict],  # tidy result rows (`unique_rows`)
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    rows = settings_as_series(rows, fig)
-    aggs = {m: aggregate(rows, [fig.x, fig.series], m, fig.where) for m in fig.metrics}
+    rows = settings_as_series(rows, fig)                 # the figure's rows only: `where` is applied
+    aggs = {m: aggregate(rows, [fig.x, fig.series], m) for m in fig.metrics}
     if not any(aggs.values()): return None
     points = {m: paper_points(paper, fig, m) for m in fig.metrics}
     names = [s for m in fig.metrics for _, s in aggs[m]] + [s for m in fig.metrics for s in points[m]]
@@ -443,7 +443,10 @@ def plot_figure(rows: list[dict],  # tidy result rows (`unique_rows`)
         labels = ax.get_legend_handles_labels()[1]
         ax.legend(fontsize=6.5, title=title, title_fontsize=6.5, loc="upper center", bbox_to_anchor=(0.5, -0.16),
                   ncol=2 if max(map(len, labels), default=0) <= 36 else 1)      # settings' labels: one column
-    panels.suptitle(fig.title + (f"\n{banner}" if banner else ""), fontsize=10, color="k" if not banner else "tab:red")
+    import textwrap                                      # a title and banner as wide as the panels, no wider
+    width = 60 * len(fig.metrics)
+    panels.suptitle("\n".join(textwrap.wrap(fig.title, width) + (textwrap.wrap(banner, width) if banner else [])),
+                    fontsize=10, color="k" if not banner else "tab:red")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     panels.savefig(path, dpi=150)
@@ -555,15 +558,15 @@ def _figure_sections(exp: Experiment, rows: list[dict], report_dir: Path, figure
     "Per figure: a table of our means ± std per series, the drawing (PNG, SVG) and its caption."
     lines = []
     for fig in exp.figures:
-        split = settings_as_series(rows, fig)
-        aggs = {m: aggregate(split, [fig.x, fig.series], m, fig.where) for m in fig.metrics}
+        split = settings_as_series(rows, fig)             # the figure's rows only: `where` is applied
+        aggs = {m: aggregate(split, [fig.x, fig.series], m) for m in fig.metrics}
         if not any(aggs.values()): continue
         series = list(dict.fromkeys(s for agg in aggs.values() for _, s in agg))
         xs = _order({x for agg in aggs.values() for x, _ in agg})
         body = [[x] + [fmt(aggs[m].get((x, s), summarise([])), unit_scale(fig.unit)) for m in fig.metrics for s in series]
                 for x in xs]
         lines += [f"## {fig.title}", ""] + _table([fig.x] + [f"{s} {m}" for m in fig.metrics for s in series], body) + [""]
-        if figures and plot_figure(split, fig, report_dir / f"{fig.name}.png", exp.paper, results, banner,
+        if figures and plot_figure(rows, fig, report_dir / f"{fig.name}.png", exp.paper, results, banner,
                                    exp.samples) is not None:
             drawn = any(paper_points(exp.paper, fig, m) for m in fig.metrics)
             lines += [f"![{fig.title}]({fig.name}.png)", "",
