@@ -163,3 +163,18 @@ def test_level_set_drawings_are_in_the_report_at_150_dpi(tmp_path):
         png = tmp_path / exp.name / "report" / f"{name}.png"
         assert [round(d) for d in Image.open(png).info["dpi"]] == [150, 150]
         assert (png.with_suffix(".svg")).read_text().startswith("<?xml")
+
+
+def test_berrada_fig2a_draws_the_training_curves(tmp_path):
+    # the records keep the per-epoch history; Fig. 2a is drawn from it, one curve per temperature
+    for tau, start in ((0.001, 0.1), (1.0, 0.5)):
+        cell = {**batch.EXPERIMENTS["temperature"].presets["paper"], "tau": tau, "data_root": "/data"}
+        params = {k: v for k, v in batch.notebook_parameters(NOTEBOOKS / "temperature.ipynb").items() if k != "record_path"}
+        write_record(cell_dir(tmp_path, "temperature", cell) / RECORD, {**params, **cell},
+                     {"final": [{"loss": "smooth_svm", "tau": tau, "seed": 0, "train_top5": start + 0.2, "top5": start}],
+                      "history": [{"train_top5": start + 0.1 * e} for e in range(3)]}, experiment="temperature", seed=0,
+                     identity={"experiment": "temperature", "preset": "paper", "cell": cell, "seed": 0})
+    md = report("temperature", tmp_path).read_text()
+    assert "![Berrada 2018, Fig. 2a](fig2a.png)" in md
+    svg = (tmp_path / "temperature" / "report" / "fig2a.svg").read_text()
+    assert "τ = 0.001" in svg and "τ = 1" in svg and "top-5 training error (%)" in svg
