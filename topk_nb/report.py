@@ -464,7 +464,7 @@ def comparability(exp: Experiment,  # the catalogue entry
                   records: list[dict],  # its successful records
                   ) -> str | None:
     "A warning when some records ran no paper configuration (smoke preset, notebook defaults) or fabricated data; None when all are comparable."
-    ignore = {"seed", "data_root", exp.seeds_param, *NOT_IDENTITY}
+    ignore = {exp.seeds_param, *NOT_IDENTITY}            # the seeds and the environment-only parameters
     cells = [{k: v for k, v in c.items() if k not in ignore} for c in paper_cells(exp)]
     def params(r): return {**((r.get("identity") or {}).get("cell") or {}), **(r.get("params") or {})}
     other = [r for r in records if not any(all(params(r).get(k, "?") == v for k, v in c.items()) for c in cells)]
