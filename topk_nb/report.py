@@ -318,7 +318,7 @@ def _x_axis(ax, xs: list) -> None:
     if len(nums) == len(xs) and pos and max(pos) / min(pos) >= 16:
         if min(nums) > 0: ax.set_xscale("log")
         else: ax.set_xscale("symlog", linthresh=min(pos))
-    if nums and len(set(nums)) <= 8:
+    if nums and len(set(nums)) <= 8 and not (pos and max(pos) / min(pos) > 1e8):   # far apart: the log axis's own ticks
         ax.set_xticks(sorted(set(nums)), [f"{x:g}" for x in sorted(set(nums))])
         ax.minorticks_off()
 
