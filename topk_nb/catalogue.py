@@ -56,6 +56,7 @@ class Figure:
     metrics: tuple = ("top1", "top2")
     note: str = ""                # a sentence for the caption (how the paper draws it, what it gives)
     unit: str = "%"               # as PaperValue.unit; a time axis spanning a factor 16 or more is logarithmic
+    statistic: str = ""           # what each of our points is, where not the mean ± std over the entry's samples
 
 # %% ../nbs/17_catalogue.ipynb #75ed8553
 def unit_scale(unit: str) -> float:

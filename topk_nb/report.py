@@ -382,7 +382,8 @@ def _y_range(ax, ys: list[float], unit: str) -> None:
         ax.set_ylim(lo - pad, hi + pad)
 
 # %% ../nbs/20_report.ipynb #ce4f605b
-def _draw_panel(ax, agg: dict, points: dict, claims: list, colours: dict, unit: str = "%", samples: str = "seeds") -> str:
+def _draw_panel(ax, agg: dict, points: dict, claims: list, colours: dict, unit: str = "%", samples: str = "seeds",
+                statistic: str = "") -> str:
     "Our series, the paper's values beside them, else the paper's claims with our verdicts; returns the legend title."
     sc = unit_scale(unit)
     ys = _draw_ours(ax, agg, colours, sc) + _draw_paper(ax, points, colours, sc)
@@ -392,7 +393,7 @@ def _draw_panel(ax, agg: dict, points: dict, claims: list, colours: dict, unit: 
     ax.margins(x=0.08)
     ns = [agg[k]["n"] for k in agg]
     n = f"{min(ns)}" if min(ns) == max(ns) else f"{min(ns)}–{max(ns)}"
-    return f"ours: mean ± 1 std over {samples} (n = {n})" + ("; paper: hollow markers" if points else "")
+    return f"ours: {statistic or f'mean ± 1 std over {samples}'} (n = {n})" + ("; paper: hollow markers" if points else "")
 
 # %% ../nbs/20_report.ipynb #5a066129
 def settings_as_series(rows: list[dict],  # tidy result rows (`unique_rows`)
@@ -437,7 +438,7 @@ def plot_figure(rows: list[dict],  # tidy result rows (`unique_rows`)
     for ax, m in zip(axes[0], fig.metrics):
         mine = [(f, r) for f, r in claims if f.metric == m and f.x == fig.x and f.series == fig.series
                 and _compatible(f.where, fig.where)]
-        title = _draw_panel(ax, aggs[m], points[m], mine, colours, fig.unit, samples)
+        title = _draw_panel(ax, aggs[m], points[m], mine, colours, fig.unit, samples, fig.statistic)
         _x_axis(ax, _order({x for x, _ in aggs[m]} | {x for src in points[m].values() for p in src.values() for x, _, _ in p}))
         ax.set_xlabel(fig.x); ax.set_ylabel(f"{m} ({fig.unit})"); ax.grid(alpha=0.3)
         labels = ax.get_legend_handles_labels()[1]
@@ -570,7 +571,8 @@ def _figure_sections(exp: Experiment, rows: list[dict], report_dir: Path, figure
                                    exp.samples) is not None:
             drawn = any(paper_points(exp.paper, fig, m) for m in fig.metrics)
             lines += [f"![{fig.title}]({fig.name}.png)", "",
-                      f"Our mean ± 1 std over {exp.samples} (the tables' statistic); vector copy: [{fig.name}.svg]({fig.name}.svg). "
+                      (f"Ours: {fig.statistic} (shown as mean ± 0 in the table); " if fig.statistic else
+                       f"Our mean ± 1 std over {exp.samples} (the tables' statistic); ") + f"vector copy: [{fig.name}.svg]({fig.name}.svg). "
                       + ("The paper's values: hollow markers, dotted. " if drawn else "")
                       + (f"{fig.note} " if fig.note else "")
                       + ("Above each panel: the paper's claims at each setting, with our verdict. "
