@@ -41,6 +41,8 @@ class Finding:
     exclude: tuple = ("bayes",)   # series that are references, not competitors
     tol: float = 0.0
     unit: str = "%"               # as PaperValue.unit: how the report shows the metric
+    against: tuple = ()           # the series the paper compares the reference with (empty: every other series)
+    single_run: bool = False      # the paper compared single runs: with one run a side, judged as it did, by the difference's sign
 
 # %% ../nbs/17_catalogue.ipynb #15107be3
 @dataclass(frozen=True)
@@ -54,6 +56,7 @@ class Figure:
     metrics: tuple = ("top1", "top2")
     note: str = ""                # a sentence for the caption (how the paper draws it, what it gives)
     unit: str = "%"               # as PaperValue.unit; a time axis spanning a factor 16 or more is logarithmic
+    statistic: str = ""           # what each of our points is, where not the mean ± std over the entry's samples
 
 # %% ../nbs/17_catalogue.ipynb #75ed8553
 def unit_scale(unit: str) -> float:
@@ -77,6 +80,9 @@ class Experiment:
     requires: dict = field(default_factory=dict)   # {preset: {parameter: why the paper needs it}}: refused without it
     drawings: tuple = ()                 # functions `f(records, report_dir) -> report lines`: the entry's own figures
     dataset: str | None = None           # the data set a `--data-root` holds (a key of `topk_nb.data.DATA_LAYOUTS`): checked before a run
+    samples: str = "seeds"               # what the spread of a series is over: "seeds", or "repeats" (timings)
+    caveats: tuple = ()                  # (where, sentence) pairs: a banner whenever a record's parameters match `where`
+    hardware: str | None = None          # the papers' hardware, where results depend on it: a banner names both, and the device joins the identity
 
     def notebook_path(self) -> Path:
         "The experiment notebook papermill runs."

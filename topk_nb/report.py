@@ -16,9 +16,11 @@ from .batch import expand_grid, get_experiment, short_error
 from .records import RecordError, load_records
 
 # %% auto #0
-__all__ = ['NOT_IDENTITY', 'LEVEL', 'VERDICT_MARKS', 'record_rows', 'summarise', 'aggregate', 'fmt', 'record_settings',
-           'unique_rows', 'beta_inc', 't_two_sided', 'welch_test', 'verdict', 'check_finding', 'paper_points',
-           'plot_figure', 'paper_cells', 'comparability', 'verdict_counts', 'report']
+__all__ = ['ENVIRONMENT_PARAMS', 'NOT_IDENTITY', 'IDENTITY', 'SETTING', 'LEVEL', 'SINGLE_RUN', 'VERDICT_MARKS', 'SMOKE_BANNER',
+           'record_rows', 'summarise', 'aggregate', 'fmt', 'record_settings', 'unique_rows', 'setting_labels',
+           'label_rows', 'beta_inc', 't_two_sided', 'welch_test', 'verdict', 'single_run_verdict', 'check_finding',
+           'draws', 'paper_points', 'undrawn_paper_values', 'settings_as_series', 'series_colours', 'plot_figure',
+           'paper_cells', 'comparability', 'banners', 'verdict_counts', 'report']
 
 # %% ../nbs/20_report.ipynb #05734c7c
 def record_rows(records: list[dict]) -> list[dict]:
@@ -60,16 +62,27 @@ def fmt(s: dict, scale: float = 100.0) -> str:
     return "n/a" if not s["n"] else f"{scale * s['mean']:.2f} ± {scale * s['std']:.2f}"
 
 # %% ../nbs/20_report.ipynb #2b7f68f8
-NOT_IDENTITY = ("record_path", "seed", "device", "num_workers", "progress", "log_every")   # how a cell ran, not what
+ENVIRONMENT_PARAMS = ("record_path", "device", "num_workers", "progress", "log_every", "data_root")   # how and where a cell ran, not what it measured
+NOT_IDENTITY = ("seed",) + ENVIRONMENT_PARAMS      # and the seed: the sample, not the setting
+IDENTITY = "_identity"                             # the key of a result row's identity less its seed (`unique_rows`)
 
 
 def record_settings(record: dict,  # a record (`load_records`)
                     seeds_param: str | None = None,  # the experiment's parameter holding the number of seeds
+                    hardware: bool = False,  # the results are times: the device the record ran on is part of them
                     ) -> str:
-    "Canonical JSON of what a record measured: its grid cell's and its notebook's parameters, less the seeds and `NOT_IDENTITY`."
-    params = {**((record.get("identity") or {}).get("cell") or {}), **(record.get("params") or {})}
+    "Canonical JSON of what a record measured: its preset, its grid cell's and its notebook's parameters less the seeds and `ENVIRONMENT_PARAMS`, whether it had real data, the device where `hardware`."
+    ident = record.get("identity") or {}
+    params = {**(ident.get("cell") or {}), **(record.get("params") or {})}
     drop = set(NOT_IDENTITY) | {seeds_param}
-    return json.dumps({k: v for k, v in params.items() if k not in drop}, sort_keys=True, default=str)
+    settings = {k: v for k, v in params.items() if k not in drop}
+    settings["preset"] = ident.get("preset")
+    if "data_root" in params:
+        settings["real data"] = params["data_root"] is not None
+    if hardware:
+        env = record.get("environment") or {}
+        settings["hardware"] = f"{env.get('device', '?')}: {env.get('device_name', '?')}"
+    return json.dumps(settings, sort_keys=True, default=str)
 
 # %% ../nbs/20_report.ipynb #36d7ccc2
 def _newness(record: dict) -> tuple:
@@ -81,20 +94,58 @@ def _newness(record: dict) -> tuple:
 # %% ../nbs/20_report.ipynb #7a0eefae
 def unique_rows(records: list[dict],  # records of one experiment
                 seeds_param: str | None = None,  # the experiment's parameter holding the number of seeds
+                hardware: bool = False,  # the results are times: the device is part of the identity
                 ) -> tuple[list[dict], dict]:
-    "The result rows of `records` with each identity (experiment, settings, seed) taken from its newest record; and counts of what was dropped."
+    "The result rows of `records` with each identity (experiment, settings, seed) taken from its newest record, each row tagged with its identity less the seed (`IDENTITY`); and counts of what was dropped."
     tagged, owner = [], {}
     for i, rec in enumerate(records):
         name = rec.get("experiment") or (rec.get("identity") or {}).get("experiment")
-        base = (name, record_settings(rec, seeds_param))
+        settings = record_settings(rec, seeds_param, hardware)
+        base = (name, settings)
+        setting = json.dumps({"experiment": name, **json.loads(settings)}, sort_keys=True)
         fallback = None if isinstance(rec.get("seed"), list) else rec.get("seed")
         for row in record_rows([rec]):
             unit = base + (json.dumps(row.get("seed", fallback), default=str),)
-            tagged.append((unit, i, row))
+            tagged.append((unit, i, {**row, IDENTITY: setting}))
             if unit not in owner or _newness(rec) > _newness(records[owner[unit]]): owner[unit] = i
     dropped = [(unit, i) for unit, i, _ in tagged if owner[unit] != i]
     return ([row for unit, i, row in tagged if owner[unit] == i],
             {"rows": len(dropped), "seeds": len(set(dropped)), "records": len({i for _, i in dropped})})
+
+# %% ../nbs/20_report.ipynb #42f8e8d1
+SETTING = "_setting"        # the key of a row's label among the identities it would be pooled with (`label_rows`)
+
+
+def _label_value(v) -> str:
+    return v if isinstance(v, str) else str(v) if v is None or isinstance(v, bool) else json.dumps(v, default=str)
+
+
+def setting_labels(rows: list[dict],  # tidy result rows (`unique_rows`: each with its `IDENTITY`)
+                   keys: Sequence[str],  # the parameters a table or figure shows
+                   where: dict | None = None,  # only the rows matching these parameters
+                   ) -> dict:
+    "`{identity: label}`: where rows of several identities share the values of `keys`, each identity's values of the parameters in which they differ; `{}` when no values are shared."
+    groups: dict[tuple, set] = {}
+    for row in rows:
+        if _matches(row, where or {}):
+            groups.setdefault(tuple(row.get(k) for k in keys), set()).add(row.get(IDENTITY))
+    differ = set()
+    for ids in groups.values():
+        if len(ids) > 1:
+            ds = [json.loads(i) if i else {} for i in ids]
+            differ |= {k for k in set().union(*ds) if len({json.dumps(d.get(k), sort_keys=True, default=str) for d in ds}) > 1}
+    if not differ: return {}
+    ids = {i for group in groups.values() for i in group}
+    return {i: ", ".join(f"{k}={_label_value((json.loads(i) if i else {}).get(k))}" for k in sorted(differ)) for i in ids}
+
+# %% ../nbs/20_report.ipynb #d14be237
+def label_rows(rows: list[dict],  # tidy result rows (`unique_rows`)
+               keys: Sequence[str],  # the parameters a table or figure shows
+               where: dict | None = None,  # only the rows matching these parameters count
+               ) -> list[dict]:
+    "The rows, each with its `setting_labels` label under `SETTING` ('' where it is pooled with no other identity)."
+    labels = setting_labels(rows, keys, where)
+    return [{**r, SETTING: labels.get(r.get(IDENTITY), "")} for r in rows]
 
 # %% ../nbs/20_report.ipynb #f02c0659
 def _table(header: list[str], body: list[list]) -> list[str]:
@@ -174,27 +225,56 @@ def verdict(ref: dict,  # `summarise` of the reference series
     if test["p"] >= level: return "within noise", test
     return ("holds" if test["t"] > 0 else "contradicted"), test
 
+# %% ../nbs/20_report.ipynb #ca853bc3
+SINGLE_RUN = "single run, no spread"
+
+
+def single_run_verdict(ref: dict,  # `summarise` of the reference series (one run, or more)
+                       other: dict,  # `summarise` of the competitor
+                       relation: str,  # "best" or "not_best", as in `verdict`
+                       tol: float = 0.0,  # "almost the best": how far below the competitor the reference may be
+                       ) -> str:
+    "The verdict of a claim on single runs, as a paper comparing single runs gives it: the sign of the difference the claim asserts (0: a tie, within noise)."
+    if relation not in ("best", "not_best"):
+        raise ValueError(f"relation must be 'best' or 'not_best', got {relation!r}")
+    d = ref["mean"] - other["mean"] + tol if relation == "best" else other["mean"] - ref["mean"]
+    return "holds" if d > 0 else "contradicted" if d < 0 else "within noise"
+
 # %% ../nbs/20_report.ipynb #c7ed7091
+def _judge(f: Finding, ref: dict, other: dict, level: float) -> tuple[str, dict | None, str]:
+    "The verdict of claim `f` on two summaries, Welch's test (None without) and a note on how it was judged."
+    v, test = verdict(ref, other, f.relation, f.tol, level)
+    note = ""
+    if v == "untested" and f.single_run:
+        v, note = single_run_verdict(ref, other, f.relation, f.tol), SINGLE_RUN
+    if v == "holds" and f.relation == "best" and f.tol and ref["mean"] <= other["mean"]:
+        note = ", ".join(n for n in (note, "tie, within the stated tolerance" if ref["mean"] == other["mean"]
+                                     else "behind by less than the stated tolerance") if n)
+    return v, test, note
+
+
 def check_finding(rows: list[dict],  # tidy result rows (`unique_rows`)
                   f: Finding,  # the claim
                   level: float = LEVEL,  # significance level of the tests
                   ) -> list[dict]:
-    "At each `x` of the finding: the reference and the best other series (by mean, over seeds), their difference, Welch's test and the verdict."
-    agg = aggregate(rows, [f.x, f.series], f.metric, f.where)
+    "At each `x` of the finding and each setting (`label_rows`): the reference and the best other series (by mean; among `f.against` if given), their difference, Welch's test, the verdict and how it was judged."
+    agg = aggregate(label_rows(rows, [f.x, f.series], f.where), [f.x, f.series, SETTING], f.metric, f.where)
     out = []
     for x in f.xs:
-        ref = agg.get((x, f.reference))
-        others = {s: v for (xx, s), v in agg.items() if xx == x and s != f.reference and s not in f.exclude and v["n"]}
-        if ref is None or not ref["n"] or not others:
-            out.append({"x": x, "ref": ref, "other": None, "best_other": None, "diff": None, "test": None,
-                        "verdict": "not run"})
-            continue
-        best = max(others, key=lambda s: others[s]["mean"])
-        v, test = verdict(ref, others[best], f.relation, f.tol, level)
-        out.append({"x": x, "ref": ref, "other": others[best], "best_other": best,
-                    "diff": ref["mean"] - others[best]["mean"], "test": test, "verdict": v})
+        settings = list(dict.fromkeys(l for xx, _, l in agg if xx == x)) or [""]
+        for label in settings:
+            ref = agg.get((x, f.reference, label))
+            others = {s: v for (xx, s, l), v in agg.items() if xx == x and l == label and s != f.reference
+                      and s not in f.exclude and (not f.against or s in f.against) and v["n"]}
+            if ref is None or not ref["n"] or not others:
+                out.append({"x": x, "setting": label, "ref": ref, "other": None, "best_other": None, "diff": None,
+                            "test": None, "verdict": "not run", "note": ""})
+                continue
+            best = max(others, key=lambda s: others[s]["mean"])
+            v, test, note = _judge(f, ref, others[best], level)
+            out.append({"x": x, "setting": label, "ref": ref, "other": others[best], "best_other": best,
+                        "diff": ref["mean"] - others[best]["mean"], "test": test, "verdict": v, "note": note})
     return out
-
 
 # %% ../nbs/20_report.ipynb #37587ef4
 VERDICT_MARKS = {"holds": ("✓ holds", "tab:green"), "within noise": ("≈ noise", "0.35"),
@@ -206,6 +286,13 @@ def _compatible(where: dict, fig_where: dict) -> bool:
     return all(where.get(k, v) == v for k, v in fig_where.items())
 
 # %% ../nbs/20_report.ipynb #4fc195c0
+def draws(fig: Figure,  # a figure of the catalogue
+          pv: PaperValue,  # a paper value
+          ) -> bool:
+    "Whether `fig` draws `pv`: one of its panels shows the value's metric, and the value names the figure's x and series and fits its `where`."
+    return pv.metric in fig.metrics and fig.x in pv.where and fig.series in pv.where and _compatible(pv.where, fig.where)
+
+
 def paper_points(paper: Sequence[PaperValue],  # the catalogue's paper values
                  fig: Figure,  # the figure
                  metric: str,  # one panel's metric
@@ -213,9 +300,15 @@ def paper_points(paper: Sequence[PaperValue],  # the catalogue's paper values
     "`{series: {source: [(x, value, std or None), ...]}}`: the paper values one panel of `fig` can show (those that name its x and series)."
     out: dict = {}
     for pv in paper:
-        if pv.metric == metric and fig.x in pv.where and fig.series in pv.where and _compatible(pv.where, fig.where):
+        if pv.metric == metric and draws(fig, pv):
             out.setdefault(pv.where[fig.series], {}).setdefault(pv.source, []).append((pv.where[fig.x], pv.value, pv.std))
     return out
+
+# %% ../nbs/20_report.ipynb #4fda481e
+def undrawn_paper_values(exp: Experiment,  # a catalogue entry
+                         ) -> list[PaperValue]:
+    "The paper values of `exp` that no figure of its report draws: each catalogued number should appear in some figure."
+    return [pv for pv in exp.paper if not any(draws(fig, pv) for fig in exp.figures)]
 
 # %% ../nbs/20_report.ipynb #64225115
 def _x_axis(ax, xs: list) -> None:
@@ -225,7 +318,7 @@ def _x_axis(ax, xs: list) -> None:
     if len(nums) == len(xs) and pos and max(pos) / min(pos) >= 16:
         if min(nums) > 0: ax.set_xscale("log")
         else: ax.set_xscale("symlog", linthresh=min(pos))
-    if nums and len(set(nums)) <= 8:
+    if nums and len(set(nums)) <= 8 and not (pos and max(pos) / min(pos) > 1e8):   # far apart: the log axis's own ticks
         ax.set_xticks(sorted(set(nums)), [f"{x:g}" for x in sorted(set(nums))])
         ax.minorticks_off()
 
@@ -270,6 +363,7 @@ def _mark_verdicts(ax, shown: set, claims: list) -> None:
     for f, res in claims:
         for r in (r for r in res if r["x"] in shown):    # a claim about a setting we did not run: no mark
             text, colour = VERDICT_MARKS[r["verdict"]]
+            text += " (1 run)" if r.get("note", "").startswith(SINGLE_RUN) else ""
             marks.setdefault(r["x"], []).append((f"{f.reference} {'best' if f.relation == 'best' else 'not best'}\n{text}", colour))
     for x, texts in marks.items():
         ax.text(x, 1.01, "\n".join(t for t, _ in texts), color=texts[0][1] if len(texts) == 1 else "0.2", fontsize=6,
@@ -288,7 +382,8 @@ def _y_range(ax, ys: list[float], unit: str) -> None:
         ax.set_ylim(lo - pad, hi + pad)
 
 # %% ../nbs/20_report.ipynb #ce4f605b
-def _draw_panel(ax, agg: dict, points: dict, claims: list, colours: dict, unit: str = "%") -> str:
+def _draw_panel(ax, agg: dict, points: dict, claims: list, colours: dict, unit: str = "%", samples: str = "seeds",
+                statistic: str = "") -> str:
     "Our series, the paper's values beside them, else the paper's claims with our verdicts; returns the legend title."
     sc = unit_scale(unit)
     ys = _draw_ours(ax, agg, colours, sc) + _draw_paper(ax, points, colours, sc)
@@ -298,7 +393,25 @@ def _draw_panel(ax, agg: dict, points: dict, claims: list, colours: dict, unit: 
     ax.margins(x=0.08)
     ns = [agg[k]["n"] for k in agg]
     n = f"{min(ns)}" if min(ns) == max(ns) else f"{min(ns)}–{max(ns)}"
-    return f"ours: mean ± 1 std over seeds (n = {n})" + ("; paper: hollow markers" if points else "")
+    return f"ours: {statistic or f'mean ± 1 std over {samples}'} (n = {n})" + ("; paper: hollow markers" if points else "")
+
+# %% ../nbs/20_report.ipynb #5a066129
+def settings_as_series(rows: list[dict],  # tidy result rows (`unique_rows`)
+                       fig: Figure,  # the figure
+                       ) -> list[dict]:
+    "The rows `fig` shows (those matching its `where`), each series split by setting: where identities would be pooled, the series' name gets the setting's label in brackets."
+    return [{**r, fig.series: f"{r.get(fig.series)} [{r[SETTING]}]"} if r[SETTING] else r
+            for r in label_rows(rows, [fig.x, fig.series], fig.where) if _matches(r, fig.where)]
+
+# %% ../nbs/20_report.ipynb #fc5238d1
+def series_colours(series: Sequence,  # the series of a figure, in drawing order
+                   ) -> dict:
+    "A distinct colour per series: matplotlib's ten default colours, `tab20` up to 20 series, evenly spaced hues of `turbo` beyond."
+    import matplotlib
+    n = len(series)
+    if n <= 10: return {s: f"C{i}" for i, s in enumerate(series)}
+    if n <= 20: return {s: matplotlib.colors.to_hex(matplotlib.colormaps["tab20"](i)) for i, s in enumerate(series)}
+    return {s: matplotlib.colors.to_hex(matplotlib.colormaps["turbo"](i / (n - 1))) for i, s in enumerate(series)}
 
 # %% ../nbs/20_report.ipynb #ed15cc35
 def plot_figure(rows: list[dict],  # tidy result rows (`unique_rows`)
@@ -307,34 +420,40 @@ def plot_figure(rows: list[dict],  # tidy result rows (`unique_rows`)
                 paper: Sequence[PaperValue] = (),  # the paper's numbers: those naming the figure's x and series are drawn
                 claims: Sequence = (),  # (Finding, check_finding results) pairs: drawn where they concern a panel
                 banner: str | None = None,  # a warning written under the title (numbers not comparable with the paper's)
+                samples: str = "seeds",  # what the spread of a series is over (`Experiment.samples`)
                 ) -> Path | None:
-    "Draw `fig`, one panel per metric: our mean ± std over seeds, the paper's values and claims beside them; a 150 dpi PNG and an SVG. None without data."
+    "Draw `fig`, one panel per metric: our mean ± std over `samples` (one series per setting, `label_rows`), the paper's values and claims beside them; a 150 dpi PNG and an SVG. None without data."
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    aggs = {m: aggregate(rows, [fig.x, fig.series], m, fig.where) for m in fig.metrics}
+    rows = settings_as_series(rows, fig)                 # the figure's rows only: `where` is applied
+    aggs = {m: aggregate(rows, [fig.x, fig.series], m) for m in fig.metrics}
     if not any(aggs.values()): return None
     points = {m: paper_points(paper, fig, m) for m in fig.metrics}
     names = [s for m in fig.metrics for _, s in aggs[m]] + [s for m in fig.metrics for s in points[m]]
-    colours = {s: f"C{i}" for i, s in enumerate(s for s in dict.fromkeys(names) if s != "bayes")}
+    colours = series_colours([s for s in dict.fromkeys(names) if s != "bayes"])
     colours.update({"bayes": "k"} if "bayes" in names else {})
     panels, axes = plt.subplots(1, len(fig.metrics), figsize=(5.0 * len(fig.metrics), 4.6), squeeze=False,
                                 layout="constrained")
     for ax, m in zip(axes[0], fig.metrics):
         mine = [(f, r) for f, r in claims if f.metric == m and f.x == fig.x and f.series == fig.series
                 and _compatible(f.where, fig.where)]
-        title = _draw_panel(ax, aggs[m], points[m], mine, colours, fig.unit)
+        title = _draw_panel(ax, aggs[m], points[m], mine, colours, fig.unit, samples, fig.statistic)
         _x_axis(ax, _order({x for x, _ in aggs[m]} | {x for src in points[m].values() for p in src.values() for x, _, _ in p}))
         ax.set_xlabel(fig.x); ax.set_ylabel(f"{m} ({fig.unit})"); ax.grid(alpha=0.3)
-        ax.legend(fontsize=6.5, title=title, title_fontsize=6.5, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
-    panels.suptitle(fig.title + (f"\n{banner}" if banner else ""), fontsize=10, color="k" if not banner else "tab:red")
+        labels = ax.get_legend_handles_labels()[1]
+        ax.legend(fontsize=6.5, title=title, title_fontsize=6.5, loc="upper center", bbox_to_anchor=(0.5, -0.16),
+                  ncol=2 if max(map(len, labels), default=0) <= 36 else 1)      # settings' labels: one column
+    import textwrap                                      # a title and banner as wide as the panels, no wider
+    width = 60 * len(fig.metrics)
+    panels.suptitle("\n".join(textwrap.wrap(fig.title, width) + (textwrap.wrap(banner, width) if banner else [])),
+                    fontsize=10, color="k" if not banner else "tab:red")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     panels.savefig(path, dpi=150)
     panels.savefig(path.with_suffix(".svg"))
     plt.close(panels)
     return path
-
 
 # %% ../nbs/20_report.ipynb #dbb7c422
 def paper_cells(exp: Experiment) -> list[dict]:
@@ -346,7 +465,7 @@ def comparability(exp: Experiment,  # the catalogue entry
                   records: list[dict],  # its successful records
                   ) -> str | None:
     "A warning when some records ran no paper configuration (smoke preset, notebook defaults) or fabricated data; None when all are comparable."
-    ignore = {"seed", "data_root", exp.seeds_param, *NOT_IDENTITY}
+    ignore = {exp.seeds_param, *NOT_IDENTITY}            # the seeds and the environment-only parameters
     cells = [{k: v for k, v in c.items() if k not in ignore} for c in paper_cells(exp)]
     def params(r): return {**((r.get("identity") or {}).get("cell") or {}), **(r.get("params") or {})}
     other = [r for r in records if not any(all(params(r).get(k, "?") == v for k, v in c.items()) for c in cells)]
@@ -358,18 +477,42 @@ def comparability(exp: Experiment,  # the catalogue entry
     if fake: why.append(f"{len(fake)} of {len(records)} trained on fabricated data (no --data-root)")
     return "Not comparable with the papers' numbers: " + "; ".join(why) + ". They show that the code runs, not what the papers found."
 
+# %% ../nbs/20_report.ipynb #8e775067
+SMOKE_BANNER = "smoke run or fabricated data: not comparable with the paper"
+
+
+def banners(exp: Experiment,  # the catalogue entry
+            records: list[dict],  # its successful records
+            ) -> list[tuple[str, str]]:
+    "`(sentence for the report, short form for the figures)` for each way the records differ from the papers' runs: not a paper configuration or fabricated data (`comparability`), the entry's `caveats`, other hardware."
+    out = []
+    warning = comparability(exp, records) if records else None
+    if warning: out.append((warning, SMOKE_BANNER))
+    def params(r): return {**((r.get("identity") or {}).get("cell") or {}), **(r.get("params") or {})}
+    for where, sentence in exp.caveats:
+        n = sum(all(params(r).get(k, "?") == v for k, v in where.items()) for r in records)
+        if n: out.append((f"{sentence} ({n} of {len(records)} records).", sentence))
+    if exp.hardware and records:
+        devices = sorted({f"{(r.get('environment') or {}).get('device', '?')}: {(r.get('environment') or {}).get('device_name', '?')}"
+                          for r in records})
+        out.append((f"Measured on {', '.join(devices)}; the papers measured on {exp.hardware}. Absolute times are not "
+                    "comparable across hardware: compare the ratios and the orderings within one run.",
+                    f"measured on {', '.join(devices)}, not the papers' hardware"))
+    return out
+
 # %% ../nbs/20_report.ipynb #c75d1ba4
 def _paper_section(exp: Experiment, rows: list[dict]) -> list[str]:
-    "The table of the paper's numbers (± its standard deviation where it gives one) beside ours."
+    "The table of the paper's numbers (± its standard deviation where it gives one) beside ours, one row per setting of ours."
     if not exp.paper: return []
     body = []
     for pv in exp.paper:
-        s = aggregate(rows, [], pv.metric, pv.where).get((), summarise([]))
+        agg = aggregate(label_rows(rows, [], pv.where), [SETTING], pv.metric, pv.where) or {("",): summarise([])}
         sc = unit_scale(pv.unit)
-        diff = "n/a" if not s["n"] else f"{sc * (s['mean'] - pv.value):+.2f}"
         paper = f"{sc * pv.value:.2f}" + ("" if pv.std is None else f" ± {sc * pv.std:.2f}")
         metric = pv.metric if pv.unit == "%" else f"{pv.metric} ({pv.unit})"
-        body.append([pv.source, pv.row, metric, paper, fmt(s, sc), s["n"], diff])
+        for (label,), s in sorted(agg.items()):
+            diff = "n/a" if not s["n"] else f"{sc * (s['mean'] - pv.value):+.2f}"
+            body.append([pv.source, pv.row + (f" [ours: {label}]" if label else ""), metric, paper, fmt(s, sc), s["n"], diff])
     return ["## The paper's numbers and ours", ""] + \
         _table(["source", "row", "metric", "paper", "ours", "n", "ours − paper"], body) + [""]
 
@@ -382,56 +525,60 @@ def verdict_counts(results: Sequence) -> dict:
     return counts
 
 # %% ../nbs/20_report.ipynb #dae94406
-def _findings_section(results: Sequence, level: float) -> list[str]:
-    "The table of the paper's claims, each tested at each setting on our seeds."
+def _findings_section(results: Sequence, level: float, samples: str = "seeds") -> list[str]:
+    "The table of the paper's claims, each tested at each setting on our samples (seeds, or repeats)."
     if not results: return []
     body = []
     for f, res in results:
         for c in res:
             t, sc = c["test"], unit_scale(f.unit)
-            body.append([f.source, f.statement, f"{f.x}={c['x']}", f.metric if f.unit == "%" else f"{f.metric} ({f.unit})",
+            body.append([f.source, f.statement, f"{f.x}={c['x']}" + (f" [{c['setting']}]" if c.get("setting") else ""), f.metric if f.unit == "%" else f"{f.metric} ({f.unit})",
                          f"{f.reference} {f.relation}" + (f" (tol {sc * f.tol:g})" if f.tol else ""),
                          "n/a" if c["ref"] is None else f"{fmt(c['ref'], sc)} ({c['ref']['n']})",
                          "n/a" if c["other"] is None else f"{c['best_other']}: {fmt(c['other'], sc)} ({c['other']['n']})",
                          "n/a" if c["diff"] is None else f"{sc * c['diff']:+.2f}",
                          "n/a" if t is None else f"{t['t']:.2f} ({t['df']:.1f})", "n/a" if t is None else f"{t['p']:.3f}",
-                         f"**{c['verdict']}**" if c["verdict"] == "contradicted" else c["verdict"]])
+                         (f"**{c['verdict']}**" if c["verdict"] == "contradicted" else c["verdict"])
+                         + (f" ({c['note']})" if c.get("note") else "")])
     return ["## The paper's findings, tested on our numbers", "",
             "At each setting, the claim's reference series against the best other series (by mean): `diff` is the "
-            "difference of their means over seeds (n in brackets). The test is Welch's t-test (unequal variances) "
+            f"difference of their means over {samples} (n in brackets); where our settings differ in more than the "
+            "claim's x, each setting is tested apart (its parameters in brackets). The test is Welch's t-test (unequal variances) "
             "of the difference the claim asserts (reference − other + tol for *best*, other − reference for "
             f"*not best*), two-sided at level {level:g}: **holds** when the claim's side is significant, "
             "**contradicted** when the opposite side is, **within noise** otherwise (a tie is never a win); "
-            "*untested* with a single seed. Among many tests at this level, about one in "
+            "*untested* with a single run a side, unless the paper itself compared single runs: then the sign of the "
+            f"difference decides, as it did for the paper (\"{SINGLE_RUN}\"). Among many tests at this level, about one in "
             f"{round(1 / level)} differences of pure noise is called significant.", ""] + \
         _table(["source", "claim", "at", "metric", "claim", "reference", "best other", "diff", "Welch t (df)", "p",
                 "verdict"], body) + [""]
 
 # %% ../nbs/20_report.ipynb #e8e58a79
 def _figure_sections(exp: Experiment, rows: list[dict], report_dir: Path, figures: bool, results: Sequence,
-                     warning: str | None) -> list[str]:
+                     banner: str | None) -> list[str]:
     "Per figure: a table of our means ± std per series, the drawing (PNG, SVG) and its caption."
     lines = []
     for fig in exp.figures:
-        aggs = {m: aggregate(rows, [fig.x, fig.series], m, fig.where) for m in fig.metrics}
+        split = settings_as_series(rows, fig)             # the figure's rows only: `where` is applied
+        aggs = {m: aggregate(split, [fig.x, fig.series], m) for m in fig.metrics}
         if not any(aggs.values()): continue
         series = list(dict.fromkeys(s for agg in aggs.values() for _, s in agg))
         xs = _order({x for agg in aggs.values() for x, _ in agg})
         body = [[x] + [fmt(aggs[m].get((x, s), summarise([])), unit_scale(fig.unit)) for m in fig.metrics for s in series]
                 for x in xs]
         lines += [f"## {fig.title}", ""] + _table([fig.x] + [f"{s} {m}" for m in fig.metrics for s in series], body) + [""]
-        banner = "smoke run or fabricated data: not comparable with the paper" if warning else None
-        if figures and plot_figure(rows, fig, report_dir / f"{fig.name}.png", exp.paper, results, banner) is not None:
+        if figures and plot_figure(rows, fig, report_dir / f"{fig.name}.png", exp.paper, results, banner,
+                                   exp.samples) is not None:
             drawn = any(paper_points(exp.paper, fig, m) for m in fig.metrics)
             lines += [f"![{fig.title}]({fig.name}.png)", "",
-                      f"Our mean ± 1 std over seeds (the tables' statistic); vector copy: [{fig.name}.svg]({fig.name}.svg). "
+                      (f"Ours: {fig.statistic} (shown as mean ± 0 in the table); " if fig.statistic else
+                       f"Our mean ± 1 std over {exp.samples} (the tables' statistic); ") + f"vector copy: [{fig.name}.svg]({fig.name}.svg). "
                       + ("The paper's values: hollow markers, dotted. " if drawn else "")
                       + (f"{fig.note} " if fig.note else "")
                       + ("Above each panel: the paper's claims at each setting, with our verdict. "
                          if not drawn and any(f.x == fig.x and f.series == fig.series and _compatible(f.where, fig.where)
                                               for f, _ in results) else ""), ""]
     return lines
-
 
 # %% ../nbs/20_report.ipynb #6dbc3b0e
 def _records_section(ok: list[dict], failed: list[dict], unreadable: list) -> list[str]:
@@ -453,22 +600,27 @@ def _records_section(ok: list[dict], failed: list[dict], unreadable: list) -> li
 
 
 # %% ../nbs/20_report.ipynb #a679da89
-def _header(exp: Experiment, warning: str | None, counts: tuple[int, int, int, int], dropped: dict, results: list,
+def _header(exp: Experiment, warnings: Sequence[str], counts: tuple[int, int, int, int], dropped: dict, results: list,
             level: float) -> list[str]:
-    "The report's title, its banner, the counts of records, rows and dropped repeats, and the tally of the verdicts."
+    "The report's title, its banners, the counts of records, rows and dropped repeats, and the tally of the verdicts."
     ok, failed, unreadable, rows = counts
-    lines = [f"# {exp.name}: report", ""] + ([f"> **{warning}**", ""] if warning else []) + [exp.description, "",
+    stat = ("mean ± std over the repeats of each timing (sample std; the records keep them)" if exp.samples == "repeats"
+            else f"mean ± std over {exp.samples} (sample std)")
+    lines = [f"# {exp.name}: report", ""] + [line for w in warnings for line in (f"> **{w}**", "")] + [exp.description, "",
              f"{ok} successful records, {failed} failed, {unreadable} unreadable, {rows} result rows. "
-             "Accuracies in %, mean ± std over seeds (sample std); differences in percentage points.", ""]
+             f"Accuracies in %, {stat}; differences in percentage points. Results of different settings are never pooled: "
+             "where they share a table's row, each is shown apart with the parameters that differ.", ""]
     if dropped["rows"]:
         lines += [f"Dropped {dropped['rows']} result rows ({dropped['seeds']} seeds of {dropped['records']} records) "
                   "that repeat the experiment, parameters and seed of a newer record: each seed counts once, from its "
                   "newest record.", ""]
     if results:
         c = verdict_counts(results)
+        single = sum(r.get("note", "").startswith(SINGLE_RUN) for _, res in results for r in res)
         lines += [f"Findings: {c['holds']} hold, {c['within noise']} within noise, {c['contradicted']} contradicted, "
-                  f"{c['untested']} untested (one seed), {c['not run']} not run (Welch's t-test over seeds, "
-                  f"two-sided, level {level:g}).", ""]
+                  f"{c['untested']} untested (one seed), {c['not run']} not run (Welch's t-test over {exp.samples}, "
+                  f"two-sided, level {level:g}" + (f"; {single} judged on single runs, as the paper did" if single else "")
+                  + ").", ""]
     return lines
 
 # %% ../nbs/20_report.ipynb #d51073fb
@@ -501,15 +653,15 @@ def report(experiment: str | Experiment,  # a catalogue name, or an entry
                          "or give the --out folder of its runs")
     ok = [r for r in records if r.get("status") == "ok"]
     failed = [r for r in records if r.get("status") != "ok"]
-    rows, dropped = unique_rows(ok, exp.seeds_param)
-    warning = comparability(exp, ok) if ok else None
+    rows, dropped = unique_rows(ok, exp.seeds_param, exp.hardware is not None)
+    notes = banners(exp, ok)
     results = [(f, check_finding(rows, f, level)) for f in exp.findings]
     report_dir = Path(report_dir) if report_dir else Path(out_dir) / exp.name / "report"
     report_dir.mkdir(parents=True, exist_ok=True)
-    lines = _header(exp, warning, (len(ok), len(failed), len(unreadable), len(rows)), dropped, results, level)
+    lines = _header(exp, [long for long, _ in notes], (len(ok), len(failed), len(unreadable), len(rows)), dropped, results, level)
     lines += _unchecked_section(records)
-    lines += _paper_section(exp, rows) + _findings_section(results, level) + \
-        _figure_sections(exp, rows, report_dir, figures, results, warning) + \
+    lines += _paper_section(exp, rows) + _findings_section(results, level, exp.samples) + \
+        _figure_sections(exp, rows, report_dir, figures, results, "; ".join(short for _, short in notes) or None) + \
         [line for draw in (exp.drawings if figures else ()) for line in draw(ok, report_dir)] + \
         _records_section(ok, failed, unreadable)
     path = report_dir / "report.md"

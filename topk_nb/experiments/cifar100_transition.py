@@ -71,6 +71,13 @@ _FIGURES = (Figure("fig6", "Sawada Fig. 6: top-k test accuracy vs k (ResNet18, M
                    _TR_fig6("ResNet18", "mixup"), "k_eval", metrics=("acc_k",)),
             Figure("fig6_densenet_cutout", "Sawada §V-B: top-k test accuracy vs k (DenseNet121, Cutout, selected "
                    "on top-5)", _TR_fig6("DenseNet121", "cutout"), "k_eval", metrics=("acc_k",)))
+# Tab. I itself: each network's top-1 (selected on top-1) and top-5 (selected on top-5) test accuracy, by augmentation
+_FIGURES += tuple(Figure(f"tab1_{net.lower()}_top{k}", f"Sawada Tab. I: top-{k} test accuracy of {net} by augmentation "
+                         f"(selected on top-{k})", {"model": f"cifar_{net.lower()}", "select_metric": f"val_top{k}"},
+                         "augment", metrics=(f"top{k}",)) for net in ("ResNet18", "DenseNet121") for k in (1, 5))
+_FIGURES += (Figure("candidates_99", "Sawada §V-B: candidates for 99 % top-k test accuracy (ResNet18, selected on "
+                    "top-5)", {"model": "cifar_resnet18", "select_metric": "val_top5"}, "augment",
+                    metrics=("candidates_99",), unit="candidates"),)
 
 _PAPER = (tuple(_TR_pv(label, net, aug, m, v, sd) for label, row in _TR_TAB1.items()
                 for (net, aug, m), v, sd in zip(_TR_COLUMNS, row, _TR_TAB1_STD[label]) if v is not None)
