@@ -318,11 +318,11 @@ if HAS_TRITON:
 
     @triton.jit
     def _lse_fast(b):
-        "_lse with the exponentials and their sum in float32 (each term <= 1), the logarithm of the sum in float64."
+        "_lse with the exponentials, their sum (each term <= 1) and its logarithm (in [0, log BLOCK]) in float32, added to the float64 maximum."
         m = tl.max(b, 0)
         m0 = tl.where(m == float("-inf"), 0.0, m)
         total = tl.sum(tl.exp((b - m0).to(tl.float32)), 0)
-        return tl.where(m == float("-inf"), m, m0 + tl.log(tl.maximum(total, 1.0).to(tl.float64)))
+        return tl.where(m == float("-inf"), m, m0 + tl.log(tl.maximum(total, 1.0)).to(tl.float64))
 
 # %% ../nbs/16_kernels.ipynb #87dd07f3
 if HAS_TRITON:
@@ -360,8 +360,12 @@ if HAS_TRITON:
                 a, carry = _degree_step(x, a, carry, rk, j, FAST)
         lk1, lk = _pick(carry, rk, K - 1), _pick(carry, rk, K)
         z = alpha_tau + lk - lk1 - tl.load(s_ptr + row * n + y).to(tl.float64) * inv_ktau   # b - a of eq. (10)
-        u = tl.exp(-tl.abs(z))
-        log1p_u = tl.where(u < 1e-4, u * (1.0 - u * (0.5 - u / 3.0)), tl.log(1.0 + u))   # log1p, accurate for small u
+        if FAST:                                                       # the softplus of a float32 loss, in float32
+            u = tl.exp(-tl.abs(z).to(tl.float32)).to(tl.float64)
+            log1p_u = tl.where(u < 1e-4, u * (1.0 - u * (0.5 - u / 3.0)), tl.log((1.0 + u).to(tl.float32)).to(tl.float64))
+        else:
+            u = tl.exp(-tl.abs(z))
+            log1p_u = tl.where(u < 1e-4, u * (1.0 - u * (0.5 - u / 3.0)), tl.log(1.0 + u))   # log1p, accurate for small u
         tl.store(loss_ptr + row, tau * (tl.maximum(z, 0.0) + log1p_u))               # tau softplus(z)
         tl.store(lsig_ptr + 2 * row, lk1)
         tl.store(lsig_ptr + 2 * row + 1, lk)
