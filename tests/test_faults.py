@@ -555,6 +555,34 @@ def test_report_names_records_of_the_wrong_shape_or_changed(tmp_path):
     assert not batch.cell_done(paths["status alone"].parent)
 
 
+def test_report_names_records_whose_metrics_are_not_numbers(tmp_path):
+    out = tmp_path / "runs"
+    params = {"experiment": 1, "sigma": 10, "n_seeds": 1}
+    row = {"loss": "ce", "seed": 0, "top1": 0.5, "top2": 0.8}
+    good = batch.write_record(batch.cell_dir(out, "circles_tradeoffs", params) / RECORD, params, {"final": [row]},
+                              experiment="circles_tradeoffs")
+    old = {k: v for k, v in json.loads(good.read_text()).items() if k not in ("format", "checksum")}
+    changes = {"a string": ({"top1": "abc"}, "'metrics.final[0].top1' is a string, not a number"),
+               "a number as a string": ({"top1": "0.5"}, "'metrics.final[0].top1' is the string '0.5', not a number"),
+               "nan as a string": ({"top2": "nan"}, "'metrics.final[0].top2' is the string 'nan', not a number"),
+               "a list": ({"top2": [0.8, 0.9]}, "'metrics.final[0].top2' is a list, not a number"),
+               "null": ({"top1": None}, "'metrics.final[0].top1' is null, not a number")}
+    paths = {}
+    for i, (name, (change, _)) in enumerate(changes.items()):    # written before records had a checksum
+        cell = {**params, "sigma": 20 + i}
+        paths[name] = batch.cell_dir(out, "circles_tradeoffs", cell) / RECORD
+        paths[name].parent.mkdir(parents=True)
+        paths[name].write_text(json.dumps({**old, "params": cell, "metrics": {"final": [{**row, **change}]}}))
+    done = _report("circles_tradeoffs", "--out", str(out))
+    assert done.returncode == 1 and done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.startswith("topk-nb report: error: 5 unreadable record(s)"), done.stderr
+    for name, (_, why) in changes.items():
+        assert f"{paths[name]}: {why}" in done.stderr, (name, done.stderr)
+    md = (out / "circles_tradeoffs" / "report" / "report.md").read_text()
+    assert "1 successful records, 0 failed, 5 unreadable" in md, md
+    assert all(f"| {paths[name]} | {why}" in md for name, (_, why) in changes.items()), md
+
+
 # --- notebooks and grids that could run code or write outside --out ---------------------------------------------------
 def _cli(*words) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
