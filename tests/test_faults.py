@@ -566,7 +566,7 @@ def test_report_names_records_whose_metrics_are_not_numbers(tmp_path):
                "a number as a string": ({"top1": "0.5"}, "'metrics.final[0].top1' is the string '0.5', not a number"),
                "nan as a string": ({"top2": "nan"}, "'metrics.final[0].top2' is the string 'nan', not a number"),
                "a list": ({"top2": [0.8, 0.9]}, "'metrics.final[0].top2' is a list, not a number"),
-               "null": ({"top1": None}, "'metrics.final[0].top1' is null, not a number")}
+               "true": ({"top1": True}, "'metrics.final[0].top1' is true or false, not a number")}
     paths = {}
     for i, (name, (change, _)) in enumerate(changes.items()):    # written before records had a checksum
         cell = {**params, "sigma": 20 + i}

@@ -168,17 +168,17 @@ def _number_text(value) -> bool:
 def metric_problem(rec: dict,  # a record whose `metrics.final` is a row or a list of rows
                    metrics=(),  # metric names a row must hold as numbers, besides those of `catalogue_metrics(rec['experiment'])`
                    ) -> str | None:
-    "The first value of a result row that is not a number where one is expected: a catalogue metric that is not a number, or any value that is a number written as a string; None if every value is sound."
+    "The first metric of a result row (of the catalogue entry `rec` names, or of `metrics`) whose value is neither a number nor null, a number written as a string included; None if every one is sound."
     final = (rec.get("metrics") or {}).get("final")
     rows = [final] if isinstance(final, dict) else final if isinstance(final, list) else []
     names = set(metrics) | catalogue_metrics(rec.get("experiment"))
     for i, row in enumerate(rows):
         for key, value in (row.items() if isinstance(row, dict) else ()):
+            if key not in names or _kind(value) in ("a number", "null"):
+                continue
             where = f"'metrics.final{f'[{i}]' if isinstance(final, list) else ''}.{key}'"
-            if _number_text(value):
-                return f"{where} is the string {value[:20]!r}, not a number (numbers are written as JSON numbers)"
-            if key in names and _kind(value) != "a number":
-                return f"{where} is {_kind(value)}, not a number (a metric the report averages)"
+            what = f"the string {value[:20]!r}" if _number_text(value) else _kind(value)
+            return f"{where} is {what}, not a number or null (a metric the report averages; numbers are written as JSON numbers)"
     return None
 
 # %% ../nbs/19_records.ipynb #9fd78355
