@@ -315,6 +315,19 @@ def test_a_data_root_without_the_data_set_stops_before_anything_runs(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+def test_a_missing_weights_file_stops_the_paper_preset_before_anything_runs(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    missing = tmp_path / "resnet50_imagenet.pt"
+    res = subprocess.run([sys.executable, "-m", "topk_nb.batch", "run", "plantnet_imbalanced", "--preset", "paper",
+                          "--data-root", str(data), "--grid", f"weights={missing}", "--out", str(tmp_path / "runs")],
+                         env=ENV, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and res.stdout == "" and res.stderr.count("\n") == 1, res
+    assert res.stderr.startswith(f"topk-nb run: error: --grid weights={missing}: the weights file '{missing}' does not exist; "
+                                 "save the model's weights once with torch.save(model.state_dict(), path)"), res.stderr
+    assert not (tmp_path / "runs").exists()
+
+
 def test_an_out_that_cannot_be_written_stops_before_anything_runs(tmp_path):
     (tmp_path / "file").write_text("")
     res = subprocess.run([sys.executable, "-m", "topk_nb.batch", "run", "circles_tradeoffs", "--out",
