@@ -101,12 +101,19 @@ def test_a_fine_tuning_preset_refuses_to_start_without_its_weights(tmp_path, cap
                  str(tmp_path / "runs")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "needs the parameter weights" in err and not (tmp_path / "runs").exists()
+    weights = tmp_path / "resnet50.pth"
+    weights.write_bytes(b"")
     with pytest.raises(ValueError, match="holds no plantnet300k data set"):     # the weights given, the data set missing
-        batch.plan_grid("plantnet_imbalanced", "paper", {"weights": ["resnet50.pth"]}, data_root=tmp_path)
+        batch.plan_grid("plantnet_imbalanced", "paper", {"weights": [str(weights)]}, data_root=tmp_path)
     for split in ("train", "val", "test"):
         fake_image_folder(tmp_path / "images" / split, 2, 1)
-    _, cells = batch.plan_grid("plantnet_imbalanced", "paper", {"weights": ["resnet50.pth"]}, data_root=tmp_path)
-    assert len(cells) == (5 * 4 + 3) * 3 and all(c["weights"] == "resnet50.pth" for c in cells)
+    missing = tmp_path / "resnet50_imagenet.pth"    # a weights file that is not there: refused before anything runs
+    with pytest.raises(ValueError, match=f"^--grid weights={missing}: the weights file '{missing}' does not exist; save "):
+        batch.plan_grid("plantnet_imbalanced", "paper", {"weights": [str(missing)]}, data_root=tmp_path)
+    with pytest.MonkeyPatch.context() as mp:        # a relative path is read from where the run starts, not the notebook's folder
+        mp.chdir(tmp_path)
+        _, cells = batch.plan_grid("plantnet_imbalanced", "paper", {"weights": ["resnet50.pth"]}, data_root=tmp_path)
+    assert len(cells) == (5 * 4 + 3) * 3 and all(c["weights"] == str(weights.resolve()) for c in cells)
 
 
 def test_training_runs_in_float32_unless_asked():

@@ -315,6 +315,19 @@ def test_a_data_root_without_the_data_set_stops_before_anything_runs(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+def test_a_missing_weights_file_stops_the_paper_preset_before_anything_runs(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    missing = tmp_path / "resnet50_imagenet.pt"
+    res = subprocess.run([sys.executable, "-m", "topk_nb.batch", "run", "plantnet_imbalanced", "--preset", "paper",
+                          "--data-root", str(data), "--grid", f"weights={missing}", "--out", str(tmp_path / "runs")],
+                         env=ENV, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and res.stdout == "" and res.stderr.count("\n") == 1, res
+    assert res.stderr.startswith(f"topk-nb run: error: --grid weights={missing}: the weights file '{missing}' does not exist; "
+                                 "save the model's weights once with torch.save(model.state_dict(), path)"), res.stderr
+    assert not (tmp_path / "runs").exists()
+
+
 def test_an_out_that_cannot_be_written_stops_before_anything_runs(tmp_path):
     (tmp_path / "file").write_text("")
     res = subprocess.run([sys.executable, "-m", "topk_nb.batch", "run", "circles_tradeoffs", "--out",
@@ -553,6 +566,34 @@ def test_report_names_records_of_the_wrong_shape_or_changed(tmp_path):
     assert "2 successful records, 0 failed, 5 unreadable" in md, md
     assert "> **1 of 2 records carry no checksum**" in md and f"| {legacy} | ok |" in md, md
     assert not batch.cell_done(paths["status alone"].parent)
+
+
+def test_report_names_records_whose_metrics_are_not_numbers(tmp_path):
+    out = tmp_path / "runs"
+    params = {"experiment": 1, "sigma": 10, "n_seeds": 1}
+    row = {"loss": "ce", "seed": 0, "top1": 0.5, "top2": 0.8}
+    good = batch.write_record(batch.cell_dir(out, "circles_tradeoffs", params) / RECORD, params, {"final": [row]},
+                              experiment="circles_tradeoffs")
+    old = {k: v for k, v in json.loads(good.read_text()).items() if k not in ("format", "checksum")}
+    changes = {"a string": ({"top1": "abc"}, "'metrics.final[0].top1' is a string, not a number"),
+               "a number as a string": ({"top1": "0.5"}, "'metrics.final[0].top1' is the string '0.5', not a number"),
+               "nan as a string": ({"top2": "nan"}, "'metrics.final[0].top2' is the string 'nan', not a number"),
+               "a list": ({"top2": [0.8, 0.9]}, "'metrics.final[0].top2' is a list, not a number"),
+               "true": ({"top1": True}, "'metrics.final[0].top1' is true or false, not a number")}
+    paths = {}
+    for i, (name, (change, _)) in enumerate(changes.items()):    # written before records had a checksum
+        cell = {**params, "sigma": 20 + i}
+        paths[name] = batch.cell_dir(out, "circles_tradeoffs", cell) / RECORD
+        paths[name].parent.mkdir(parents=True)
+        paths[name].write_text(json.dumps({**old, "params": cell, "metrics": {"final": [{**row, **change}]}}))
+    done = _report("circles_tradeoffs", "--out", str(out))
+    assert done.returncode == 1 and done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.startswith("topk-nb report: error: 5 unreadable record(s)"), done.stderr
+    for name, (_, why) in changes.items():
+        assert f"{paths[name]}: {why}" in done.stderr, (name, done.stderr)
+    md = (out / "circles_tradeoffs" / "report" / "report.md").read_text()
+    assert "1 successful records, 0 failed, 5 unreadable" in md, md
+    assert all(f"| {paths[name]} | {why}" in md for name, (_, why) in changes.items()), md
 
 
 # --- notebooks and grids that could run code or write outside --out ---------------------------------------------------

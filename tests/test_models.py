@@ -231,3 +231,32 @@ def test_registry_names_and_parameters():
 def test_bad_configurations(call, error, match):
     with pytest.raises(error, match=match):
         call()
+
+
+# The numbered parts of "Stochastic smoothing of the top-K calibrated hinge loss for deep imbalanced classification"
+# (Garcin 2022): the final version (sections 1-5, appendices A-D) and the draft, which splits 4.5 into 4.5.1
+# (Pl@ntNet-300K) and 4.5.2 (ImageNet-LT) and adds appendix E. Section 5 is the conclusion: no set-up is there.
+GARCIN_SECTIONS = {"1", "2", "3", "3.1", "3.2", "3.3", "3.4", "4", "4.1", "4.2", "4.3", "4.4", "4.5", "4.5.1", "4.5.2",
+                   "5", "A", "B", "B.1", "B.2", "B.3", "C", "D", "E"}
+
+
+def garcin_citations(text: str) -> list[tuple[str, str]]:
+    "(section, the line) for each section cited after 'Garcin 2022' on a line, up to the next paper's name."
+    import re
+    found = []
+    for line in text.splitlines():
+        for part in line.split("Garcin 2022")[1:]:
+            part = re.split(r"Berrada|Sawada|Huang et al|He et al", part)[0]
+            found += [(m, line.strip()[:120]) for m in re.findall(r"(?:§ ?|[Ss]ection |[Aa]ppendix )([A-E0-9](?:\.\d+)*)", part)]
+    return found
+
+
+def test_the_model_chapter_cites_sections_of_the_garcin_paper_that_exist():
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    texts = {p: p.read_text(encoding="utf-8") for p in (root / "nbs" / "11_models.ipynb", root / "topk_nb" / "models.py")}
+    cited = [(p.name, s, line) for p, text in texts.items() for s, line in garcin_citations(text)]
+    assert {s for _, s, _ in cited} >= {"4.5", "4.5.2", "4.1"}, cited      # the set-ups of Tab. 5, Tab. 6 and Tab. 2-4
+    wrong = [c for c in cited if c[1] not in GARCIN_SECTIONS or c[1] == "5"]
+    assert not wrong, wrong
+    assert garcin_citations("Garcin 2022, section 5.3 |") == [("5.3", "Garcin 2022, section 5.3 |")]

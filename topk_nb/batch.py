@@ -39,13 +39,13 @@ from .records import (EXECUTED, RECORD, RecordError, atomic_write_json, inspect_
 
 # %% auto #0
 __all__ = ['EXPERIMENTS', 'LOCK', 'JOB_LOG', 'FAILED_ATTEMPT', 'FAILED_NOTEBOOK', 'KERNEL_START_TRIES', 'KERNEL_START_TIMEOUT',
-           'NO_SPACE', 'JOB_BUSY', 'JOB_NO_SPACE', 'JOB_UNSAFE', 'STOP_GRACE', 'EXPERIMENT_MODULES',
+           'NO_SPACE', 'JOB_BUSY', 'JOB_NO_SPACE', 'JOB_UNSAFE', 'STOP_GRACE', 'FILE_PARAMETERS', 'EXPERIMENT_MODULES',
            'discover_experiments', 'check_folder_name', 'get_experiment', 'parse_value', 'check_key', 'parse_grid',
            'expand_grid', 'cell_id', 'cell_slug', 'cell_dir', 'with_parameters_tag', 'CellBusy', 'UnsafeCell',
            'cell_links', 'claim_cell', 'record_stamp', 'notebook_final', 'cell_done', 'Stopped', 'no_space', 'run_cell',
            'die_with_parent', 'short_error', 'pending_cells', 'grid_summary', 'RunStop', 'notebook_parameters',
-           'value_mismatch', 'unknown_losses', 'check_parameters', 'plan_grid', 'check_out_dir', 'run_grid',
-           'describe_experiment', 'experiment_runtime', 'main']
+           'value_mismatch', 'unknown_losses', 'check_parameters', 'check_files', 'plan_grid', 'check_out_dir',
+           'run_grid', 'describe_experiment', 'experiment_runtime', 'main']
 
 # %% ../nbs/13_batch.ipynb #3744057c
 def discover_experiments(package: str = "topk_nb.experiments",  # the package whose modules declare the entries
@@ -723,6 +723,36 @@ def check_parameters(exp: Experiment,  # the catalogue entry
             if wrong := unknown_losses(key, known[key], cell[key]):
                 raise ValueError(f"preset {preset!r} of {exp.name} sets {key}={cell[key]!r}: {wrong}")
 
+# %% ../nbs/13_batch.ipynb #c446f8b1
+FILE_PARAMETERS = {   # parameters whose value (unless None) is the path of a local file the notebook reads: what to give
+    "weights": "save the model's weights once with torch.save(model.state_dict(), path) and give that file with --grid weights=PATH"}
+
+
+def check_files(exp: Experiment,  # the catalogue entry
+                preset: str | None = None,  # the preset to run (None: the notebook's defaults)
+                grid: dict | None = None,  # the `--grid` overrides {parameter: [values]}
+                ) -> dict | None:
+    "`grid` with each path of `FILE_PARAMETERS` made absolute; a one-line ValueError naming the parameter, the path and what to do if a value of `grid` or of the preset is no file."
+    grid = None if grid is None else dict(grid)
+    for key, hint in FILE_PARAMETERS.items():
+        if grid is not None and key in grid:
+            typed = grid[key]
+            grid[key] = [str(Path(v).expanduser().resolve()) if isinstance(v, str) and v else v for v in typed]
+            given = [(v, f"--grid {key}={t}") for v, t in zip(grid[key], typed)]
+        else:
+            cells = expand_grid(exp.presets[preset]) if preset is not None else []
+            given = [(c[key], f"preset {preset!r} of {exp.name} sets {key}={c[key]!r}") for c in cells if key in c]
+        for value, origin in given:
+            if value is None:
+                continue
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"{origin}: {key} takes the path of a local file (or null), got {json.dumps(value)}; {hint}")
+            file = Path(value).expanduser()
+            file = file if file.is_absolute() else exp.notebook_path().parent / file
+            if not file.is_file():
+                raise ValueError(f"{origin}: the {key} file {str(file)!r} does not exist; {hint}")
+    return grid
+
 # %% ../nbs/13_batch.ipynb #a624eb95
 def plan_grid(experiment: str | Experiment,  # a catalogue name, or the path of a notebook
               preset: str | None = None,  # one of the experiment's presets
@@ -747,6 +777,7 @@ def plan_grid(experiment: str | Experiment,  # a catalogue name, or the path of 
         if all(v is None for v in (grid or {}).get(key, [None])):
             raise ValueError(f"preset {preset!r} of {exp.name} needs the parameter {key}: {why}; "
                              f"give it with --grid {key}=...")
+    grid = check_files(exp, preset, grid)        # local files (pre-trained weights): there, and absolute
     if exp.dataset is not None:                  # the data set's files, last, before any cell starts
         from topk_nb.data import check_data_root
         for root in (grid or {}).get("data_root", []):

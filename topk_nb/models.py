@@ -232,7 +232,7 @@ def resnet50(n_classes: int) -> nn.Module:
 
 # %% ../nbs/11_models.ipynb #b21d72e3
 class NormalisedLinear(nn.Module):
-    "Cosine classifier: `scale` * <h/|h|, w_j/|w_j|> for each class j (Wang et al. 2018; Garcin 2022, section 5.3)."
+    "Cosine classifier: `scale` * <h/|h|, w_j/|w_j|> for each class j (Wang et al. 2018; Garcin 2022, Stochastic smoothing of the top-K calibrated hinge loss for deep imbalanced classification, §4.5)."
     def __init__(self, in_features: int, out_features: int, scale: float = 30.0, eps: float = 1e-12):
         super().__init__()
         self.in_features = check_int(in_features, "in_features", 1)

@@ -5,10 +5,13 @@
 # %% ../nbs/19_records.ipynb #dcfadf64
 from __future__ import annotations
 
+import functools
 import hashlib
+import importlib
 import json
 import os
 import platform
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -17,8 +20,8 @@ from .catalogue import package_dir
 
 # %% auto #0
 __all__ = ['RECORD', 'EXECUTED', 'RECORD_FORMAT', 'UNCHECKED', 'git_commit', 'environment', 'atomic_write_json',
-           'record_checksum', 'seal_record', 'record_problem', 'write_record', 'RecordError', 'inspect_record',
-           'read_record', 'load_records', 'training_metrics']
+           'record_checksum', 'seal_record', 'record_problem', 'catalogue_metrics', 'metric_problem', 'write_record',
+           'RecordError', 'inspect_record', 'read_record', 'load_records', 'training_metrics']
 
 # %% ../nbs/19_records.ipynb #cfc8db04
 RECORD = "record.json"
@@ -103,13 +106,14 @@ _FIELDS = {"params": ("an object",), "experiment": ("a string", "null"), "error"
 
 
 def record_problem(rec,  # a record as read from JSON
+                   metrics=(),  # metric names a result row must hold as numbers, besides those of its catalogue entry
                    ) -> str | None:
-    "What is wrong with `rec`: a missing or ill-kinded field, an ok record without metrics, a format or checksum that does not match; None for a sound record."
+    "What is wrong with `rec`: a missing or ill-kinded field, a result value that is not a number where one is expected (`metric_problem`), an ok record without metrics, a format or checksum that does not match; None for a sound record."
     if not isinstance(rec, dict) or rec.get("status") not in ("ok", "failed"):
         return "not a record: no 'status' of 'ok' or 'failed'"
     if "params" not in rec: return "not a record: no 'params'"
-    metrics = ("an object",) if rec["status"] == "ok" else ("an object", "null")
-    for key, allowed in {**_FIELDS, "metrics": metrics}.items():
+    kinds = ("an object",) if rec["status"] == "ok" else ("an object", "null")
+    for key, allowed in {**_FIELDS, "metrics": kinds}.items():
         if _kind(rec.get(key)) not in allowed:
             what = "missing" if key not in rec else _kind(rec[key])
             return f"'{key}' is {what}, not {' or '.join(allowed)}" + (" (an ok record holds its metrics)" if key == "metrics" else "")
@@ -121,12 +125,60 @@ def record_problem(rec,  # a record as read from JSON
     cell = (rec.get("identity") or {}).get("cell")
     if _kind(cell) not in ("an object", "null"):
         return f"'identity.cell' is {_kind(cell)}, not an object"
+    if problem := metric_problem(rec, metrics):
+        return problem
     if "format" in rec and rec["format"] != RECORD_FORMAT:
         return f"written in the format {str(rec['format'])[:40]!r}; this version reads {RECORD_FORMAT!r}"
     if "checksum" not in rec:
         return None if "format" not in rec else "its 'checksum' is missing (removed after the record was written)"
     if rec["checksum"] != record_checksum(rec):
         return "its content does not match its checksum (the file was changed after it was written)"
+    return None
+
+# %% ../nbs/19_records.ipynb #3f3ca44c
+@functools.lru_cache(maxsize=None)
+def _entry_metrics(name: str) -> frozenset:
+    module = f"topk_nb.experiments.{name}"
+    try:
+        entry = getattr(importlib.import_module(module), "ENTRY", None)
+    except ModuleNotFoundError as e:
+        if e.name != module: raise
+        return frozenset()
+    return catalogue_metrics(entry) if entry is not None else frozenset()
+
+
+def catalogue_metrics(experiment,  # a catalogue entry (`topk_nb.catalogue.Experiment`), or its name as a record holds it
+                      ) -> frozenset:
+    "The metrics `experiment` draws, compares with the paper or judges: the values its records must hold as numbers; empty for a name outside the catalogue."
+    if experiment is None or isinstance(experiment, str):
+        ok = isinstance(experiment, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", experiment)
+        return _entry_metrics(experiment) if ok else frozenset()
+    return frozenset([m for f in experiment.figures for m in f.metrics] + [p.metric for p in experiment.paper]
+                     + [f.metric for f in experiment.findings])
+
+# %% ../nbs/19_records.ipynb #d5d97cee
+def _number_text(value) -> bool:
+    "Whether `value` is a string that reads as a number (`'0.5'`, `'nan'`, `'-inf'`)."
+    try:
+        return isinstance(value, str) and isinstance(float(value), float)
+    except ValueError:
+        return False
+
+
+def metric_problem(rec: dict,  # a record whose `metrics.final` is a row or a list of rows
+                   metrics=(),  # metric names a row must hold as numbers, besides those of `catalogue_metrics(rec['experiment'])`
+                   ) -> str | None:
+    "The first metric of a result row (of the catalogue entry `rec` names, or of `metrics`) whose value is neither a number nor null, a number written as a string included; None if every one is sound."
+    final = (rec.get("metrics") or {}).get("final")
+    rows = [final] if isinstance(final, dict) else final if isinstance(final, list) else []
+    names = set(metrics) | catalogue_metrics(rec.get("experiment"))
+    for i, row in enumerate(rows):
+        for key, value in (row.items() if isinstance(row, dict) else ()):
+            if key not in names or _kind(value) in ("a number", "null"):
+                continue
+            where = f"'metrics.final{f'[{i}]' if isinstance(final, list) else ''}.{key}'"
+            what = f"the string {value[:20]!r}" if _number_text(value) else _kind(value)
+            return f"{where} is {what}, not a number or null (a metric the report averages; numbers are written as JSON numbers)"
     return None
 
 # %% ../nbs/19_records.ipynb #9fd78355
@@ -149,6 +201,7 @@ class RecordError(ValueError):
 
 # %% ../nbs/19_records.ipynb #b3352a24
 def inspect_record(path,  # a record file
+                   metrics=(),  # metric names its result rows must hold as numbers, besides those of its catalogue entry
                    ) -> tuple[dict | None, str | None]:
     "`(record, None)` for a sound record (marked `UNCHECKED` when it has no checksum), `(None, None)` when there is none, `(None, what is wrong)` when it cannot be read or fails `record_problem`."
     try:
@@ -165,7 +218,7 @@ def inspect_record(path,  # a record file
         rec = json.loads(text)
     except json.JSONDecodeError as e:
         return None, f"not complete JSON ({len(text)} characters; {e})"
-    if problem := record_problem(rec):
+    if problem := record_problem(rec, metrics):
         return None, problem
     return (rec if "checksum" in rec else {**rec, UNCHECKED: True}), None
 
@@ -181,11 +234,12 @@ def load_records(out_dir,  # the --out folder of the runs
                  status: str | None = "ok",  # only records with this status; None: all
                  unreadable: list | None = None,  # collects (path, what is wrong) of unreadable records; None: raise
                  ) -> list[dict]:
-    "Every record under `out_dir[/experiment]`, each with its `path`; an unreadable one raises RecordError unless `unreadable` collects it."
+    "Every record under `out_dir[/experiment]`, each with its `path`; one whose metrics are not numbers (`metric_problem`, with the metrics of `experiment`) is unreadable; an unreadable one raises RecordError unless `unreadable` collects it."
     root = Path(out_dir) / experiment if experiment else Path(out_dir)
     records, bad = [], []
+    metrics = catalogue_metrics(experiment) if experiment else ()   # also for a record that does not name its experiment
     for path in sorted(root.rglob(RECORD)):
-        rec, problem = inspect_record(path)
+        rec, problem = inspect_record(path, metrics)
         if problem is not None:
             bad.append((path, problem))
         elif rec is not None and (status is None or rec.get("status") == status):
