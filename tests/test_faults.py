@@ -532,14 +532,22 @@ def test_a_failed_rerun_keeps_the_ok_record(tmp_path):
 
 
 # --- records of the wrong shape, changed, or old ----------------------------------------------------------------------
-def test_report_names_records_of_the_wrong_shape_or_changed(tmp_path):
-    out = tmp_path / "runs"
-    params = {"experiment": 1, "sigma": 10, "n_seeds": 1}
-    row = {"loss": "ce", "seed": 0, "top1": 0.5, "top2": 0.8}
-    good = batch.write_record(batch.cell_dir(out, "circles_tradeoffs", params) / RECORD, params, {"final": [row]},
+PARAMS = {"experiment": 1, "sigma": 10, "n_seeds": 1}
+ROW = {"loss": "ce", "seed": 0, "top1": 0.5, "top2": 0.8}
+
+
+def _good_record(out):
+    "One well-formed circles record under `out`: its JSON, and the same without its format and checksum (an older record)."
+    good = batch.write_record(batch.cell_dir(out, "circles_tradeoffs", PARAMS) / RECORD, PARAMS, {"final": [ROW]},
                               experiment="circles_tradeoffs")
     rec = json.loads(good.read_text())
-    old = {k: v for k, v in rec.items() if k not in ("format", "checksum")}
+    return rec, {k: v for k, v in rec.items() if k not in ("format", "checksum")}
+
+
+def test_report_names_records_of_the_wrong_shape_or_changed(tmp_path):
+    out = tmp_path / "runs"
+    params = PARAMS
+    rec, old = _good_record(out)
     texts = {"a changed digit": json.dumps(rec).replace('"top1": 0.5', '"top1": 0.6'),
              "status alone": json.dumps({"status": "ok"}),
              "metrics a string": json.dumps({**old, "metrics": "top1=0.5"}),
@@ -570,11 +578,8 @@ def test_report_names_records_of_the_wrong_shape_or_changed(tmp_path):
 
 def test_report_names_records_whose_metrics_are_not_numbers(tmp_path):
     out = tmp_path / "runs"
-    params = {"experiment": 1, "sigma": 10, "n_seeds": 1}
-    row = {"loss": "ce", "seed": 0, "top1": 0.5, "top2": 0.8}
-    good = batch.write_record(batch.cell_dir(out, "circles_tradeoffs", params) / RECORD, params, {"final": [row]},
-                              experiment="circles_tradeoffs")
-    old = {k: v for k, v in json.loads(good.read_text()).items() if k not in ("format", "checksum")}
+    params, row = PARAMS, ROW
+    _, old = _good_record(out)
     changes = {"a string": ({"top1": "abc"}, "'metrics.final[0].top1' is a string, not a number"),
                "a number as a string": ({"top1": "0.5"}, "'metrics.final[0].top1' is the string '0.5', not a number"),
                "nan as a string": ({"top2": "nan"}, "'metrics.final[0].top2' is the string 'nan', not a number"),
