@@ -53,28 +53,36 @@ def triton_ok(t: torch.Tensor, # the scores, classes along the last dimension
     return t.ndim >= 1 and 1 <= k <= MAX_KTH and 1 <= t.shape[-1] <= kth_max_row(k) and t.numel() > 0
 
 # %% ../nbs/16_kernels.ipynb #a4641772
-_LAUNCHES = threading.local()
+class _LaunchCounter:
+    "Process-wide: on CUDA, autograd runs the backward on a device thread of its own, so a per-thread count would miss the backward's launches."
+    def __init__(self): self.lock, self.on, self.count = threading.Lock(), False, 0
+
+    def add(self):
+        with self.lock:
+            if self.on: self.count += 1
+
+
+_LAUNCHES = _LaunchCounter()
 
 
 def _launch(kernel,          # a Triton kernel
             grid: tuple,     # its launch grid
             *args, **kwargs):
     "Launch `kernel[grid](*args, **kwargs)` as one unit: counted for `count_launches`, and outside any dispatch mode (Triton's interpreter works through aten operators of its own, which a GPU launch does not make)."
-    if getattr(_LAUNCHES, "on", False):
-        _LAUNCHES.count += 1
+    _LAUNCHES.add()
     with torch.utils._python_dispatch._disable_current_modes():
         kernel[grid](*args, **kwargs)
 
 # %% ../nbs/16_kernels.ipynb #500724af
 def count_launches(fn: Callable[[], object] # called once, with no arguments
                    ) -> int:
-    "How many Triton kernels this module launches during `fn()`."
-    _LAUNCHES.on, _LAUNCHES.count = True, 0
+    "How many Triton kernels this module launches during `fn()`, on any thread (the CUDA backward runs on autograd's device thread)."
+    with _LAUNCHES.lock: _LAUNCHES.on, _LAUNCHES.count = True, 0
     try:
         fn()
         return _LAUNCHES.count
     finally:
-        _LAUNCHES.on = False
+        with _LAUNCHES.lock: _LAUNCHES.on = False
 
 # %% ../nbs/16_kernels.ipynb #d031169f
 def f64_bits(value: float, # a Python float
