@@ -87,6 +87,7 @@ def test_rows_too_long_or_k_too_large_take_the_pytorch_path():
 from topk_nb.bench import aten_ops, syncing_ops  # noqa: E402
 from topk_nb.core import force_sync_free  # noqa: E402
 from topk_nb.svm import smooth_svm, smooth_topk_svm_bruteforce, svm_route  # noqa: E402
+from topk_nb.esp_backward import tree_svm_loss  # noqa: E402
 
 
 @pytest.mark.parametrize("n, k, tau, block", [(5, 1, 1.0, None), (8, 3, 0.2, 4), (11, 4, 5.0, 4), (9, 8, 1.0, 4),
@@ -122,6 +123,39 @@ def test_svm_kernels_float32_within_targets_of_float64(n, k, tau, scale):
     assert (grad.double() - ref_grad).abs().max() <= 1e-4 * ref_grad.abs().max()
 
 
+@pytest.mark.parametrize("n, k, tau, scale, tile, equal", [
+    (60, 1, 1.0, 3.0, None, False), (700, 5, 0.5, 3.0, 256, False), (300, 3, 1e-4, 1.0, None, False),
+    (80, 5, 100.0, 1.0, None, False), (7, 5, 1.0, 3.0, None, False), (12, 5, 1.0, 0.0, None, True),
+    (300, 20, 1e-2, 10.0, 256, False)])
+def test_svm32_kernels_within_targets_of_float64(n, k, tau, scale, tile, equal):
+    "The extended-float kernels of float32 scores: several tiles, all-head rows (n near k), equal scores, tau from 1e-4 to 100."
+    g = torch.Generator().manual_seed(n + k)
+    s = torch.zeros(3, n) if equal else scale * torch.randn(3, n, generator=g)
+    y = torch.randint(0, n, (3,), generator=g)
+    go = torch.rand(3, generator=g) + 0.5
+    x = s.to(DEV).requires_grad_()
+    loss = kernels.smooth_svm_triton(x, y.to(DEV), k, tau, tile=tile)
+    grad, = torch.autograd.grad((loss * go.to(DEV)).sum(), x)
+    loss, grad = loss.detach().cpu(), grad.cpu()
+    ref_in = s.double().requires_grad_()
+    ref = tree_svm_loss(ref_in, y, k, tau, 1.0)
+    ref_grad, = torch.autograd.grad((ref * go.double()).sum(), ref_in)
+    assert loss.dtype == torch.float32 and torch.isfinite(loss).all() and torch.isfinite(grad).all()
+    assert ((loss.double() - ref).abs() <= 1e-4 * ref.abs()).all()
+    assert ((grad.double() - ref_grad).abs().amax(1) <= 1e-4 * ref_grad.abs().amax(1)).all()
+
+
+def test_svm32_kernels_give_nan_past_their_range():
+    "A score gap past the exponents' range (2^23 in log2 e) makes that row's loss and gradient NaN, not a wrong number."
+    s = torch.randn(3, 30)
+    s[1, 7] = 1e7
+    x = s.to(DEV).requires_grad_()
+    loss = kernels.smooth_svm_triton(x, torch.tensor([0, 0, 5], device=DEV), 2, 0.5)
+    loss.sum().backward()
+    assert torch.isnan(loss[1]) and torch.isfinite(loss[[0, 2]]).all()
+    assert torch.isnan(x.grad[1]).all() and torch.isfinite(x.grad[[0, 2]]).all()
+
+
 def test_svm_kernels_differentiate_twice():
     g = torch.Generator().manual_seed(2)
     s = torch.randn(2, 7, generator=g, dtype=torch.float64).to(DEV).requires_grad_()
@@ -142,7 +176,7 @@ def test_smooth_svm_takes_the_kernels_without_syncs(reduction):
         launches = kernels.count_launches(step)
         ops = aten_ops(step)
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-7)
-    assert launches == 2 and not syncing_ops(ops)
+    assert launches == 4 and not syncing_ops(ops)                 # float32: the extended-float kernels, two each way
     assert sum(ops.values()) + launches <= 30                     # the CUDA path's op budget per forward+backward
 
 
@@ -175,6 +209,22 @@ for k, fast in ((1, True), (3, True), (3, False)):
         if not fast:
             sig = {name: ("*fp64" if name in ("s_ptr", "go_ptr", "g_ptr") else kind) for name, kind in sig.items()}
         const = {"K": k, "BLOCK_N": 64, "BLOCK_K": triton.next_power_of_2(k + 1), "FAST": fast}
+        assert triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32)).asm["cubin"]
+tile = ptrs(["s_ptr", "y_ptr", "tc_ptr", "te_ptr", "scr_ptr"], ["*fp32", "*i64", "*fp32", "*i32", "*fp32"])
+tile.update(n="i32", n_tiles="i32", tile="i32", d_scale="fp32")
+row = ptrs(["tc_ptr", "te_ptr", "loss_ptr", "rho_ptr", "sc_ptr", "se_ptr"], ["*fp32", "*i32", "*fp32", "*fp64", "*fp32", "*i32"])
+row.update(n_tiles="i32", alpha_tau_bits="i64", tau_bits="i64")
+gtile = ptrs(["s_ptr", "y_ptr", "go_ptr", "rho_ptr", "sc_ptr", "se_ptr", "g_ptr", "tc_ptr", "te_ptr", "hd_ptr", "hi_ptr", "hn_ptr", "scr_ptr"],
+             ["*fp32", "*i64", "*fp32", "*fp64", "*fp32", "*i32", "*fp32", "*fp32", "*i32", "*fp32", "*i64", "*i32", "*fp32"])
+gtile.update(n="i32", n_tiles="i32", tile="i32", d_scale="fp32")
+grow = ptrs(["rho_ptr", "go_ptr", "sc_ptr", "se_ptr", "g_ptr", "tc_ptr", "te_ptr", "hd_ptr", "hi_ptr", "hn_ptr", "fd_ptr", "fi_ptr"],
+            ["*fp64", "*fp32", "*fp32", "*i32", "*fp32", "*fp32", "*i32", "*fp32", "*i64", "*i32", "*fp32", "*i64"])
+grow.update(n="i32", n_tiles="i32")
+for k in (1, 3):
+    lanes = {"K": k, "L": 32, "LOG_L": 5, "R": 8}
+    for fn, sig, const in ((K._svm32_tile_kernel, tile, lanes), (K._svm32_row_kernel, row, {"K": k}),
+                           (K._svm32_grad_tile_kernel, gtile, {**lanes, "HMAX": 16}), (K._svm32_grad_row_kernel, grow, {"K": k, "HMAX": 16})):
+        sig = {**sig, **{name: "constexpr" for name in const}}
         assert triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32)).asm["cubin"]
 one = ptrs(["s_ptr", "noise_ptr", "seed_ptr", "mean_ptr", "idx_ptr"], ["*fp32", "*fp32", "*i64", "*fp32", "*i64"])
 one.update(n_rows="i32", n="i32", epsilon="fp32")

@@ -1,4 +1,4 @@
-"""Device time of each loss's forward+backward on CUDA, per kernel, from torch.profiler: `python tools/kernel_times.py OUT.json`.
+"""Device time of each loss's forward+backward on CUDA, per kernel, from torch.profiler: `python tools/kernel_times.py OUT.json [LOSSES]`.
 
 The wall column is CUDA-event time per step (launch gaps included); device_us sums the kernels' own time.
 The speed section of `make gpu-check` times whole steps from the host; this script says which kernel the time goes to."""
@@ -8,6 +8,7 @@ from topk_nb import smooth_svm, noised_bal
 from topk_nb import kernels
 dev = "cuda"
 out = sys.argv[1]
+only = set(sys.argv[2].split(",")) if len(sys.argv) > 2 else None   # e.g. ce,smooth_svm: those losses only
 rows = []
 def devtime(step, reps):
     for _ in range(2): step()
@@ -27,6 +28,7 @@ def devtime(step, reps):
     f.record(); torch.cuda.synchronize()
     return sum(per.values()), s.elapsed_time(f) * 1000 / reps, per
 def case(name, B, n, k, fn, reps):
+    if only is not None and name not in only: return
     g = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(B, n, device=dev, generator=g).requires_grad_()
     y = torch.randint(0, n, (B,), device=dev, generator=g)

@@ -27,8 +27,9 @@ except ImportError:                            # pragma: no cover - CPU-only tor
 _OPS = "topk_nb" if __name__.startswith("topk_nb") else "topk_nb_chapter"
 
 # %% auto #0
-__all__ = ['MAX_ROW', 'MAX_KTH', 'SVM_MAX_K', 'force_triton', 'triton_ok', 'count_launches', 'f64_bits', 'kth_max_row',
-           'perturbed_kth_triton', 'triton_sampled_topk_value', 'svm_triton_ok', 'svm_blocks', 'smooth_svm_triton']
+__all__ = ['MAX_ROW', 'MAX_KTH', 'SVM_MAX_K', 'SVM32_MAX_K', 'force_triton', 'triton_ok', 'count_launches', 'f64_bits',
+           'kth_max_row', 'perturbed_kth_triton', 'triton_sampled_topk_value', 'svm_triton_ok', 'svm_blocks',
+           'smooth_svm_triton', 'svm32_plan']
 
 # %% ../nbs/16_kernels.ipynb #c63387a8
 _FORCE = threading.local()
@@ -509,10 +510,421 @@ def smooth_svm_triton(scores: torch.Tensor,          # (B, n) float32 or float64
                       k: int,                        # the k of top-k, 1 <= k <= n - 1
                       tau: float,                    # temperature, > 0
                       alpha: float = 1.0,            # margin
-                      block_n: int | None = None,    # classes per block (tests use small blocks)
+                      block_n: int | None = None,    # classes per block of the log-space scans (tests use small blocks)
+                      tile: int | None = None,       # classes per tile of the float32 kernels (tests use small tiles)
                       ) -> torch.Tensor:
-    "Per-sample smooth top-k SVM loss L_{k,tau} (B,) by the fused kernels, differentiable; exact on every row."
+    "Per-sample smooth top-k SVM loss L_{k,tau} (B,) by the fused kernels, differentiable: float32 scores with k <= SVM32_MAX_K take the extended-float kernels, the rest (or a given block_n) the log-space scans."
     n = scores.shape[-1]
     k = check_int(k, "k", 1, min(SVM_MAX_K, n - 1))
     tau, alpha = check_real(tau, "tau", 0.0, lo_open=True), check_real(alpha, "alpha", 0.0)
+    if block_n is None and scores.dtype == torch.float32 and k <= SVM32_MAX_K:
+        return _svm32_forward_op(scores.contiguous(), target.contiguous(), k, tau, alpha, tile or 0)[0]
     return _svm_forward_op(scores.contiguous(), target.contiguous(), k, tau, alpha, block_n or 0)[0]
+
+# %% ../nbs/16_kernels.ipynb #419904b7
+SVM32_MAX_K = 32          # the largest k of the float32 kernels (their code grows with k^2); larger k takes the scans
+
+if HAS_TRITON:
+    _XZERO = tl.constexpr(-(1 << 30))        # the exponent of a zero coefficient: it loses every maximum
+    _XRANGE = tl.constexpr(float(1 << 23))   # |log2 e_i| from here on: the row leaves the exponents' range (NaN)
+    _THETA = tl.constexpr(0.5)               # e_i sigma_{k-1} / sigma_k above this: an element of the exact head
+
+    @triton.jit
+    def _pow2(d):
+        "2^d as float32 for an int32 d: 0 below -126, inf above 127, exact in between (from its bits)."
+        dd = tl.minimum(tl.maximum(d, -127), 128)
+        return ((dd + 127) << 23).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _pow2_neg(d):
+        "2^d as float32 for an int32 d <= 0: 0 below -126 (from its bits)."
+        return ((tl.maximum(d, -127) + 127) << 23).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _xadd(ca, ea, cb, eb):
+        "ca 2^ea + cb 2^eb as (c, e) with e the larger exponent (not renormalised)."
+        e = tl.maximum(ea, eb)
+        return ca * _pow2_neg(ea - e) + cb * _pow2_neg(eb - e), e
+
+    @triton.jit
+    def _xnorm(c, e):
+        "The same value with its mantissa in [1, 2); a zero gets the zero exponent, a NaN stays NaN."
+        bits = c.to(tl.int32, bitcast=True)
+        ex = ((bits >> 23) & 255) - 127
+        m = ((bits & 0x007FFFFF) | 0x3F800000).to(tl.float32, bitcast=True)
+        zero = c == 0.0
+        m = tl.where(c == c, m, c)                                       # NaN stays NaN (an out-of-range row)
+        return tl.where(zero, 0.0, m), tl.where(zero, _XZERO, tl.maximum(e + ex, _XZERO))
+
+    @triton.jit
+    def _xelem(d, valid):
+        "e = 2^d as (mantissa in [1, 2), exponent); zero where not valid."
+        fd = tl.floor(d)
+        return tl.where(valid, tl.exp2(d - fd), 0.0), tl.where(valid, fd.to(tl.int32), _XZERO)
+
+# %% ../nbs/16_kernels.ipynb #d4d9ad74
+if HAS_TRITON:
+    @triton.jit
+    def _tset(t, j: tl.constexpr, v):
+        "The tuple t with entry j replaced by v."
+        return t[:j] + (v,) + t[j + 1:]
+
+    @triton.jit
+    def _poly_one(L: tl.constexpr, K: tl.constexpr):
+        "The polynomial 1 in every one of L lanes: mantissas (K + 1 tensors (L,)) and exponents."
+        C = (tl.full([L], 1.0, tl.float32),)
+        E = (tl.zeros([L], tl.int32),)
+        for j in tl.static_range(K):
+            C = C + (tl.zeros([L], tl.float32),)
+            E = E + (tl.full([L], _XZERO, tl.int32),)
+        return C, E
+
+    @triton.jit
+    def _poly_step(C, E, m, q, K: tl.constexpr):
+        "Multiply by (1 + e z), e = m 2^q: sigma_j += e sigma_{j-1}, degrees downwards so that sigma_{j-1} is the old one."
+        for j in tl.static_range(K, 0, -1):
+            c, e = _xadd(C[j], E[j], m * C[j - 1], q + E[j - 1])
+            C = _tset(C, j, c)
+            E = _tset(E, j, e)
+        return C, E
+
+    @triton.jit
+    def _poly_norm(C, E, K: tl.constexpr):
+        "Every mantissa back to [1, 2)."
+        for j in tl.static_range(1, K + 1):
+            c, e = _xnorm(C[j], E[j])
+            C = _tset(C, j, c)
+            E = _tset(E, j, e)
+        return C, E
+
+    @triton.jit
+    def _poly_mul(AC, AE, BC, BE, K: tl.constexpr):
+        "The product of two polynomials truncated at degree K, renormalised: R_j = sum_a A_a B_{j-a}."
+        RC = (AC[0] * BC[0],)
+        RE = (AE[0] + BE[0],)
+        for j in tl.static_range(1, K + 1):
+            c = AC[0] * BC[j]
+            e = AE[0] + BE[j]
+            for a in tl.static_range(1, j + 1):
+                c, e = _xadd(c, e, AC[a] * BC[j - a], AE[a] + BE[j - a])
+            c, e = _xnorm(c, e)
+            RC = RC + (c,)
+            RE = RE + (e,)
+        c0, e0 = _xnorm(RC[0], RE[0])
+        return _tset(RC, 0, c0), _tset(RE, 0, e0)
+
+    @triton.jit
+    def _poly_halve(C, E, scr_ptr, half, K: tl.constexpr, L: tl.constexpr):
+        "One halving of the lanes' product: lane l < half multiplies its polynomial by lane l + half's, through the program's scratch (2 (K + 1), L)."
+        lanes = tl.arange(0, L)
+        for j in tl.static_range(K + 1):
+            tl.store(scr_ptr + j * L + lanes, C[j])
+            tl.store(scr_ptr + (K + 1 + j) * L + lanes, E[j].to(tl.float32, bitcast=True))
+        tl.debug_barrier()
+        other, ok = lanes + half, lanes < half
+        BC = ()
+        BE = ()
+        for j in tl.static_range(K + 1):
+            BC = BC + (tl.load(scr_ptr + j * L + other, mask=ok, other=0.0),)
+            BE = BE + (tl.load(scr_ptr + (K + 1 + j) * L + other, mask=ok, other=0.0).to(tl.int32, bitcast=True),)
+        tl.debug_barrier()
+        return _poly_mul(C, E, BC, BE, K)
+
+    @triton.jit
+    def _lane0(C, E, K: tl.constexpr, L: tl.constexpr):
+        "Lane 0's polynomial, as scalars."
+        lanes = tl.arange(0, L)
+        RC = ()
+        RE = ()
+        for j in tl.static_range(K + 1):
+            RC = RC + (tl.sum(tl.where(lanes == 0, C[j], 0.0), 0),)
+            RE = RE + (tl.sum(tl.where(lanes == 0, E[j], 0), 0),)
+        return RC, RE
+
+    @triton.jit
+    def _load_poly(c_ptr, e_ptr, base, K: tl.constexpr):
+        "A stored polynomial (K + 1 mantissas and exponents from base on), as scalars."
+        C = ()
+        E = ()
+        for j in tl.static_range(K + 1):
+            C = C + (tl.load(c_ptr + base + j),)
+            E = E + (tl.load(e_ptr + base + j),)
+        return C, E
+
+# %% ../nbs/16_kernels.ipynb #3db6ebe7
+if HAS_TRITON:
+    @triton.jit
+    def _svm32_tile_kernel(s_ptr, y_ptr, tc_ptr, te_ptr, scr_ptr, n, n_tiles, tile, d_scale,
+                           K: tl.constexpr, L: tl.constexpr, LOG_L: tl.constexpr, R: tl.constexpr):
+        "Program (row, p): prod (1 + e_i z) over the classes of tile p but the label, truncated at K; e_i = 2^{(s_i - s_y) d_scale}."
+        row, p = tl.program_id(0).to(tl.int64), tl.program_id(1)       # int64: row n passes 2^31
+        lanes = tl.arange(0, L)                                          # (L,) threads
+        y = tl.load(y_ptr + row)
+        sy = tl.load(s_ptr + row * n + y).to(tl.float32)
+        C, E = _poly_one(L, K)                                           # K + 1 mantissas and exponents (L,)
+        bad = tl.zeros([L], tl.int1)
+        start = p * tile
+        for t0 in range(0, tile, L * R):
+            for r in tl.static_range(R):                                 # R classes per thread, then renormalise
+                offs = start + t0 + r * L + lanes                        # (L,) classes
+                inside = (offs < n) & (offs < start + tile)
+                s = tl.load(s_ptr + row * n + offs, mask=inside, other=0.0).to(tl.float32)
+                d = (s - sy) * d_scale                                   # (L,) log2 e_i
+                valid = inside & (offs != y)
+                bad = bad | (valid & (tl.abs(d) >= _XRANGE))
+                m, q = _xelem(tl.minimum(tl.maximum(d, -_XRANGE), _XRANGE), valid)
+                C, E = _poly_step(C, E, m, q, K)
+            C, E = _poly_norm(C, E, K)
+        C = _tset(C, 0, tl.where(bad, float("nan"), C[0]))               # out of range: NaN, never a wrong number
+        scr = scr_ptr + (row * n_tiles + p) * (2 * (K + 1) * L)       # this program's scratch
+        for lev in range(LOG_L):                                         # the lanes' product, lane 0 ends with it
+            C, E = _poly_halve(C, E, scr, L >> (lev + 1), K, L)
+        C, E = _lane0(C, E, K, L)
+        base = (row * n_tiles + p) * (K + 1)
+        for j in tl.static_range(K + 1):
+            tl.store(tc_ptr + base + j, C[j])
+            tl.store(te_ptr + base + j, E[j])
+
+# %% ../nbs/16_kernels.ipynb #a24adabb
+if HAS_TRITON:
+    @triton.jit
+    def _svm32_row_kernel(tc_ptr, te_ptr, loss_ptr, rho_ptr, sc_ptr, se_ptr, n_tiles, alpha_tau_bits, tau_bits,
+                          K: tl.constexpr):
+        "Program row: sigma_0..sigma_K of the others (the tiles' product), the loss tau softplus(z) and rho = sigmoid(z)."
+        row = tl.program_id(0).to(tl.int64)
+        C, E = _load_poly(tc_ptr, te_ptr, row * n_tiles * (K + 1), K)
+        for p in range(1, n_tiles):                                      # the tiles' product, in tile order
+            BC, BE = _load_poly(tc_ptr, te_ptr, (row * n_tiles + p) * (K + 1), K)
+            C, E = _poly_mul(C, E, BC, BE, K)
+        for j in tl.static_range(K + 1):
+            tl.store(sc_ptr + row * (K + 1) + j, C[j])
+            tl.store(se_ptr + row * (K + 1) + j, E[j])
+        alpha_tau, tau = _f64(alpha_tau_bits), _f64(tau_bits)
+        z = alpha_tau + (E[K] - E[K - 1]).to(tl.float64) * 0.6931471805599453 + tl.log(C[K] / C[K - 1]).to(tl.float64)
+        u = tl.exp(-tl.abs(z).to(tl.float32)).to(tl.float64)
+        log1p_u = tl.where(u < 1e-4, u * (1.0 - u * (0.5 - u / 3.0)), tl.log((1.0 + u).to(tl.float32)).to(tl.float64))
+        tl.store(loss_ptr + row, tau * (tl.maximum(z, 0.0) + log1p_u))
+        tl.store(rho_ptr + row, tl.where(z >= 0, 1.0, u) / (1.0 + u))
+
+# %% ../nbs/16_kernels.ipynb #af6c4bcb
+if HAS_TRITON:
+    @triton.jit
+    def _svm32_row_consts(sc_ptr, se_ptr, row, K: tl.constexpr):
+        "From the row's sigma: log2(rho_K) = log2(sigma_{K-1} / sigma_K) and r_j = rho_j / rho_K, j = 1..K (entry 0 unused)."
+        b = row * (K + 1)
+        cK, eK = tl.load(sc_ptr + b + K), tl.load(se_ptr + b + K)
+        cK1, eK1 = tl.load(sc_ptr + b + K - 1), tl.load(se_ptr + b + K - 1)
+        lrho = (eK1 - eK).to(tl.float32) + tl.log2(cK1 / cK)
+        Rr = (0.0,)
+        for j in tl.static_range(1, K + 1):
+            cj, ej = tl.load(sc_ptr + b + j), tl.load(se_ptr + b + j)
+            cj1, ej1 = tl.load(sc_ptr + b + j - 1), tl.load(se_ptr + b + j - 1)
+            Rr = Rr + ((cj1 * cK) / (cj * cK1) * _pow2(ej1 + eK - ej - eK1),)
+        return lrho, Rr
+
+    @triton.jit
+    def _svm32_grad_tile_kernel(s_ptr, y_ptr, go_ptr, rho_ptr, sc_ptr, se_ptr, g_ptr, tc_ptr, te_ptr, hd_ptr, hi_ptr, hn_ptr,
+                                scr_ptr, n, n_tiles, tile, d_scale,
+                                K: tl.constexpr, L: tl.constexpr, LOG_L: tl.constexpr, R: tl.constexpr, HMAX: tl.constexpr):
+        "Program (row, p): dL/ds of the tile's tail by Horner, the tile's tail polynomial, and its head classes listed."
+        row, p = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        lanes = tl.arange(0, L)                                          # (L,) threads
+        y = tl.load(y_ptr + row)
+        sy = tl.load(s_ptr + row * n + y).to(tl.float32)
+        w = (tl.load(rho_ptr + row) * tl.load(go_ptr + row).to(tl.float64) / K).to(tl.float32)   # dL/ds_i = w (pi_k - pi_k-1)
+        lrho, Rr = _svm32_row_consts(sc_ptr, se_ptr, row, K)
+        C, E = _poly_one(L, K)
+        cnt = 0
+        start = p * tile
+        hbase = (row * n_tiles + p) * HMAX
+        for t0 in range(0, tile, L * R):
+            for r in tl.static_range(R):
+                offs = start + t0 + r * L + lanes                        # (L,) classes
+                inside = (offs < n) & (offs < start + tile)
+                s = tl.load(s_ptr + row * n + offs, mask=inside, other=0.0).to(tl.float32)
+                d = tl.minimum(tl.maximum((s - sy) * d_scale, -_XRANGE), _XRANGE)
+                valid = inside & (offs != y)
+                t = tl.exp2(d + lrho)                                    # (L,) t_i = e_i rho_K
+                big = t > _THETA
+                head = valid & big
+                tail = valid & ~big                                      # NaN (an out-of-range row) goes to the tail: NaN
+                u1 = tl.full([L], 1.0, tl.float32)                       # u_{j-1}
+                u2 = tl.full([L], 1.0, tl.float32)                       # u_{j-2}
+                for j in tl.static_range(1, K):
+                    u2 = u1
+                    u1 = 1.0 - t * Rr[j] * u1
+                if K == 1:
+                    pk1 = tl.zeros([L], tl.float32)
+                else:
+                    pk1 = t * Rr[K - 1] * u2
+                g = tl.where(offs == y, -w, w * (t * u1 - pk1))
+                tl.store(g_ptr + row * n + offs, g, mask=inside & (tail | (offs == y)))
+                m, q = _xelem(d, tail)
+                C, E = _poly_step(C, E, m, q, K)
+                hm = head.to(tl.int32)
+                pos = cnt + tl.cumsum(hm, 0) - hm                        # (L,) places in the tile's head list
+                keep = head & (pos < HMAX)
+                tl.store(hd_ptr + hbase + pos, d, mask=keep)
+                tl.store(hi_ptr + hbase + pos, offs.to(tl.int64), mask=keep)
+                cnt += tl.sum(hm, 0)
+            C, E = _poly_norm(C, E, K)
+        scr = scr_ptr + (row * n_tiles + p) * (2 * (K + 1) * L)       # this program's scratch
+        for lev in range(LOG_L):                                         # the lanes' product, lane 0 ends with it
+            C, E = _poly_halve(C, E, scr, L >> (lev + 1), K, L)
+        C, E = _lane0(C, E, K, L)
+        base = (row * n_tiles + p) * (K + 1)
+        for j in tl.static_range(K + 1):
+            tl.store(tc_ptr + base + j, C[j])
+            tl.store(te_ptr + base + j, E[j])
+        tl.store(hn_ptr + row * n_tiles + p, cnt)
+
+# %% ../nbs/16_kernels.ipynb #7114870e
+if HAS_TRITON:
+    @triton.jit
+    def _svm32_grad_row_kernel(rho_ptr, go_ptr, sc_ptr, se_ptr, g_ptr, tc_ptr, te_ptr, hd_ptr, hi_ptr, hn_ptr, fd_ptr, fi_ptr,
+                               n, n_tiles, K: tl.constexpr, HMAX: tl.constexpr):
+        "Program row: dL/ds of the head classes, exactly: sigma(others without i) = sigma(tail) sigma(head without i)."
+        row = tl.program_id(0).to(tl.int64)
+        h = tl.arange(0, HMAX)                                           # (HMAX,) head classes, one per thread
+        TC, TE = _load_poly(tc_ptr, te_ptr, row * n_tiles * (K + 1), K)  # sigma(tail): the tiles' product, scalars
+        for p in range(1, n_tiles):
+            BC, BE = _load_poly(tc_ptr, te_ptr, (row * n_tiles + p) * (K + 1), K)
+            TC, TE = _poly_mul(TC, TE, BC, BE, K)
+        hc = 0
+        for p in range(n_tiles):                                         # the row's head list, in tile order
+            cp = tl.load(hn_ptr + row * n_tiles + p)
+            ok = (h < cp) & (hc + h < HMAX)
+            src = (row * n_tiles + p) * HMAX + h
+            tl.store(fd_ptr + row * HMAX + hc + h, tl.load(hd_ptr + src, mask=ok, other=0.0), mask=ok)
+            tl.store(fi_ptr + row * HMAX + hc + h, tl.load(hi_ptr + src, mask=ok, other=0), mask=ok)
+            hc += cp
+        tl.debug_barrier()
+        over = hc > HMAX                                                 # never, by the bound above: NaN if it were
+        hc = tl.minimum(hc, HMAX)
+        hv = h < hc
+        dh = tl.load(fd_ptr + row * HMAX + h, mask=hv, other=0.0)
+        ih = tl.load(fi_ptr + row * HMAX + h, mask=hv, other=0)
+        HC, HE = _poly_one(HMAX, K - 1)                                  # sigma_0..sigma_{K-1} of the head without h
+        for gi in range(hc):
+            dg = tl.load(fd_ptr + row * HMAX + gi)
+            mg, qg = _xelem(tl.zeros([HMAX], tl.float32) + dg, h != gi)
+            HC, HE = _poly_step(HC, HE, mg, qg, K - 1)
+            HC, HE = _poly_norm(HC, HE, K - 1)
+        c1, e1 = TC[0] * HC[K - 1], TE[0] + HE[K - 1]                    # sigma_{K-1}(others without h)
+        for a in tl.static_range(1, K):
+            c1, e1 = _xadd(c1, e1, TC[a] * HC[K - 1 - a], TE[a] + HE[K - 1 - a])
+        mh, qh = _xelem(dh, hv)
+        b = row * (K + 1)
+        cK, eK = tl.load(sc_ptr + b + K), tl.load(se_ptr + b + K)
+        cK1, eK1 = tl.load(sc_ptr + b + K - 1), tl.load(se_ptr + b + K - 1)
+        pk = (mh * c1 / cK) * _pow2(qh + e1 - eK)                        # pi_{K,h}
+        if K == 1:
+            pk1 = tl.zeros([HMAX], tl.float32)
+        else:
+            c2, e2 = TC[0] * HC[K - 2], TE[0] + HE[K - 2]                # sigma_{K-2}(others without h)
+            for a in tl.static_range(1, K - 1):
+                c2, e2 = _xadd(c2, e2, TC[a] * HC[K - 2 - a], TE[a] + HE[K - 2 - a])
+            pk1 = (mh * c2 / cK1) * _pow2(qh + e2 - eK1)                 # pi_{K-1,h}
+        w = (tl.load(rho_ptr + row) * tl.load(go_ptr + row).to(tl.float64) / K).to(tl.float32)
+        g = tl.where(over, float("nan"), w * (pk - pk1))
+        tl.store(g_ptr + row * n + ih, g, mask=hv)
+
+# %% ../nbs/16_kernels.ipynb #9ea13d1c
+_LOG2E = 1.4426950408889634
+
+
+def svm32_plan(B: int,                  # rows
+               n: int,                  # classes per row
+               tile: int | None = None, # classes per tile; by default about 512 programs in all, from 256 to 32768 classes each
+               ) -> tuple[int, int, int, int]:
+    "(threads L, classes per thread between renormalisations R, tile, tiles per row) of the float32 smooth SVM kernels."
+    warps = 1 if n <= 2048 else 4
+    lanes, r = 32 * warps, 8
+    if tile is None:
+        tile = min(max(triton.next_power_of_2(triton.cdiv(n, triton.cdiv(512, B))), lanes * r), 32768)
+    tile = triton.cdiv(check_int(tile, "tile", 1), lanes * r) * lanes * r
+    return lanes, r, tile, triton.cdiv(n, tile)
+
+# %% ../nbs/16_kernels.ipynb #86023359
+def _svm32_state(s: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
+    "Uninitialised outputs of the float32 forward: the loss (B,), rho (B,) in float64, and the row's sigma (B, k + 1) as mantissas and exponents."
+    B = s.shape[0]
+    return (s.new_empty(B), torch.empty(B, dtype=torch.float64, device=s.device),
+            torch.empty(B, k + 1, dtype=torch.float32, device=s.device), torch.empty(B, k + 1, dtype=torch.int32, device=s.device))
+
+
+@torch.library.custom_op(f"{_OPS}::smooth_svm32_forward", mutates_args=())
+def _svm32_forward_op(s: torch.Tensor,       # (B, n) float32 scores, contiguous
+                      target: torch.Tensor,  # (B,) int64 class indices, contiguous
+                      k: int, tau: float, alpha: float,
+                      tile: int,             # classes per tile (0: the default of `svm32_plan`)
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    "The float32 forward as an operator: (loss (B,), rho (B,), sigma mantissas, exponents (B, k + 1)); two launches."
+    (B, n), dev = s.shape, s.device
+    L, R, T, P = svm32_plan(B, n, tile or None)
+    tc = torch.empty(B, P, k + 1, dtype=torch.float32, device=dev)     # each tile's polynomial
+    te = torch.empty(B, P, k + 1, dtype=torch.int32, device=dev)
+    scr = torch.empty(B * P * 2 * (k + 1) * L, dtype=torch.float32, device=dev)
+    _launch(_svm32_tile_kernel, (B, P), s, target, tc, te, scr, n, P, T, _LOG2E / (k * tau),
+            K=k, L=L, LOG_L=L.bit_length() - 1, R=R, num_warps=L // 32)
+    loss, rho, sc, se = _svm32_state(s, k)
+    _launch(_svm32_row_kernel, (B,), tc, te, loss, rho, sc, se, P, f64_bits(alpha / tau), f64_bits(tau), K=k, num_warps=1)
+    return loss, rho, sc, se
+
+
+@_svm32_forward_op.register_fake
+def _svm32_forward_fake(s, target, k, tau, alpha, tile):
+    return _svm32_state(s, k)
+
+
+@torch.library.custom_op(f"{_OPS}::smooth_svm32_backward", mutates_args=())
+def _svm32_backward_op(s: torch.Tensor, target: torch.Tensor,
+                       grad: torch.Tensor,                  # (B,) dL/d loss
+                       rho: torch.Tensor, sc: torch.Tensor, se: torch.Tensor,   # from the forward operator
+                       k: int, tau: float, tile: int) -> torch.Tensor:
+    "The float32 backward as an operator: dL/ds (B, n); two launches."
+    (B, n), dev = s.shape, s.device
+    L, R, T, P = svm32_plan(B, n, tile or None)
+    hmax = triton.next_power_of_2(3 * k + 2)                           # fewer than 3k head classes per row
+    out = torch.empty_like(s)
+    tc = torch.empty(B, P, k + 1, dtype=torch.float32, device=dev)     # each tile's tail polynomial
+    te = torch.empty(B, P, k + 1, dtype=torch.int32, device=dev)
+    hd = torch.empty(B, P, hmax, dtype=torch.float32, device=dev)      # each tile's head: log2 e_i and classes
+    hi = torch.empty(B, P, hmax, dtype=torch.int64, device=dev)
+    hn = torch.empty(B, P, dtype=torch.int32, device=dev)
+    scr = torch.empty(B * P * 2 * (k + 1) * L, dtype=torch.float32, device=dev)
+    g = grad.contiguous()
+    _launch(_svm32_grad_tile_kernel, (B, P), s, target, g, rho, sc, se, out, tc, te, hd, hi, hn, scr, n, P, T,
+            _LOG2E / (k * tau), K=k, L=L, LOG_L=L.bit_length() - 1, R=R, HMAX=hmax, num_warps=L // 32)
+    fd = torch.empty(B, hmax, dtype=torch.float32, device=dev)         # the row's head list
+    fi = torch.empty(B, hmax, dtype=torch.int64, device=dev)
+    _launch(_svm32_grad_row_kernel, (B,), rho, g, sc, se, out, tc, te, hd, hi, hn, fd, fi, n, P, K=k, HMAX=hmax,
+            num_warps=max(1, hmax // 32))
+    return out
+
+
+@_svm32_backward_op.register_fake
+def _svm32_backward_fake(s, target, grad, rho, sc, se, k, tau, tile):
+    return torch.empty_like(s)
+
+
+def _svm32_setup_context(ctx, inputs, output):
+    "Keep what the backward operator reads: the scores, labels, rho and the row's sigma."
+    s, target, k, tau, alpha, tile = inputs
+    ctx.save_for_backward(s, target, *output[1:])
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.set_materialize_grads(False)
+    ctx.k, ctx.tau, ctx.alpha, ctx.tile = k, tau, alpha, tile
+
+
+def _svm32_grad(ctx, grad, *unused):
+    "dL/ds by the backward operator (create_graph=True: the exact log-space tree, by autograd)."
+    if grad is None:
+        return None, None, None, None, None, None
+    s, target, rho, sc, se = ctx.saved_tensors
+    if torch.is_grad_enabled():
+        return twice_differentiable(tree_svm_loss, s, grad, target, ctx.k, ctx.tau, ctx.alpha), None, None, None, None, None
+    return _svm32_backward_op(s, target, grad, rho, sc, se, ctx.k, ctx.tau, ctx.tile), None, None, None, None, None
+
+
+_svm32_forward_op.register_autograd(_svm32_grad, setup_context=_svm32_setup_context)
