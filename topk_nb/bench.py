@@ -807,20 +807,21 @@ def _svm_shape(sh: dict) -> tuple[int, int, int]:
 
 # %% ../nbs/14_bench.ipynb #a4596f3f
 def _svm32_models(K) -> dict:
-    "The float32 smooth SVM kernels (extended floats), as `svm32_plan` launches them; the head of a row taken as k classes."
+    "The float32 smooth SVM kernels (extended floats), as `svm32_plan` launches them, on rows without a head (the backward's Horner recurrence alone)."
     plan = lambda sh: K.svm32_plan(sh["B"], sh["n"])                       # (L, R, tile, tiles)
     lanes = lambda sh: dict(K=sh["k"], L=plan(sh)[0], LOG_L=plan(sh)[0].bit_length() - 1, R=plan(sh)[1])
     hmax = lambda sh: _pow2(3 * sh["k"] + 2)
     steps = lambda sh: plan(sh)[2] // (plan(sh)[0] * plan(sh)[1])         # passes of R classes per thread over a tile
     poly = lambda sh: sh["B"] * plan(sh)[3] * (sh["k"] + 1) * 8           # every tile's polynomial, written or read
     ptr = lambda names, kinds: dict(zip(names, kinds))
-    tile = ptr(["s_ptr", "y_ptr", "tc_ptr", "te_ptr", "scr_ptr"], ["*fp32", "*i64", "*fp32", "*i32", "*fp32"])
+    tile = ptr(["s_ptr", "y_ptr", "tc_ptr", "te_ptr", "tm_ptr", "scr_ptr"], ["*fp32", "*i64", "*fp32", "*i32", "*fp32", "*fp32"])
     tile.update(n="i32", n_tiles="i32", tile="i32", d_scale="fp32", K="constexpr", L="constexpr", LOG_L="constexpr", R="constexpr")
-    row = ptr(["tc_ptr", "te_ptr", "loss_ptr", "rho_ptr", "sc_ptr", "se_ptr"], ["*fp32", "*i32", "*fp32", "*fp64", "*fp32", "*i32"])
+    row = ptr(["tc_ptr", "te_ptr", "tm_ptr", "loss_ptr", "rho_ptr", "sc_ptr", "se_ptr", "dm_ptr"],
+              ["*fp32", "*i32", "*fp32", "*fp32", "*fp64", "*fp32", "*i32", "*fp32"])
     row.update(n_tiles="i32", alpha_tau_bits="i64", tau_bits="i64", K="constexpr")
-    gtile = ptr(["s_ptr", "y_ptr", "go_ptr", "rho_ptr", "sc_ptr", "se_ptr", "g_ptr", "tc_ptr", "te_ptr", "hd_ptr", "hi_ptr",
-                 "hn_ptr", "scr_ptr"], ["*fp32", "*i64", "*fp32", "*fp64", "*fp32", "*i32", "*fp32", "*fp32", "*i32", "*fp32",
-                                        "*i64", "*i32", "*fp32"])
+    gtile = ptr(["s_ptr", "y_ptr", "go_ptr", "rho_ptr", "sc_ptr", "se_ptr", "dm_ptr", "g_ptr", "tc_ptr", "te_ptr", "hd_ptr",
+                 "hi_ptr", "hn_ptr", "scr_ptr"], ["*fp32", "*i64", "*fp32", "*fp64", "*fp32", "*i32", "*fp32", "*fp32", "*fp32",
+                                                  "*i32", "*fp32", "*i64", "*i32", "*fp32"])
     gtile.update(n="i32", n_tiles="i32", tile="i32", d_scale="fp32", K="constexpr", L="constexpr", LOG_L="constexpr",
                  R="constexpr", HMAX="constexpr")
     grow = ptr(["rho_ptr", "go_ptr", "sc_ptr", "se_ptr", "g_ptr", "tc_ptr", "te_ptr", "hd_ptr", "hi_ptr", "hn_ptr", "fd_ptr", "fi_ptr"],
@@ -841,17 +842,17 @@ def _svm32_models(K) -> dict:
             num_warps=lambda sh: 1),
         "smooth_svm32_grad_tile": KernelModel(
             K._svm32_grad_tile_kernel, gtile, lambda sh: {**lanes(sh), "HMAX": hmax(sh)},
-            (("for t0 in range(0, tile, L * R)", steps), ("for r in tl.static_range(R)", once),
-             ("for j in tl.static_range(1, K)", once), ("for lev in range(LOG_L)", lambda sh: plan(sh)[0].bit_length() - 1),
-             ("for j in tl.static_range(K + 1)", once)),
-            lambda sh: 2 * sh["B"] * sh["n"] * 4 + poly(sh),                # the scores, the gradient; the tail polynomials
+            (("for t0 in range(0, tile, L * R)", lambda sh: 0), ("for r in tl.static_range(R)", once),     # a row with a head
+             ("for lev in range(LOG_L)", lambda sh: 0), ("for j in tl.static_range(K + 1)", once),
+             ("for t0 in range(0, tile, L * R)", steps), ("for r in tl.static_range(R)", once)),        # a row without
+            lambda sh: 2 * sh["B"] * sh["n"] * 4,                           # the scores, the gradient
             num_warps=lambda sh: plan(sh)[0] // 32, programs=lambda sh: sh["B"] * plan(sh)[3], elements=lambda sh: plan(sh)[2]),
         "smooth_svm32_grad_row": KernelModel(
             K._svm32_grad_row_kernel, grow, lambda sh: dict(K=sh["k"], HMAX=hmax(sh)),
-            (("for p in range(1, n_tiles)", lambda sh: plan(sh)[3] - 1), ("for p in range(n_tiles)", lambda sh: plan(sh)[3]),
-             ("for gi in range(hc)", lambda sh: sh["k"]), ("for a in tl.static_range(1, K)", once),
+            (("for p in range(n_tiles)", lambda sh: plan(sh)[3]), ("for p in range(1, n_tiles)", lambda sh: 0),
+             ("for gi in range(hc)", lambda sh: 0), ("for a in tl.static_range(1, K)", once),
              ("for a in tl.static_range(1, K - 1)", once)),
-            lambda sh: poly(sh) + sh["B"] * (sh["k"] * 24 + 8),
+            lambda sh: sh["B"] * plan(sh)[3] * 4 + sh["B"] * 8,                # the tiles' head counts
             num_warps=lambda sh: max(1, hmax(sh) // 32)),
     }
 

@@ -654,15 +654,16 @@ if HAS_TRITON:
 # %% ../nbs/16_kernels.ipynb #3db6ebe7
 if HAS_TRITON:
     @triton.jit
-    def _svm32_tile_kernel(s_ptr, y_ptr, tc_ptr, te_ptr, scr_ptr, n, n_tiles, tile, d_scale,
+    def _svm32_tile_kernel(s_ptr, y_ptr, tc_ptr, te_ptr, tm_ptr, scr_ptr, n, n_tiles, tile, d_scale,
                            K: tl.constexpr, L: tl.constexpr, LOG_L: tl.constexpr, R: tl.constexpr):
-        "Program (row, p): prod (1 + e_i z) over the classes of tile p but the label, truncated at K; e_i = 2^{(s_i - s_y) d_scale}."
+        "Program (row, p): prod (1 + e_i z) over the classes of tile p but the label, truncated at K, e_i = 2^{(s_i - s_y) d_scale}; and the tile's largest log2 e_i."
         row, p = tl.program_id(0).to(tl.int64), tl.program_id(1)       # int64: row n passes 2^31
         lanes = tl.arange(0, L)                                          # (L,) threads
         y = tl.load(y_ptr + row)
         sy = tl.load(s_ptr + row * n + y).to(tl.float32)
         C, E = _poly_one(L, K)                                           # K + 1 mantissas and exponents (L,)
         bad = tl.zeros([L], tl.int1)
+        dmax = tl.full([L], -float("inf"), tl.float32)                  # (L,) each thread's largest log2 e_i
         start = p * tile
         for t0 in range(0, tile, L * R):
             for r in tl.static_range(R):                                 # R classes per thread, then renormalise
@@ -672,6 +673,7 @@ if HAS_TRITON:
                 d = (s - sy) * d_scale                                   # (L,) log2 e_i
                 valid = inside & (offs != y)
                 bad = bad | (valid & (tl.abs(d) >= _XRANGE))
+                dmax = tl.maximum(dmax, tl.where(valid, d, -float("inf")))
                 m, q = _xelem(tl.minimum(tl.maximum(d, -_XRANGE), _XRANGE), valid)
                 C, E = _poly_step(C, E, m, q, K)
             C, E = _poly_norm(C, E, K)
@@ -680,6 +682,7 @@ if HAS_TRITON:
         for lev in range(LOG_L):                                         # the lanes' product, lane 0 ends with it
             C, E = _poly_halve(C, E, scr, L >> (lev + 1), K, L)
         C, E = _lane0(C, E, K, L)
+        tl.store(tm_ptr + row * n_tiles + p, tl.max(dmax, 0))
         base = (row * n_tiles + p) * (K + 1)
         for j in tl.static_range(K + 1):
             tl.store(tc_ptr + base + j, C[j])
@@ -688,14 +691,17 @@ if HAS_TRITON:
 # %% ../nbs/16_kernels.ipynb #a24adabb
 if HAS_TRITON:
     @triton.jit
-    def _svm32_row_kernel(tc_ptr, te_ptr, loss_ptr, rho_ptr, sc_ptr, se_ptr, n_tiles, alpha_tau_bits, tau_bits,
+    def _svm32_row_kernel(tc_ptr, te_ptr, tm_ptr, loss_ptr, rho_ptr, sc_ptr, se_ptr, dm_ptr, n_tiles, alpha_tau_bits, tau_bits,
                           K: tl.constexpr):
-        "Program row: sigma_0..sigma_K of the others (the tiles' product), the loss tau softplus(z) and rho = sigmoid(z)."
+        "Program row: sigma_0..sigma_K of the others (the tiles' product), the loss tau softplus(z), rho = sigmoid(z), and the row's largest log2 e_i."
         row = tl.program_id(0).to(tl.int64)
         C, E = _load_poly(tc_ptr, te_ptr, row * n_tiles * (K + 1), K)
+        dmax = tl.load(tm_ptr + row * n_tiles)
         for p in range(1, n_tiles):                                      # the tiles' product, in tile order
             BC, BE = _load_poly(tc_ptr, te_ptr, (row * n_tiles + p) * (K + 1), K)
             C, E = _poly_mul(C, E, BC, BE, K)
+            dmax = tl.maximum(dmax, tl.load(tm_ptr + row * n_tiles + p))
+        tl.store(dm_ptr + row, dmax)
         for j in tl.static_range(K + 1):
             tl.store(sc_ptr + row * (K + 1) + j, C[j])
             tl.store(se_ptr + row * (K + 1) + j, E[j])
@@ -723,60 +729,74 @@ if HAS_TRITON:
         return lrho, Rr
 
     @triton.jit
-    def _svm32_grad_tile_kernel(s_ptr, y_ptr, go_ptr, rho_ptr, sc_ptr, se_ptr, g_ptr, tc_ptr, te_ptr, hd_ptr, hi_ptr, hn_ptr,
-                                scr_ptr, n, n_tiles, tile, d_scale,
+    def _svm32_grad_block(s_ptr, g_ptr, row, n, y, sy, offs, inside, d_scale, lrho, Rr, w, K: tl.constexpr, L: tl.constexpr):
+        "dL/ds of the tail classes among offs (L,) by Horner, stored with the label's; returns log2 e_i and the tail and head masks."
+        s = tl.load(s_ptr + row * n + offs, mask=inside, other=0.0).to(tl.float32)
+        d = tl.minimum(tl.maximum((s - sy) * d_scale, -_XRANGE), _XRANGE)   # (L,) log2 e_i
+        valid = inside & (offs != y)
+        t = tl.exp2(d + lrho)                                            # (L,) t_i = e_i rho_K
+        big = t > _THETA
+        head = valid & big
+        tail = valid & ~big                                              # NaN (an out-of-range row) goes to the tail: NaN
+        u1 = tl.full([L], 1.0, tl.float32)                               # u_{j-1}
+        u2 = tl.full([L], 1.0, tl.float32)                               # u_{j-2}
+        for j in tl.static_range(1, K):
+            u2 = u1
+            u1 = 1.0 - t * Rr[j] * u1
+        if K == 1:
+            pk1 = tl.zeros([L], tl.float32)
+        else:
+            pk1 = t * Rr[K - 1] * u2
+        g = tl.where(offs == y, -w, w * (t * u1 - pk1))
+        tl.store(g_ptr + row * n + offs, g, mask=inside & (tail | (offs == y)))
+        return d, tail, head
+
+    @triton.jit
+    def _svm32_grad_tile_kernel(s_ptr, y_ptr, go_ptr, rho_ptr, sc_ptr, se_ptr, dm_ptr, g_ptr, tc_ptr, te_ptr, hd_ptr, hi_ptr,
+                                hn_ptr, scr_ptr, n, n_tiles, tile, d_scale,
                                 K: tl.constexpr, L: tl.constexpr, LOG_L: tl.constexpr, R: tl.constexpr, HMAX: tl.constexpr):
-        "Program (row, p): dL/ds of the tile's tail by Horner, the tile's tail polynomial, and its head classes listed."
+        "Program (row, p): dL/ds of the tile's tail by Horner; if the row has a head, the tile's tail polynomial and its head classes listed."
         row, p = tl.program_id(0).to(tl.int64), tl.program_id(1)
         lanes = tl.arange(0, L)                                          # (L,) threads
         y = tl.load(y_ptr + row)
         sy = tl.load(s_ptr + row * n + y).to(tl.float32)
         w = (tl.load(rho_ptr + row) * tl.load(go_ptr + row).to(tl.float64) / K).to(tl.float32)   # dL/ds_i = w (pi_k - pi_k-1)
         lrho, Rr = _svm32_row_consts(sc_ptr, se_ptr, row, K)
-        C, E = _poly_one(L, K)
-        cnt = 0
         start = p * tile
-        hbase = (row * n_tiles + p) * HMAX
-        for t0 in range(0, tile, L * R):
-            for r in tl.static_range(R):
-                offs = start + t0 + r * L + lanes                        # (L,) classes
-                inside = (offs < n) & (offs < start + tile)
-                s = tl.load(s_ptr + row * n + offs, mask=inside, other=0.0).to(tl.float32)
-                d = tl.minimum(tl.maximum((s - sy) * d_scale, -_XRANGE), _XRANGE)
-                valid = inside & (offs != y)
-                t = tl.exp2(d + lrho)                                    # (L,) t_i = e_i rho_K
-                big = t > _THETA
-                head = valid & big
-                tail = valid & ~big                                      # NaN (an out-of-range row) goes to the tail: NaN
-                u1 = tl.full([L], 1.0, tl.float32)                       # u_{j-1}
-                u2 = tl.full([L], 1.0, tl.float32)                       # u_{j-2}
-                for j in tl.static_range(1, K):
-                    u2 = u1
-                    u1 = 1.0 - t * Rr[j] * u1
-                if K == 1:
-                    pk1 = tl.zeros([L], tl.float32)
-                else:
-                    pk1 = t * Rr[K - 1] * u2
-                g = tl.where(offs == y, -w, w * (t * u1 - pk1))
-                tl.store(g_ptr + row * n + offs, g, mask=inside & (tail | (offs == y)))
-                m, q = _xelem(d, tail)
-                C, E = _poly_step(C, E, m, q, K)
-                hm = head.to(tl.int32)
-                pos = cnt + tl.cumsum(hm, 0) - hm                        # (L,) places in the tile's head list
-                keep = head & (pos < HMAX)
-                tl.store(hd_ptr + hbase + pos, d, mask=keep)
-                tl.store(hi_ptr + hbase + pos, offs.to(tl.int64), mask=keep)
-                cnt += tl.sum(hm, 0)
-            C, E = _poly_norm(C, E, K)
-        scr = scr_ptr + (row * n_tiles + p) * (2 * (K + 1) * L)       # this program's scratch
-        for lev in range(LOG_L):                                         # the lanes' product, lane 0 ends with it
-            C, E = _poly_halve(C, E, scr, L >> (lev + 1), K, L)
-        C, E = _lane0(C, E, K, L)
-        base = (row * n_tiles + p) * (K + 1)
-        for j in tl.static_range(K + 1):
-            tl.store(tc_ptr + base + j, C[j])
-            tl.store(te_ptr + base + j, E[j])
-        tl.store(hn_ptr + row * n_tiles + p, cnt)
+        if tl.exp2(tl.load(dm_ptr + row) + lrho) > _THETA:               # the row's largest t_i: it has a head
+            C, E = _poly_one(L, K)
+            cnt = 0
+            hbase = (row * n_tiles + p) * HMAX
+            for t0 in range(0, tile, L * R):
+                for r in tl.static_range(R):
+                    offs = start + t0 + r * L + lanes                    # (L,) classes
+                    inside = (offs < n) & (offs < start + tile)
+                    d, tail, head = _svm32_grad_block(s_ptr, g_ptr, row, n, y, sy, offs, inside, d_scale, lrho, Rr, w, K, L)
+                    m, q = _xelem(d, tail)
+                    C, E = _poly_step(C, E, m, q, K)
+                    hm = head.to(tl.int32)
+                    pos = cnt + tl.cumsum(hm, 0) - hm                    # (L,) places in the tile's head list
+                    keep = head & (pos < HMAX)
+                    tl.store(hd_ptr + hbase + pos, d, mask=keep)
+                    tl.store(hi_ptr + hbase + pos, offs.to(tl.int64), mask=keep)
+                    cnt += tl.sum(hm, 0)
+                C, E = _poly_norm(C, E, K)
+            scr = scr_ptr + (row * n_tiles + p) * (2 * (K + 1) * L)   # this program's scratch
+            for lev in range(LOG_L):                                     # the lanes' product, lane 0 ends with it
+                C, E = _poly_halve(C, E, scr, L >> (lev + 1), K, L)
+            C, E = _lane0(C, E, K, L)
+            base = (row * n_tiles + p) * (K + 1)
+            for j in tl.static_range(K + 1):
+                tl.store(tc_ptr + base + j, C[j])
+                tl.store(te_ptr + base + j, E[j])
+            tl.store(hn_ptr + row * n_tiles + p, cnt)
+        else:                                                            # no head: Horner on every class, nothing else
+            for t0 in range(0, tile, L * R):
+                for r in tl.static_range(R):
+                    offs = start + t0 + r * L + lanes
+                    inside = (offs < n) & (offs < start + tile)
+                    _svm32_grad_block(s_ptr, g_ptr, row, n, y, sy, offs, inside, d_scale, lrho, Rr, w, K, L)
+            tl.store(hn_ptr + row * n_tiles + p, 0)
 
 # %% ../nbs/16_kernels.ipynb #7114870e
 if HAS_TRITON:
@@ -786,10 +806,6 @@ if HAS_TRITON:
         "Program row: dL/ds of the head classes, exactly: sigma(others without i) = sigma(tail) sigma(head without i)."
         row = tl.program_id(0).to(tl.int64)
         h = tl.arange(0, HMAX)                                           # (HMAX,) head classes, one per thread
-        TC, TE = _load_poly(tc_ptr, te_ptr, row * n_tiles * (K + 1), K)  # sigma(tail): the tiles' product, scalars
-        for p in range(1, n_tiles):
-            BC, BE = _load_poly(tc_ptr, te_ptr, (row * n_tiles + p) * (K + 1), K)
-            TC, TE = _poly_mul(TC, TE, BC, BE, K)
         hc = 0
         for p in range(n_tiles):                                         # the row's head list, in tile order
             cp = tl.load(hn_ptr + row * n_tiles + p)
@@ -799,35 +815,40 @@ if HAS_TRITON:
             tl.store(fi_ptr + row * HMAX + hc + h, tl.load(hi_ptr + src, mask=ok, other=0), mask=ok)
             hc += cp
         tl.debug_barrier()
-        over = hc > HMAX                                                 # never, by the bound above: NaN if it were
-        hc = tl.minimum(hc, HMAX)
-        hv = h < hc
-        dh = tl.load(fd_ptr + row * HMAX + h, mask=hv, other=0.0)
-        ih = tl.load(fi_ptr + row * HMAX + h, mask=hv, other=0)
-        HC, HE = _poly_one(HMAX, K - 1)                                  # sigma_0..sigma_{K-1} of the head without h
-        for gi in range(hc):
-            dg = tl.load(fd_ptr + row * HMAX + gi)
-            mg, qg = _xelem(tl.zeros([HMAX], tl.float32) + dg, h != gi)
-            HC, HE = _poly_step(HC, HE, mg, qg, K - 1)
-            HC, HE = _poly_norm(HC, HE, K - 1)
-        c1, e1 = TC[0] * HC[K - 1], TE[0] + HE[K - 1]                    # sigma_{K-1}(others without h)
-        for a in tl.static_range(1, K):
-            c1, e1 = _xadd(c1, e1, TC[a] * HC[K - 1 - a], TE[a] + HE[K - 1 - a])
-        mh, qh = _xelem(dh, hv)
-        b = row * (K + 1)
-        cK, eK = tl.load(sc_ptr + b + K), tl.load(se_ptr + b + K)
-        cK1, eK1 = tl.load(sc_ptr + b + K - 1), tl.load(se_ptr + b + K - 1)
-        pk = (mh * c1 / cK) * _pow2(qh + e1 - eK)                        # pi_{K,h}
-        if K == 1:
-            pk1 = tl.zeros([HMAX], tl.float32)
-        else:
-            c2, e2 = TC[0] * HC[K - 2], TE[0] + HE[K - 2]                # sigma_{K-2}(others without h)
-            for a in tl.static_range(1, K - 1):
-                c2, e2 = _xadd(c2, e2, TC[a] * HC[K - 2 - a], TE[a] + HE[K - 2 - a])
-            pk1 = (mh * c2 / cK1) * _pow2(qh + e2 - eK1)                 # pi_{K-1,h}
-        w = (tl.load(rho_ptr + row) * tl.load(go_ptr + row).to(tl.float64) / K).to(tl.float32)
-        g = tl.where(over, float("nan"), w * (pk - pk1))
-        tl.store(g_ptr + row * n + ih, g, mask=hv)
+        if hc > 0:                                                       # else no head: the tile kernel wrote every entry
+            TC, TE = _load_poly(tc_ptr, te_ptr, row * n_tiles * (K + 1), K)  # sigma(tail): the tiles' product, scalars
+            for p in range(1, n_tiles):
+                BC, BE = _load_poly(tc_ptr, te_ptr, (row * n_tiles + p) * (K + 1), K)
+                TC, TE = _poly_mul(TC, TE, BC, BE, K)
+            over = hc > HMAX                                                 # never, by the bound above: NaN if it were
+            hc = tl.minimum(hc, HMAX)
+            hv = h < hc
+            dh = tl.load(fd_ptr + row * HMAX + h, mask=hv, other=0.0)
+            ih = tl.load(fi_ptr + row * HMAX + h, mask=hv, other=0)
+            HC, HE = _poly_one(HMAX, K - 1)                                  # sigma_0..sigma_{K-1} of the head without h
+            for gi in range(hc):
+                dg = tl.load(fd_ptr + row * HMAX + gi)
+                mg, qg = _xelem(tl.zeros([HMAX], tl.float32) + dg, h != gi)
+                HC, HE = _poly_step(HC, HE, mg, qg, K - 1)
+                HC, HE = _poly_norm(HC, HE, K - 1)
+            c1, e1 = TC[0] * HC[K - 1], TE[0] + HE[K - 1]                    # sigma_{K-1}(others without h)
+            for a in tl.static_range(1, K):
+                c1, e1 = _xadd(c1, e1, TC[a] * HC[K - 1 - a], TE[a] + HE[K - 1 - a])
+            mh, qh = _xelem(dh, hv)
+            b = row * (K + 1)
+            cK, eK = tl.load(sc_ptr + b + K), tl.load(se_ptr + b + K)
+            cK1, eK1 = tl.load(sc_ptr + b + K - 1), tl.load(se_ptr + b + K - 1)
+            pk = (mh * c1 / cK) * _pow2(qh + e1 - eK)                        # pi_{K,h}
+            if K == 1:
+                pk1 = tl.zeros([HMAX], tl.float32)
+            else:
+                c2, e2 = TC[0] * HC[K - 2], TE[0] + HE[K - 2]                # sigma_{K-2}(others without h)
+                for a in tl.static_range(1, K - 1):
+                    c2, e2 = _xadd(c2, e2, TC[a] * HC[K - 2 - a], TE[a] + HE[K - 2 - a])
+                pk1 = (mh * c2 / cK1) * _pow2(qh + e2 - eK1)                 # pi_{K-1,h}
+            w = (tl.load(rho_ptr + row) * tl.load(go_ptr + row).to(tl.float64) / K).to(tl.float32)
+            g = tl.where(over, float("nan"), w * (pk - pk1))
+            tl.store(g_ptr + row * n + ih, g, mask=hv)
 
 # %% ../nbs/16_kernels.ipynb #9ea13d1c
 _LOG2E = 1.4426950408889634
@@ -847,10 +868,11 @@ def svm32_plan(B: int,                  # rows
 
 # %% ../nbs/16_kernels.ipynb #86023359
 def _svm32_state(s: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
-    "Uninitialised outputs of the float32 forward: the loss (B,), rho (B,) in float64, and the row's sigma (B, k + 1) as mantissas and exponents."
+    "Uninitialised outputs of the float32 forward: the loss (B,), rho (B,) in float64, the row's sigma (B, k + 1) as mantissas and exponents, and its largest log2 e_i (B,)."
     B = s.shape[0]
     return (s.new_empty(B), torch.empty(B, dtype=torch.float64, device=s.device),
-            torch.empty(B, k + 1, dtype=torch.float32, device=s.device), torch.empty(B, k + 1, dtype=torch.int32, device=s.device))
+            torch.empty(B, k + 1, dtype=torch.float32, device=s.device), torch.empty(B, k + 1, dtype=torch.int32, device=s.device),
+            torch.empty(B, dtype=torch.float32, device=s.device))
 
 
 @torch.library.custom_op(f"{_OPS}::smooth_svm32_forward", mutates_args=())
@@ -858,18 +880,19 @@ def _svm32_forward_op(s: torch.Tensor,       # (B, n) float32 scores, contiguous
                       target: torch.Tensor,  # (B,) int64 class indices, contiguous
                       k: int, tau: float, alpha: float,
                       tile: int,             # classes per tile (0: the default of `svm32_plan`)
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    "The float32 forward as an operator: (loss (B,), rho (B,), sigma mantissas, exponents (B, k + 1)); two launches."
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    "The float32 forward as an operator: (loss (B,), rho (B,), sigma mantissas, exponents (B, k + 1), largest log2 e_i (B,)); two launches."
     (B, n), dev = s.shape, s.device
     L, R, T, P = svm32_plan(B, n, tile or None)
     tc = torch.empty(B, P, k + 1, dtype=torch.float32, device=dev)     # each tile's polynomial
     te = torch.empty(B, P, k + 1, dtype=torch.int32, device=dev)
+    tm = torch.empty(B, P, dtype=torch.float32, device=dev)            # each tile's largest log2 e_i
     scr = torch.empty(B * P * 2 * (k + 1) * L, dtype=torch.float32, device=dev)
-    _launch(_svm32_tile_kernel, (B, P), s, target, tc, te, scr, n, P, T, _LOG2E / (k * tau),
+    _launch(_svm32_tile_kernel, (B, P), s, target, tc, te, tm, scr, n, P, T, _LOG2E / (k * tau),
             K=k, L=L, LOG_L=L.bit_length() - 1, R=R, num_warps=L // 32)
-    loss, rho, sc, se = _svm32_state(s, k)
-    _launch(_svm32_row_kernel, (B,), tc, te, loss, rho, sc, se, P, f64_bits(alpha / tau), f64_bits(tau), K=k, num_warps=1)
-    return loss, rho, sc, se
+    loss, rho, sc, se, dm = _svm32_state(s, k)
+    _launch(_svm32_row_kernel, (B,), tc, te, tm, loss, rho, sc, se, dm, P, f64_bits(alpha / tau), f64_bits(tau), K=k, num_warps=1)
+    return loss, rho, sc, se, dm
 
 
 @_svm32_forward_op.register_fake
@@ -880,7 +903,7 @@ def _svm32_forward_fake(s, target, k, tau, alpha, tile):
 @torch.library.custom_op(f"{_OPS}::smooth_svm32_backward", mutates_args=())
 def _svm32_backward_op(s: torch.Tensor, target: torch.Tensor,
                        grad: torch.Tensor,                  # (B,) dL/d loss
-                       rho: torch.Tensor, sc: torch.Tensor, se: torch.Tensor,   # from the forward operator
+                       rho: torch.Tensor, sc: torch.Tensor, se: torch.Tensor, dm: torch.Tensor,   # from the forward operator
                        k: int, tau: float, tile: int) -> torch.Tensor:
     "The float32 backward as an operator: dL/ds (B, n); two launches."
     (B, n), dev = s.shape, s.device
@@ -894,7 +917,7 @@ def _svm32_backward_op(s: torch.Tensor, target: torch.Tensor,
     hn = torch.empty(B, P, dtype=torch.int32, device=dev)
     scr = torch.empty(B * P * 2 * (k + 1) * L, dtype=torch.float32, device=dev)
     g = grad.contiguous()
-    _launch(_svm32_grad_tile_kernel, (B, P), s, target, g, rho, sc, se, out, tc, te, hd, hi, hn, scr, n, P, T,
+    _launch(_svm32_grad_tile_kernel, (B, P), s, target, g, rho, sc, se, dm, out, tc, te, hd, hi, hn, scr, n, P, T,
             _LOG2E / (k * tau), K=k, L=L, LOG_L=L.bit_length() - 1, R=R, HMAX=hmax, num_warps=L // 32)
     fd = torch.empty(B, hmax, dtype=torch.float32, device=dev)         # the row's head list
     fi = torch.empty(B, hmax, dtype=torch.int64, device=dev)
@@ -904,12 +927,12 @@ def _svm32_backward_op(s: torch.Tensor, target: torch.Tensor,
 
 
 @_svm32_backward_op.register_fake
-def _svm32_backward_fake(s, target, grad, rho, sc, se, k, tau, tile):
+def _svm32_backward_fake(s, target, grad, rho, sc, se, dm, k, tau, tile):
     return torch.empty_like(s)
 
 
 def _svm32_setup_context(ctx, inputs, output):
-    "Keep what the backward operator reads: the scores, labels, rho and the row's sigma."
+    "Keep what the backward operator reads: the scores, labels, rho, the row's sigma and largest log2 e_i."
     s, target, k, tau, alpha, tile = inputs
     ctx.save_for_backward(s, target, *output[1:])
     ctx.mark_non_differentiable(*output[1:])
@@ -921,10 +944,10 @@ def _svm32_grad(ctx, grad, *unused):
     "dL/ds by the backward operator (create_graph=True: the exact log-space tree, by autograd)."
     if grad is None:
         return None, None, None, None, None, None
-    s, target, rho, sc, se = ctx.saved_tensors
+    s, target, rho, sc, se, dm = ctx.saved_tensors
     if torch.is_grad_enabled():
         return twice_differentiable(tree_svm_loss, s, grad, target, ctx.k, ctx.tau, ctx.alpha), None, None, None, None, None
-    return _svm32_backward_op(s, target, grad, rho, sc, se, ctx.k, ctx.tau, ctx.tile), None, None, None, None, None
+    return _svm32_backward_op(s, target, grad, rho, sc, se, dm, ctx.k, ctx.tau, ctx.tile), None, None, None, None, None
 
 
 _svm32_forward_op.register_autograd(_svm32_grad, setup_context=_svm32_setup_context)
