@@ -12,6 +12,7 @@ import datetime
 import json
 import logging
 import math
+import os
 import platform
 import re
 import subprocess
@@ -180,6 +181,19 @@ def epoch_overhead(device="cuda", model: str = "densenet40_40", n_classes: int =
     return {"status": "ok", "model": model, "batch": batch, "rounds": rounds, "rows": rows}
 
 # %% ../nbs/15_gpucheck.ipynb #3a37cd5a
+@contextlib.contextmanager
+def _quiet_fd2():
+    "Silence the process's standard error (file descriptor 2) inside: the profiler's library logs each start and stop there."
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved), os.close(null)
+
+
 def _profile_step(step: Callable[[], object], # one forward+backward
                   device: torch.device,
                   repeats: int,               # profiled steps, after two warm-up steps
@@ -189,9 +203,13 @@ def _profile_step(step: Callable[[], object], # one forward+backward
     cuda = device.type == "cuda"
     for _ in range(2): step()
     if cuda: torch.cuda.synchronize(device)
-    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+    prof = profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU])
+    with _quiet_fd2(): prof.start()                   # the steps themselves keep their standard error
+    try:
         for _ in range(repeats): step()
         if cuda: torch.cuda.synchronize(device)
+    finally:
+        with _quiet_fd2(): prof.stop()
     per = {}
     for e in prof.key_averages():
         if cuda and e.device_type != torch.autograd.DeviceType.CUDA: continue
