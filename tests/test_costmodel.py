@@ -114,3 +114,18 @@ def table():
                                   if b.expected_over else name for name, b in bench.BUDGETS.items()])
 def test_kernels_within_budget(table, name):
     assert bench.within_budget(table, {name: bench.BUDGETS[name]})[name] == []
+
+
+def test_pruning_cuts_the_modelled_work():
+    "At n = 1e5 the live classes of bench scores fit the tile, and the pruned candidates kernel does under half the unpruned work."
+    sh = dict(B=256, n=100_000, k=5)
+    assert bench.live_classes(sh) < bench._plan(sh)["CAP"] < bench.live_classes(sh, sigma=0.01)   # close scores: all live
+    pruned = bench.kernel_cost("perturbed_candidates", sh)
+    full = bench.kernel_cost("perturbed_candidates, unpruned", sh)
+    assert bench._tiled(sh) and pruned["instr_per_element"] < full["instr_per_element"] / 2
+
+
+def test_ilp_is_the_fit_to_the_gpu_record():
+    "The latency bound's ilp is a fitted constant, documented with its source."
+    value, source = bench.H100["ilp"]
+    assert 1.0 < value <= 4.0 and "GPU record" in source

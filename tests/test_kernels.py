@@ -50,6 +50,84 @@ def test_kernel_draws_follow_the_seed():
     assert torch.equal(a[1], b[1]) and not torch.equal(a[1], c[1])
 
 
+@pytest.mark.parametrize("n, k, block, cap, spread", [(100, 6, None, 16, 4.0), (100, 6, None, 16, 0.5), (300, 4, 64, 16, 4.0),
+                                                     (300, 4, 64, 8, 4.0), (64, 5, None, 8, 4.0)])
+def test_pruned_selection_is_topk_of_the_given_noise(n, k, block, cap, spread):
+    "Pruning (classes that cannot be among a chunk's K largest draw no noise) changes nothing: exactly PyTorch's topk."
+    _pruned_case(n, k, block, cap, spread)
+
+
+def _pruned_case(n, k, block, cap, spread):
+    "Run one case against topk; return each row's live classes, about as the kernel counts them."
+    g = torch.Generator().manual_seed(n + k)
+    s, z = spread * torch.randn(3, n, generator=g), torch.randn(4, 3, n, generator=g)
+    mean, idx = (t.cpu() for t in kernels.perturbed_kth_triton(s.to(DEV), k, 0.3, 4, noise=z.to(DEV), block=block, cap=cap))
+    ref = (s + 0.3 * z).topk(k, dim=-1)
+    torch.testing.assert_close(mean, ref.values[..., -1].mean(0), rtol=1e-6, atol=1e-5)
+    assert torch.equal(idx, ref.indices[..., -1])
+    reach = 0.3 * z.abs().amax(0)                                   # about the kernel's: every class within 2 reach of the K-th
+    live = (s + reach.amax(1, keepdim=True) >= s.topk(k, dim=-1).values[:, -1:] - reach.amax(1, keepdim=True)).sum(1)
+    return live
+
+
+def test_pruned_cases_take_both_paths():
+    "The cases above: rows of spread scores fit the tile of live classes (the pruned path), rows of close ones do not (the whole chunk)."
+    fits, spills = _pruned_case(100, 6, None, 16, 4.0), _pruned_case(100, 6, None, 16, 0.5)
+    assert (fits <= 16).any() and (spills > 16).all(), (fits, spills)
+
+
+def test_pruned_selection_draws_the_same_noise():
+    "With the kernels' own noise: pruned or not, chunked or not, the same draws select the same entries, bit for bit."
+    s = 4 * torch.randn(3, 600, generator=torch.Generator().manual_seed(4)).to(DEV)
+    runs = [kernels.perturbed_kth_triton(s, 4, 0.1, 3, generator=torch.Generator().manual_seed(9), block=b, cap=c)
+            for b, c in [(None, 0), (None, 32), (128, 0), (128, 16)]]
+    for other in runs[1:]:
+        assert torch.equal(other[0], runs[0][0]) and torch.equal(other[1], runs[0][1])
+
+
+def test_randn_bound_holds_and_is_near_tight():
+    "Every value tl.randn draws is within RANDN_BOUND, which exceeds the Box-Muller extreme sqrt(-2 ln 1e-7) by < 0.05 %."
+    import math
+    extreme = math.sqrt(-2 * math.log(1e-7))
+    assert extreme <= kernels.RANDN_BOUND < extreme * 1.0005
+    out = torch.empty(2**20, device=DEV)
+    kernels_normals[(2**20 // 2**14,)](out, 77, BLOCK=2**14)
+    assert out.abs().max().item() <= kernels.RANDN_BOUND
+
+
+if kernels.HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernels_normals(out_ptr, seed, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(out_ptr + offs, tl.randn(seed, offs))
+
+
+@pytest.mark.parametrize("dtype, n", [(torch.float64, 40), (torch.float32, 2500)])
+def test_noised_hinge_kernel_loss_and_gradient(dtype, n):
+    "The fused hinge against the float64 hinge and eq. (12) on the same draws; inactive rows have zero loss and gradient."
+    g = torch.Generator().manual_seed(n)
+    s = 2 * torch.randn(5, n, generator=g, dtype=dtype)
+    y = torch.cat([s[:2].argmax(1), s[2:].argmin(1)])
+    s[[0, 1], y[:2]] += 5
+    margin = torch.rand(5, generator=g, dtype=dtype)
+    x = s.to(DEV).requires_grad_()
+    loss = kernels.triton_noised_hinge(x, y.to(DEV), 4, 0.5, 6, margin.to(DEV), 2.5, generator=torch.Generator().manual_seed(2))
+    (grad,) = torch.autograd.grad(loss.sum(), x)
+    mean, idx = (t.cpu() for t in kernels.perturbed_kth_triton(s.to(DEV), 4, 0.5, 6, generator=torch.Generator().manual_seed(2)))
+    hinge = margin.double() + mean.double() - s.double().gather(1, y[:, None])[:, 0]
+    torch.testing.assert_close(loss.cpu().double(), 2.5 * hinge.clamp(min=0), rtol=1e-6, atol=1e-5)
+    expected = 2.5 * (hinge > 0).double()[:, None] * (F.one_hot(idx, n).double().mean(0) - F.one_hot(y, n).double())
+    torch.testing.assert_close(grad.cpu().double(), expected, rtol=1e-6, atol=1e-7)
+    assert (loss[:2] == 0).all() and (loss[2:] > 0).all()
+    with pytest.raises(ValueError, match="epsilon"):
+        kernels.triton_noised_hinge(x, y.to(DEV), 4, 0.0, 6)
+    with pytest.raises(ValueError, match="margin must be"):
+        kernels.triton_noised_hinge(x, y.to(DEV), 4, 0.5, 6, torch.ones(3, device=DEV))
+
+
 @pytest.mark.parametrize("imbalanced", [False, True])
 def test_noised_losses_use_the_kernel_and_its_gradient(imbalanced):
     g = torch.Generator().manual_seed(3)
@@ -228,15 +306,27 @@ for k in (1, 3):
                            (K._svm32_grad_tile_kernel, gtile, {**lanes, "HMAX": 16}), (K._svm32_grad_row_kernel, grow, {"K": k, "HMAX": 16})):
         sig = {**sig, **{name: "constexpr" for name in const}}
         assert triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32)).asm["cubin"]
-one = ptrs(["s_ptr", "noise_ptr", "seed_ptr", "mean_ptr", "idx_ptr"], ["*fp32", "*fp32", "*i64", "*fp32", "*i64"])
-one.update(n_rows="i32", n="i32", epsilon="fp32")
-cand = ptrs(["s_ptr", "noise_ptr", "seed_ptr", "cval_ptr", "cidx_ptr"], ["*fp32", "*fp32", "*i64", "*fp32", "*i64"])
-cand.update(n_rows="i32", n="i32", n_chunks="i32", epsilon="fp32")
-merge = ptrs(["cval_ptr", "cidx_ptr", "mean_ptr", "idx_ptr"], ["*fp32", "*i64", "*fp32", "*i64"])
-merge.update(n_rows="i32", n_cand="i32")
-draws = {"KTH": 5, "N_SAMPLES": 3, "GIVEN_NOISE": False, "BLOCK": 1024}
-for fn, sig, const in ((K._perturbed_kth_kernel, one, draws), (K._perturbed_candidates_kernel, cand, draws),
-                       (K._perturbed_merge_kernel, merge, {"KTH": 5, "N_SAMPLES": 3, "BLOCK": 1024})):
+cand = ptrs(["s_ptr", "noise_ptr", "seed_ptr", "top_ptr", "scratch_ptr", "cval_ptr", "cidx_ptr"],
+           ["*fp32", "*fp32", "*i64", "*fp32", "*i16", "*fp32", "*i64"])
+cand.update(n_rows="i32", n="i32", n_chunks="i32", epsilon="fp32", bound="fp32")
+merge = ptrs(["cval_ptr", "cidx_ptr", "s_ptr", "y_ptr", "margin_ptr", "mean_ptr", "idx_ptr", "loss_ptr"],
+             ["*fp32", "*i64", "*fp64", "*i64", "*fp64", "*fp32", "*i64", "*fp64"])
+merge.update(n_rows="i32", n="i32", n_cand="i32", alpha_bits="i64", scale_bits="i64")
+grad = ptrs(["idx_ptr", "go_ptr", "loss_ptr", "y_ptr", "g_ptr"], ["*i64", "*fp64", "*fp64", "*i64", "*fp64"])
+grad.update(n_rows="i32", n="i32", scale_bits="i64")
+kernels_and_constants = [(K._perturbed_merge_kernel, merge, {"KTH": 5, "N_SAMPLES": 3, "S_PAD": 4, "SORTED": sorted_,
+                                                             "HINGE": True, "HAS_MARGIN": True, "BLOCK": 1024})
+                         for sorted_ in (True, False)]
+kernels_and_constants += [(K._perturbed_candidates_kernel, cand, {"KTH": 5, "N_SAMPLES": 10, "DRAWS": 3, "DRAWS_PAD": 4,
+                                                                  "GIVEN_NOISE": given, "PRUNE": prune, "BLOCK": 1024,
+                                                                  "CAP": 256})
+                          for given in (False, True) for prune in (False, True)]
+kernels_and_constants += [(K._chunk_top_kernel, ptrs(["s_ptr", "top_ptr"], ["*fp32", "*fp32"]) | dict(n="i32", n_chunks="i32"),
+                           {"KTH": 5, "BLOCK": 1024}),
+                          (K._row_top_kernel, ptrs(["top_ptr", "t_ptr"], ["*fp32", "*fp32"]) | dict(n_cand="i32"),
+                           {"KTH": 5, "BLOCK": 64})]
+kernels_and_constants += [(K._perturbed_grad_kernel, grad, {"N_SAMPLES": 3, "HINGE": hinge, "BLOCK": 1024}) for hinge in (False, True)]
+for fn, sig, const in kernels_and_constants:
     sig = {**sig, **{name: "constexpr" for name in const}}
     assert triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32)).asm["cubin"]
 print("compiled")

@@ -12,6 +12,7 @@ import datetime
 import json
 import logging
 import math
+import os
 import platform
 import re
 import subprocess
@@ -28,14 +29,14 @@ import torch.nn.functional as F
 
 from .bench import aten_ops, bench_loss, bench_scores, epoch_times, loss_speed, syncing_ops
 from .kernels import count_launches
-from .core import fwd_bwd
+from .core import check_int, check_real, fwd_bwd
 from .losses import LOSSES
 
 # %% auto #0
 __all__ = ['PRESETS', 'SECTIONS', 'TOLERANCE', 'NO_CUDA', 'one_line', 'loss_and_grad', 'compare_to_reference', 'loss_variants',
-           'check_correctness', 'check_syncs', 'speed_table', 'epoch_overhead', 'check_compile', 'capture_step',
-           'check_cuda_graphs', 'environment', 'device_slug', 'run_section', 'section_calls', 'render_markdown',
-           'gpu_check', 'main']
+           'check_correctness', 'check_syncs', 'speed_table', 'epoch_overhead', 'kernel_times', 'check_compile',
+           'capture_step', 'check_cuda_graphs', 'environment', 'device_slug', 'run_section', 'section_calls',
+           'render_markdown', 'gpu_check', 'main']
 
 # %% ../nbs/15_gpucheck.ipynb #fbf51fd0
 PRESETS = {
@@ -46,7 +47,7 @@ PRESETS = {
     "dry": dict(cases=((8, 20, 3),), batch=8, ns=(20,), ks=(3,), repeats=3,
                 epoch=dict(model="densenet_tiny", n_classes=10, batch=4, rounds=2), step=(8, 16, 20, 3)),
 }
-SECTIONS = ("environment", "correctness", "syncs", "speed", "epoch", "compile", "cuda_graphs")
+SECTIONS = ("environment", "correctness", "syncs", "speed", "kernels", "epoch", "compile", "cuda_graphs")
 TOLERANCE = 1e-4
 
 
@@ -178,6 +179,77 @@ def epoch_overhead(device="cuda", model: str = "densenet40_40", n_classes: int =
     configs = [{"loss": "ce"}, {"loss": "smooth_svm", "k": k}, {"loss": "noised_bal", "k": k}]
     rows = epoch_times(configs, model, n_classes, batch, rounds=rounds, device=device)
     return {"status": "ok", "model": model, "batch": batch, "rounds": rounds, "rows": rows}
+
+# %% ../nbs/15_gpucheck.ipynb #3a37cd5a
+@contextlib.contextmanager
+def _quiet_fd2():
+    "Silence the process's standard error (file descriptor 2) inside: the profiler's library logs each start and stop there."
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved), os.close(null)
+
+
+def _profile_step(step: Callable[[], object], # one forward+backward
+                  device: torch.device,
+                  repeats: int,               # profiled steps, after two warm-up steps
+                  ) -> dict[str, float]:
+    "Microseconds per step of each kernel (CUDA: device time) or operator (CPU: self time) that `step` runs."
+    from torch.profiler import ProfilerActivity, profile
+    cuda = device.type == "cuda"
+    for _ in range(2): step()
+    if cuda: torch.cuda.synchronize(device)
+    prof = profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU])
+    with _quiet_fd2(): prof.start()                   # the steps themselves keep their standard error
+    try:
+        for _ in range(repeats): step()
+        if cuda: torch.cuda.synchronize(device)
+    finally:
+        with _quiet_fd2(): prof.stop()
+    per = {}
+    for e in prof.key_averages():
+        if cuda and e.device_type != torch.autograd.DeviceType.CUDA: continue
+        t = (getattr(e, "self_device_time_total", 0) if cuda else e.self_cpu_time_total) or 0
+        if t > 0: per[e.key[:80]] = per.get(e.key[:80], 0.0) + t / repeats
+    return per
+
+
+def kernel_times(device="cuda",                        # a CUDA device, or cpu for the dry run
+                 ns: Sequence[int] = (100, 1000, 10_000, 100_000),   # classes, the speed section's
+                 batch: int = 256,
+                 k: int = 5,
+                 repeats: int = 10,                    # profiled steps per loss and shape
+                 names: Sequence[str] | None = None,   # registry losses; all by default
+                 scale: float = 2.0,                   # the scores' standard deviation
+                 top: int = 6,                         # kernels listed per row
+                 ) -> dict:
+    "Per loss and n: the step's device time per kernel (profiler), its total and the ratio to F.cross_entropy's total."
+    device = torch.device(device)
+    repeats, top = check_int(repeats, "repeats", 1), check_int(top, "top", 1)
+    scale = check_real(scale, "scale", 0.0, lo_open=True)
+    rows = []
+    for n in ns:
+        scores, target = bench_scores(batch, n, device)
+        scores = scores * (scale / 2.0)
+        fns = {"ce": F.cross_entropy, **{name: bench_loss(name, n, k, check_finite=False) for name in names or LOSSES}}
+        ce_us = None
+        for name, fn in fns.items():
+            x = scores.clone().requires_grad_()
+            def step(fn=fn, x=x):
+                x.grad = None
+                fn(x, target).backward()
+            per = _profile_step(step, device, repeats)
+            total = sum(per.values())
+            ce_us = total if name == "ce" else ce_us
+            rows.append({"loss": name, "k": None if name == "ce" else k, "n": n, "device_us": round(total, 1),
+                         "ratio": round(total / ce_us, 2) if ce_us else None,
+                         "kernels": {key: round(v, 1) for key, v in sorted(per.items(), key=lambda kv: -kv[1])[:top]}})
+    return {"status": "ok", "batch": batch, "k": k, "ns": list(ns), "scale": scale,
+            "time": "device" if device.type == "cuda" else "cpu", "rows": rows}
 
 # %% ../nbs/15_gpucheck.ipynb #82ac684d
 def _training_setup(name: str, device, batch: int, features: int, n: int, k: int):
@@ -349,6 +421,8 @@ def section_calls(device, preset: dict) -> dict[str, Callable[[], dict]]:
             "correctness": lambda: check_correctness(device, preset["cases"]),
             "syncs": lambda: check_syncs(device, *preset["cases"][0]),
             "speed": lambda: speed_table(device, preset["ns"], preset["ks"], preset["batch"], preset["repeats"]),
+            "kernels": lambda: kernel_times(device, preset["ns"], preset["batch"], 5 if 5 in preset["ks"] else preset["ks"][0],
+                                            preset["repeats"]),
             "epoch": lambda: epoch_overhead(device, **preset["epoch"]),
             "compile": lambda: check_compile(device, B, d, n, k),
             "cuda_graphs": lambda: check_cuda_graphs(device, B, d, n, k)}
@@ -413,12 +487,20 @@ def _md_graphs(s: dict) -> list[str]:
     return _table(["loss", "capture", "replay finite", "replay vs eager"],
                   [[name, v["capture"], v.get("finite"), _e(v.get("err"))] for name, v in s["losses"].items()])
 
+# %% ../nbs/15_gpucheck.ipynb #29634382
+def _md_kernels(s: dict) -> list[str]:
+    unit = "device µs" if s.get("time") == "device" else "CPU µs (dry run)"
+    return _table(["loss", "k", "n", unit, "/ F.cross_entropy", "largest kernels (µs)"],
+                  [[r["loss"], r["k"], r["n"], f"{r['device_us']:.1f}", None if r["ratio"] is None else f"{r['ratio']:.2f}x",
+                    "; ".join(f"{name}: {us:.1f}" for name, us in r["kernels"].items())] for r in s["rows"]])
+
 # %% ../nbs/15_gpucheck.ipynb #cf3ca232
 _TITLES = {"correctness": "Correctness: float32 on the device vs float64 on the CPU, same rounded inputs",
            "syncs": "Host syncs of forward+backward", "speed": "Speed: forward+backward time / F.cross_entropy's, same run",
+           "kernels": "Device time per kernel of forward+backward, and its ratio to F.cross_entropy's",
            "epoch": "Training-step time and epoch overhead", "compile": "torch.compile of model + loss",
            "cuda_graphs": "CUDA-graph capture of a training step"}
-_RENDER = {"correctness": _md_correctness, "syncs": _md_syncs, "speed": _md_speed, "epoch": _md_epoch,
+_RENDER = {"correctness": _md_correctness, "syncs": _md_syncs, "speed": _md_speed, "kernels": _md_kernels, "epoch": _md_epoch,
            "compile": _md_compile, "cuda_graphs": _md_graphs}
 
 

@@ -27,13 +27,14 @@ except ImportError:                            # pragma: no cover - CPU-only tor
 _OPS = "topk_nb" if __name__.startswith("topk_nb") else "topk_nb_chapter"
 
 # %% auto #0
-__all__ = ['MAX_ROW', 'MAX_KTH', 'SVM_MAX_K', 'SVM32_MAX_K', 'force_triton', 'triton_ok', 'count_launches', 'f64_bits',
-           'kth_max_row', 'perturbed_kth_triton', 'triton_sampled_topk_value', 'svm_triton_ok', 'svm_blocks',
-           'smooth_svm_triton', 'svm32_plan']
+__all__ = ['MAX_ROW', 'MAX_KTH', 'RANDN_BOUND', 'PRUNE_MIN', 'TARGET_PROGRAMS', 'TILE', 'SVM_MAX_K', 'SVM32_MAX_K',
+           'force_triton', 'triton_ok', 'count_launches', 'f64_bits', 'kth_max_row', 'perturbed_kth_triton',
+           'triton_sampled_topk_value', 'triton_noised_hinge', 'svm_triton_ok', 'svm_blocks', 'smooth_svm_triton',
+           'svm32_plan']
 
 # %% ../nbs/16_kernels.ipynb #c63387a8
 _FORCE = threading.local()
-MAX_ROW = 8192            # classes a row may have for the one-block kernels (the whole row stays in registers)
+MAX_ROW = 8192            # classes of a chunk of a row: one program holds a chunk in registers
 MAX_KTH = 64              # the largest K of top_K the selection kernel unrolls to
 
 
@@ -99,32 +100,9 @@ if HAS_TRITON:
         return bits.to(tl.int64).to(tl.float64, bitcast=True)
 
 # %% ../nbs/16_kernels.ipynb #38b03ee8
-if HAS_TRITON:
-    @triton.jit
-    def _perturbed_kth_kernel(s_ptr, noise_ptr, seed_ptr, mean_ptr, idx_ptr, n_rows, n, epsilon,
-                              KTH: tl.constexpr, N_SAMPLES: tl.constexpr, GIVEN_NOISE: tl.constexpr,
-                              BLOCK: tl.constexpr):
-        "Program `row`: mean over draws of the KTH largest of s + epsilon z, and the index of each draw's."
-        row = tl.program_id(0).to(tl.int64)                              # int64: (S B + row) n passes 2^31
-        offs = tl.arange(0, BLOCK)                                       # (BLOCK,) classes
-        inside = offs < n
-        s = tl.load(s_ptr + row * n + offs, mask=inside, other=0.0).to(tl.float32)
-        seed = tl.load(seed_ptr)
-        total = 0.0
-        for b in range(N_SAMPLES):
-            flat = (b * n_rows + row) * n + offs                             # this draw's noise, (S, B, n) order
-            if GIVEN_NOISE:
-                z = tl.load(noise_ptr + flat, mask=inside, other=0.0).to(tl.float32)
-            else:
-                z = tl.randn(seed, flat)
-            x = tl.where(inside, s + epsilon * z, -float("inf"))
-            for _ in range(KTH - 1):                                         # drop the KTH - 1 largest
-                x = tl.where(offs == tl.argmax(x, 0), -float("inf"), x)
-            total += tl.max(x, 0)
-            tl.store(idx_ptr + b * n_rows + row, tl.argmax(x, 0).to(tl.int64))
-        tl.store(mean_ptr + row, total / N_SAMPLES)
+RANDN_BOUND = 5.68        # |tl.randn| <= sqrt(-2 ln 1e-7) = 5.6777 (Box-Muller of u1 >= 1e-7), with a margin of 4e-4
 
-# %% ../nbs/16_kernels.ipynb #aec4e3f4
+
 def kth_max_row(k: int, # the K of top_K
                 ) -> int:
     "The longest row the selection kernels take for this K: chunks of MAX_ROW classes whose K candidates each fit one merge block."
@@ -133,45 +111,124 @@ def kth_max_row(k: int, # the K of top_K
 
 if HAS_TRITON:
     @triton.jit
-    def _perturbed_candidates_kernel(s_ptr, noise_ptr, seed_ptr, cval_ptr, cidx_ptr, n_rows, n, n_chunks, epsilon,
-                                     KTH: tl.constexpr, N_SAMPLES: tl.constexpr, GIVEN_NOISE: tl.constexpr,
-                                     BLOCK: tl.constexpr):
-        "Program (row, chunk): for each draw, the KTH largest entries of s + epsilon z in the chunk, largest first, and their classes."
+    def _chunk_top_kernel(s_ptr, top_ptr, n, n_chunks, KTH: tl.constexpr, BLOCK: tl.constexpr):
+        "Program (row, chunk): the KTH largest scores of the chunk (no noise); `_row_top_kernel` takes the row's KTH-th from them."
         row, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+        lanes = tl.arange(0, BLOCK)
+        offs = chunk * BLOCK + lanes
+        x = tl.load(s_ptr + row * n + offs, mask=offs < n, other=-float("inf")).to(tl.float32)
+        for t in range(KTH):
+            top = tl.argmax(x, 0)
+            tl.store(top_ptr + (row * n_chunks + chunk) * KTH + t, tl.max(x, 0))
+            x = tl.where(lanes == top, -float("inf"), x)
+
+    @triton.jit
+    def _row_top_kernel(top_ptr, t_ptr, n_cand, KTH: tl.constexpr, BLOCK: tl.constexpr):
+        "Program `row`: the row's KTH-th largest score, the KTH-th largest of its chunks' KTH largest."
+        row = tl.program_id(0).to(tl.int64)
+        lanes = tl.arange(0, BLOCK)
+        x = tl.load(top_ptr + row * n_cand + lanes, mask=lanes < n_cand, other=-float("inf"))
+        for _ in range(KTH - 1):
+            x = tl.where(lanes == tl.argmax(x, 0), -float("inf"), x)
+        tl.store(t_ptr + row, tl.max(x, 0))
+
+    @triton.jit
+    def _perturbed_candidates_kernel(s_ptr, noise_ptr, seed_ptr, top_ptr, scratch_ptr, cval_ptr, cidx_ptr, n_rows, n,
+                                     n_chunks, epsilon, bound, KTH: tl.constexpr, N_SAMPLES: tl.constexpr,
+                                     DRAWS: tl.constexpr, DRAWS_PAD: tl.constexpr, GIVEN_NOISE: tl.constexpr,
+                                     PRUNE: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr):
+        "Program (row, chunk, group): for each of the group's draws, the KTH largest entries of s + epsilon z in the chunk, largest first, and their classes; with PRUNE, noise only for the classes that can be among them, all the group's draws at once."
+        row, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)    # int64 row: (S B + row) n passes 2^31
+        b_lo = tl.program_id(2) * DRAWS
+        b_hi = tl.minimum(b_lo + DRAWS, N_SAMPLES)
         lanes = tl.arange(0, BLOCK)                                      # (BLOCK,) places in the chunk
-        offs = chunk * BLOCK + lanes                                     # (BLOCK,) classes
+        offs = chunk * BLOCK + lanes                                     # (BLOCK,) classes, int32 (n < 2^31)
         inside = offs < n
         s = tl.load(s_ptr + row * n + offs, mask=inside, other=0.0).to(tl.float32)
         seed = tl.load(seed_ptr)
-        for b in range(N_SAMPLES):
-            flat = (b * n_rows + row) * n + offs                         # the one-block kernel's counters: the same noise
-            if GIVEN_NOISE:
-                z = tl.load(noise_ptr + flat, mask=inside, other=0.0).to(tl.float32)
+        live, count = inside, -1                                         # without pruning: every class, no tile
+        if PRUNE:
+            if GIVEN_NOISE:                                              # the largest |z| of the program's draws
+                zmax = 0.0
+                for b in range(b_lo, b_hi):
+                    zb = tl.load(noise_ptr + (b * n_rows + row) * n + offs, mask=inside, other=0.0).to(tl.float32)
+                    zmax = tl.maximum(zmax, tl.max(tl.abs(zb), 0))
+                reach = epsilon * (zmax * 1.001)                         # the margin covers the rounding of s + epsilon z
             else:
-                z = tl.randn(seed, flat)
-            x = tl.where(inside, s + epsilon * z, -float("inf"))
-            out = ((b * n_rows + row) * n_chunks + chunk) * KTH         # (S, B, chunks, KTH) candidates
+                reach = epsilon * bound                                  # bound >= |z| for every z that tl.randn draws
+            live = inside & (s + reach >= tl.load(top_ptr + row) - reach)    # the others are below KTH entries in every draw
+            count = tl.sum(live.to(tl.int32), 0)
+        if (count >= 0) & (count <= CAP):                                # the live classes, in class order, in one tile
+            base = ((row * n_chunks + chunk) * tl.num_programs(2) + tl.program_id(2)) * CAP
+            tl.store(scratch_ptr + base + tl.cumsum(live.to(tl.int32), 0) - 1, lanes.to(tl.int16), mask=live)
+            tl.debug_barrier()                                           # the tile's stores are seen by every thread
+            tile = tl.arange(0, CAP)
+            valid = tile < count
+            cls = chunk * BLOCK + tl.load(scratch_ptr + base + tile, mask=valid, other=0).to(tl.int32)
+            s_live = tl.load(s_ptr + row * n + cls, mask=valid, other=0.0).to(tl.float32)
+            draw = b_lo + tl.arange(0, DRAWS_PAD)                        # (DRAWS_PAD, CAP): every draw of the group at once
+            drawn = draw < b_hi
+            counter = (draw[:, None].to(tl.int64) * n_rows + row) * n + cls[None, :]   # the same counters as the chunk's
+            if GIVEN_NOISE:
+                zt = tl.load(noise_ptr + counter, mask=drawn[:, None] & valid[None, :], other=0.0).to(tl.float32)
+            else:
+                zt = tl.randn(seed, counter)
+            xt = tl.where(drawn[:, None] & valid[None, :], s_live[None, :] + epsilon * zt, -float("inf"))
+            at = ((draw.to(tl.int64) * n_rows + row) * n_chunks + chunk) * KTH   # (DRAWS_PAD,) into (S, B, chunks, KTH)
             for t in range(KTH):
-                top = tl.argmax(x, 0)
-                tl.store(cval_ptr + out + t, tl.max(x, 0))
-                tl.store(cidx_ptr + out + t, chunk * BLOCK + top)
-                x = tl.where(lanes == top, -float("inf"), x)
+                best = tl.argmax(xt, 1)                                  # (DRAWS_PAD,) one reduction for all the draws
+                tl.store(cval_ptr + at + t, tl.max(xt, 1), mask=drawn)
+                place = tl.load(scratch_ptr + base + best, mask=drawn, other=0).to(tl.int32)
+                tl.store(cidx_ptr + at + t, chunk * BLOCK + place, mask=drawn)
+                xt = tl.where(tile[None, :] == best[:, None], -float("inf"), xt)
+        else:                                                            # every class of the chunk, one draw at a time
+            for b in range(b_lo, b_hi):
+                flat = (b * n_rows + row) * n + offs
+                if GIVEN_NOISE:
+                    z = tl.load(noise_ptr + flat, mask=inside, other=0.0).to(tl.float32)
+                else:
+                    z = tl.randn(seed, flat)
+                x = tl.where(inside, s + epsilon * z, -float("inf"))
+                out = ((b * n_rows + row) * n_chunks + chunk) * KTH      # (S, B, chunks, KTH) candidates
+                for t in range(KTH):
+                    top = tl.argmax(x, 0)
+                    tl.store(cval_ptr + out + t, tl.max(x, 0))
+                    tl.store(cidx_ptr + out + t, chunk * BLOCK + top)
+                    x = tl.where(lanes == top, -float("inf"), x)
 
     @triton.jit
-    def _perturbed_merge_kernel(cval_ptr, cidx_ptr, mean_ptr, idx_ptr, n_rows, n_cand,
-                                KTH: tl.constexpr, N_SAMPLES: tl.constexpr, BLOCK: tl.constexpr):
-        "Program `row`: for each draw the KTH largest of the row's candidates and its class; the mean over draws."
+    def _perturbed_merge_kernel(cval_ptr, cidx_ptr, s_ptr, y_ptr, margin_ptr, mean_ptr, idx_ptr, loss_ptr, n_rows, n,
+                                n_cand, alpha_bits, scale_bits, KTH: tl.constexpr, N_SAMPLES: tl.constexpr,
+                                S_PAD: tl.constexpr, SORTED: tl.constexpr, HINGE: tl.constexpr,
+                                HAS_MARGIN: tl.constexpr, BLOCK: tl.constexpr):
+        "Program `row`: for each draw the KTH largest of the row's candidates and its class (SORTED: one chunk's, the last); the mean over draws; with HINGE, the loss scale (margin + mean - s_y)_+."
         row = tl.program_id(0).to(tl.int64)
-        lanes = tl.arange(0, BLOCK)                                      # (BLOCK,) candidates of one draw
-        total = 0.0
-        for b in range(N_SAMPLES):
-            base = (b * n_rows + row) * n_cand
-            x = tl.load(cval_ptr + base + lanes, mask=lanes < n_cand, other=-float("inf"))
-            for _ in range(KTH - 1):                                     # drop the KTH - 1 largest
-                x = tl.where(lanes == tl.argmax(x, 0), -float("inf"), x)
-            total += tl.max(x, 0)
-            tl.store(idx_ptr + b * n_rows + row, tl.load(cidx_ptr + base + tl.argmax(x, 0)))
-        tl.store(mean_ptr + row, total / N_SAMPLES)
+        if SORTED:                                                       # one chunk: the KTH-th candidate is the last
+            draws = tl.arange(0, S_PAD)
+            there = draws < N_SAMPLES
+            last = (draws * n_rows + row) * KTH + KTH - 1
+            total = tl.sum(tl.load(cval_ptr + last, mask=there, other=0.0), 0)
+            tl.store(idx_ptr + draws * n_rows + row, tl.load(cidx_ptr + last, mask=there, other=0), mask=there)
+        else:
+            lanes = tl.arange(0, BLOCK)                                  # (BLOCK,) candidates of one draw
+            total = 0.0
+            for b in range(N_SAMPLES):
+                base = (b * n_rows + row) * n_cand
+                x = tl.load(cval_ptr + base + lanes, mask=lanes < n_cand, other=-float("inf"))
+                for _ in range(KTH - 1):                                 # drop the KTH - 1 largest
+                    x = tl.where(lanes == tl.argmax(x, 0), -float("inf"), x)
+                total += tl.max(x, 0)
+                tl.store(idx_ptr + b * n_rows + row, tl.load(cidx_ptr + base + tl.argmax(x, 0)))
+        mean = total / N_SAMPLES
+        tl.store(mean_ptr + row, mean)
+        if HINGE:                                                        # in the scores' dtype, as the loss computes it
+            s_y = tl.load(s_ptr + row * n + tl.load(y_ptr + row))
+            if HAS_MARGIN:
+                margin = tl.load(margin_ptr + row).to(s_y.dtype)
+            else:
+                margin = _f64(alpha_bits).to(s_y.dtype)
+            hinge = tl.maximum(margin + mean.to(s_y.dtype) - s_y, 0.0)
+            tl.store(loss_ptr + row, _f64(scale_bits).to(s_y.dtype) * hinge)
 
 # %% ../nbs/16_kernels.ipynb #6d2caf0e
 def _device_seed(generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
@@ -181,35 +238,80 @@ def _device_seed(generator: torch.Generator | None, device: torch.device) -> tor
     return seed.to(device, non_blocking=True)
 
 # %% ../nbs/16_kernels.ipynb #ab2af40b
+PRUNE_MIN = 2048          # chunks of at least this many classes draw noise only for the classes that can be selected
+TARGET_PROGRAMS = 1024    # the draws of a row are split over programs until the grid has about this many
+TILE = 4096               # values of the (draws, live classes) tile a pruned program holds
+
+
+def _selection_plan(B: int, n: int, n_samples: int,
+                    block: int,  # classes per chunk (0: one block up to MAX_ROW, chunks of MAX_ROW beyond)
+                    cap: int,    # live classes a pruned chunk holds in its tile (0: by the chunk's size; -1: no pruning)
+                    ) -> dict:
+    "How the selection kernels cut a (B, n) problem: the chunk, the chunks per row, the tile of live classes (0: no pruning), the draws per program."
+    block = block or MAX_ROW
+    BLOCK, chunks = (triton.next_power_of_2(n), 1) if n <= block else (block, triton.cdiv(n, block))
+    if cap == 0:
+        cap = min(BLOCK // 4, 1024) if BLOCK >= PRUNE_MIN else -1
+    CAP = triton.next_power_of_2(cap) if 0 < cap < BLOCK else 0
+    if CAP:                                                               # a (draws, CAP) tile of at most TILE values
+        draws = max(1, min(n_samples, TILE // CAP))
+    else:
+        draws = triton.cdiv(n_samples, min(n_samples, triton.cdiv(TARGET_PROGRAMS, B * chunks)))
+    return dict(BLOCK=BLOCK, chunks=chunks, CAP=CAP, DRAWS=draws, groups=triton.cdiv(n_samples, draws),
+                warps=min(16, max(1, BLOCK // 256)))
+
+
+def _select(s: torch.Tensor,                # (B, n) scores, contiguous
+            seed: torch.Tensor,             # (1,) int64 on the scores' device
+            noise: Optional[torch.Tensor],  # (S, B, n) explicit noise, contiguous, or None: drawn in the kernel
+            k: int, epsilon: float, n_samples: int, block: int, cap: int,
+            target: Optional[torch.Tensor] = None,   # (B,) classes: with it, the merge also computes the hinge
+            margin: Optional[torch.Tensor] = None,   # (B,) per-row margins, or None: `alpha`
+            alpha: float = 1.0, scale: float = 1.0,
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    "Launch the kernels (for a long pruned row the chunks' top first), the candidates and the merge: mean_b top_K(s + eps Z_b) (B,) float32, the indices (S, B), and the hinge loss (B,) when `target` is given."
+    (B, n), z = s.shape, s if noise is None else noise
+    p = _selection_plan(B, n, n_samples, block, cap)
+    kw = dict(device=s.device)
+    scratch = torch.empty(B * p["chunks"] * p["groups"] * p["CAP"] if p["CAP"] else 1, dtype=torch.int16, **kw)
+    top = torch.empty(B if p["CAP"] else 1, dtype=torch.float32, **kw)
+    if p["CAP"]:                                                          # pruning: the row's K-th largest score first
+        tops, merge = torch.empty(B, p["chunks"], k, dtype=torch.float32, **kw), triton.next_power_of_2(p["chunks"] * k)
+        _launch(_chunk_top_kernel, (B, p["chunks"]), s, tops, n, p["chunks"], KTH=k, BLOCK=p["BLOCK"], num_warps=p["warps"])
+        _launch(_row_top_kernel, (B,), tops, top, p["chunks"] * k, KTH=k, BLOCK=merge, num_warps=min(16, max(1, merge // 256)))
+    cval = torch.empty(n_samples, B, p["chunks"], k, dtype=torch.float32, **kw)
+    cidx = torch.empty(n_samples, B, p["chunks"], k, dtype=torch.int64, **kw)
+    _launch(_perturbed_candidates_kernel, (B, p["chunks"], p["groups"]), s, z, seed, top, scratch, cval, cidx, B, n,
+            p["chunks"], epsilon, RANDN_BOUND, KTH=k, N_SAMPLES=n_samples, DRAWS=p["DRAWS"],
+            DRAWS_PAD=triton.next_power_of_2(p["DRAWS"]), GIVEN_NOISE=noise is not None,
+            PRUNE=p["CAP"] > 0, BLOCK=p["BLOCK"], CAP=max(p["CAP"], 1), num_warps=p["warps"])
+    mean = torch.empty(B, dtype=torch.float32, **kw)
+    idx = torch.empty(n_samples, B, dtype=torch.int64, **kw)
+    loss = torch.empty(B if target is not None else 0, dtype=s.dtype, **kw)
+    merge = triton.next_power_of_2(p["chunks"] * k)
+    _launch(_perturbed_merge_kernel, (B,), cval, cidx, s, s if target is None else target,
+            s if margin is None else margin, mean, idx, loss, B, n, p["chunks"] * k, f64_bits(alpha), f64_bits(scale),
+            KTH=k, N_SAMPLES=n_samples, S_PAD=triton.next_power_of_2(n_samples), SORTED=p["chunks"] == 1,
+            HINGE=target is not None, HAS_MARGIN=margin is not None, BLOCK=merge,
+            num_warps=min(16, max(1, merge // 256)))
+    return mean, idx, loss
+
+
 @torch.library.custom_op(f"{_OPS}::perturbed_kth", mutates_args=())
 def _perturbed_kth_op(s: torch.Tensor,                # (B, n) scores, contiguous
                       seed: torch.Tensor,             # (1,) int64 on the scores' device
                       noise: Optional[torch.Tensor],  # (S, B, n) explicit noise, contiguous, or None: drawn in the kernel
                       k: int, epsilon: float, n_samples: int,
                       block: int,                     # classes per chunk (0: one block up to MAX_ROW, chunks of MAX_ROW beyond)
+                      cap: int,                       # live classes per pruned tile (0: by the chunk's size; -1: no pruning)
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    "The selection kernels as an operator: mean_b top_K(s + eps Z_b) (B,) in float32 and each draw's index (S, B); one launch, or two for a long row."
-    (B, n), z = s.shape, s if noise is None else noise
-    mean, idx = _perturbed_kth_fake(s, seed, noise, k, epsilon, n_samples, block)
-    block = block or MAX_ROW
-    if n <= block:                                                        # the whole row in one program
-        block = triton.next_power_of_2(n)
-        _launch(_perturbed_kth_kernel, (B,), s, z, seed, mean, idx, B, n, epsilon, KTH=k, N_SAMPLES=n_samples,
-                GIVEN_NOISE=noise is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)))
-        return mean, idx
-    chunks = triton.cdiv(n, block)                                        # (row, chunk) programs, then one merge per row
-    cval = torch.empty(n_samples, B, chunks, k, dtype=torch.float32, device=s.device)
-    cidx = torch.empty(n_samples, B, chunks, k, dtype=torch.int64, device=s.device)
-    _launch(_perturbed_candidates_kernel, (B, chunks), s, z, seed, cval, cidx, B, n, chunks, epsilon, KTH=k,
-            N_SAMPLES=n_samples, GIVEN_NOISE=noise is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)))
-    merge = triton.next_power_of_2(chunks * k)
-    _launch(_perturbed_merge_kernel, (B,), cval, cidx, mean, idx, B, chunks * k, KTH=k, N_SAMPLES=n_samples,
-            BLOCK=merge, num_warps=min(16, max(1, merge // 256)))
+    "The selection kernels as an operator: mean_b top_K(s + eps Z_b) (B,) in float32 and each draw's index (S, B); two launches."
+    mean, idx, _ = _select(s, seed, noise, k, epsilon, n_samples, block, cap)
     return mean, idx
 
 
 @_perturbed_kth_op.register_fake
-def _perturbed_kth_fake(s, seed, noise, k, epsilon, n_samples, block):
+def _perturbed_kth_fake(s, seed, noise, k, epsilon, n_samples, block, cap):
     return s.new_empty(s.shape[0], dtype=torch.float32), s.new_empty(n_samples, s.shape[0], dtype=torch.int64)
 
 # %% ../nbs/16_kernels.ipynb #43d9a900
@@ -220,16 +322,71 @@ def perturbed_kth_triton(scores: torch.Tensor,   # (..., n) scores
                          generator: torch.Generator | None = None, # random source of the seed
                          noise: torch.Tensor | None = None,        # explicit noise (n_samples, ..., n), for tests
                          block: int | None = None,                 # classes per chunk of a long row (tests use small chunks)
+                         cap: int | None = None,                   # live classes per pruned tile: None by the chunk's size, 0 no pruning (tests use small tiles)
                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    "mean_b top_K(s + eps Z_b) (...,) in float32 and the index of each draw's K-th value (n_samples, ...), by the fused kernel; differentiable in `scores` (eq. 12)."
+    "mean_b top_K(s + eps Z_b) (...,) in float32 and the index of each draw's K-th value (n_samples, ...), by the fused kernels; differentiable in `scores` (eq. 12)."
     n = scores.shape[-1]
     k, S, epsilon = check_int(k, "k", 1, n), check_int(n_samples, "n_samples", 1), check_real(epsilon, "epsilon", 0.0)
+    block = 0 if block is None else check_int(block, "block", 1, 2**15)
+    cap = 0 if cap is None else (check_int(cap, "cap", 0, 2**15) or -1)
     s = scores.reshape(-1, n).contiguous()                                # (B, n)
     z = None if noise is None else noise.to(s.dtype).reshape(S, s.shape[0], n).contiguous()
-    mean, idx = _perturbed_kth_op(s, _device_seed(generator, s.device), z, k, epsilon, S, block or 0)   # differentiable in s
+    mean, idx = _perturbed_kth_op(s, _device_seed(generator, s.device), z, k, epsilon, S, block, cap)  # differentiable in s
     return mean.reshape(scores.shape[:-1]), idx.reshape(S, *scores.shape[:-1])
 
 # %% ../nbs/16_kernels.ipynb #103ba18c
+if HAS_TRITON:
+    @triton.jit
+    def _perturbed_grad_kernel(idx_ptr, go_ptr, loss_ptr, y_ptr, g_ptr, n_rows, n, scale_bits,
+                               N_SAMPLES: tl.constexpr, HINGE: tl.constexpr, BLOCK: tl.constexpr):
+        "Program (row, block): the block of the row's gradient, go/S at each draw's index (eq. 12); with HINGE, go scale [loss > 0] and -go at y."
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        go = tl.load(go_ptr + row).to(g_ptr.dtype.element_ty)
+        if HINGE:                                                        # through scale (.)_+ : zero where the hinge is
+            go = tl.where(tl.load(loss_ptr + row) > 0, go * _f64(scale_bits).to(go.dtype), 0.0)
+        share = go / N_SAMPLES
+        acc = tl.zeros([BLOCK], dtype=g_ptr.dtype.element_ty)
+        for b in range(N_SAMPLES):                                       # the draws' indices, one addition each
+            acc += tl.where(offs == tl.load(idx_ptr + b * n_rows + row), share, 0.0)
+        if HINGE:
+            acc = tl.where(offs == tl.load(y_ptr + row), acc - go, acc)  # the gradient of -s_y
+        tl.store(g_ptr + row * n + offs, acc, mask=offs < n)
+
+
+def _grad_launch(idx: torch.Tensor,       # (S, B) each draw's index
+                 go: torch.Tensor,        # (B,) the output's gradient
+                 shape, dtype,            # the scores' (B, n) and dtype
+                 loss: Optional[torch.Tensor] = None,    # (B,) the hinge loss: with it, the hinge's backward
+                 target: Optional[torch.Tensor] = None,  # (B,) classes, with `loss`
+                 scale: float = 1.0,
+                 ) -> torch.Tensor:
+    "The gradient (B, n), each element written once by `_perturbed_grad_kernel`."
+    (B, n), S = shape, idx.shape[0]
+    block = min(1024, triton.next_power_of_2(n))
+    g = torch.empty(shape, dtype=dtype, device=go.device)
+    _launch(_perturbed_grad_kernel, (B, triton.cdiv(n, block)), idx, go.contiguous(),
+            go if loss is None else loss, go if target is None else target, g, B, n, f64_bits(scale),
+            N_SAMPLES=S, HINGE=loss is not None, BLOCK=block, num_warps=4)
+    return g
+
+
+@torch.library.custom_op(f"{_OPS}::perturbed_grad", mutates_args=())
+def _perturbed_grad_op(idx: torch.Tensor,              # (S, B) each draw's index
+                       go: torch.Tensor,               # (B,) the output's gradient
+                       loss: Optional[torch.Tensor],   # (B,) the hinge loss, or None: the value's backward
+                       target: Optional[torch.Tensor], # (B,) classes, with `loss`
+                       n: int, dtype: torch.dtype, scale: float,
+                       ) -> torch.Tensor:
+    "The gradient kernel as an operator, so that compiled graphs call it too: (B, n) in `dtype`."
+    return _grad_launch(idx, go, (idx.shape[1], n), dtype, loss, target, scale)
+
+
+@_perturbed_grad_op.register_fake
+def _perturbed_grad_fake(idx, go, loss, target, n, dtype, scale):
+    return go.new_empty(idx.shape[1], n, dtype=dtype)
+
+
 def _kth_setup_context(ctx, inputs, output):
     "Keep each draw's index and the scores' shape and dtype."
     ctx.save_for_backward(output[1])
@@ -239,14 +396,11 @@ def _kth_setup_context(ctx, inputs, output):
 
 
 def _kth_grad(ctx, grad, unused):
-    "Eq. (12): the mean over draws of the one-hot vector at each draw's K-th index, by one scatter_add into zeros (B, n)."
+    "Eq. (12): the mean over draws of the one-hot vector at each draw's K-th index, one kernel writing each element once."
     if grad is None:                                                              # the value took no part
-        return None, None, None, None, None, None, None
+        return None, None, None, None, None, None, None, None
     (idx,) = ctx.saved_tensors                                                    # (S, B)
-    S = idx.shape[0]
-    src = (grad / S).to(ctx.dtype)[None].expand(idx.shape)                        # (S, B)
-    out = torch.zeros(ctx.shape, dtype=ctx.dtype, device=grad.device).scatter_add_(1, idx.T, src.T)
-    return out, None, None, None, None, None, None
+    return _perturbed_grad_op(idx, grad, None, None, ctx.shape[1], ctx.dtype, 1.0), None, None, None, None, None, None, None
 
 
 _perturbed_kth_op.register_autograd(_kth_grad, setup_context=_kth_setup_context)
@@ -256,6 +410,71 @@ def triton_sampled_topk_value(scores: torch.Tensor, k: int, epsilon: float, n_sa
                               generator: torch.Generator | None = None) -> torch.Tensor:
     "mean_b top_K(s + eps Z_b) over the last dim by the fused kernel, differentiable (eq. 11, 12)."
     return perturbed_kth_triton(scores, k, epsilon, n_samples, generator)[0].to(scores.dtype)
+
+# %% ../nbs/16_kernels.ipynb #aeab89b2
+@torch.library.custom_op(f"{_OPS}::noised_hinge", mutates_args=())
+def _noised_hinge_op(s: torch.Tensor,                 # (B, n) scores, contiguous
+                     target: torch.Tensor,            # (B,) classes, int64
+                     margin: Optional[torch.Tensor],  # (B,) per-row margins, or None: `alpha` for every row
+                     seed: torch.Tensor,              # (1,) int64 on the scores' device
+                     k: int, epsilon: float, n_samples: int,
+                     alpha: float,                    # the margin when `margin` is None
+                     scale: float,                    # the factor of the hinge
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    "scale (margin + mean_b top_K(s + eps Z_b) - s_y)_+ per row, in the scores' dtype, and each draw's index (S, B)."
+    _, idx, loss = _select(s, seed, None, k, epsilon, n_samples, 0, 0, target, margin, alpha, scale)
+    return loss, idx
+
+
+@_noised_hinge_op.register_fake
+def _noised_hinge_fake(s, target, margin, seed, k, epsilon, n_samples, alpha, scale):
+    return s.new_empty(s.shape[0]), s.new_empty(n_samples, s.shape[0], dtype=torch.int64)
+
+
+def _hinge_setup_context(ctx, inputs, output):
+    "Keep the indices, the loss (where it is positive the hinge passes the gradient) and the classes."
+    ctx.save_for_backward(output[1], output[0], inputs[1])
+    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)
+    ctx.shape, ctx.dtype, ctx.scale = inputs[0].shape, inputs[0].dtype, inputs[8]
+
+
+def _hinge_grad(ctx, grad, unused):
+    "Eq. (12) through scale (.)_+ and -s_y: one kernel writes the whole gradient."
+    if grad is None:
+        return (None,) * 9
+    idx, loss, target = ctx.saved_tensors
+    return (_perturbed_grad_op(idx, grad, loss, target, ctx.shape[1], ctx.dtype, ctx.scale),) + (None,) * 8
+
+
+_noised_hinge_op.register_autograd(_hinge_grad, setup_context=_hinge_setup_context)
+
+# %% ../nbs/16_kernels.ipynb #f8be9317
+def triton_noised_hinge(scores: torch.Tensor,           # (B, n) scores, float32 or float64
+                        target: torch.Tensor,           # (B,) classes
+                        k: int,                         # the K of top_K (the noised losses' k + 1)
+                        epsilon: float,                 # noise scale, > 0
+                        n_samples: int,                 # draws B
+                        margin: float | torch.Tensor = 1.0,   # a number, or one margin per row (B,), not differentiated
+                        scale: float = 1.0,             # the factor of the hinge, > 0
+                        generator: torch.Generator | None = None, # random source of the seed
+                        ) -> torch.Tensor:
+    "scale (margin + mean_b top_K(s + eps Z_b) - s_y)_+ per row (B,) by the fused kernels, differentiable in `scores` (eq. 12)."
+    if scores.ndim != 2 or scores.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"scores must be a (B, n) float32 or float64 tensor, got shape {tuple(scores.shape)} and {scores.dtype}")
+    n = scores.shape[1]
+    k, S = check_int(k, "k", 1, n), check_int(n_samples, "n_samples", 1)
+    epsilon, scale = check_real(epsilon, "epsilon", 0.0, lo_open=True), check_real(scale, "scale", 0.0, lo_open=True)
+    if isinstance(margin, torch.Tensor):
+        if margin.shape != scores.shape[:1] or margin.requires_grad:
+            raise ValueError(f"margin must be a number or a ({scores.shape[0]},) tensor that needs no gradient, "
+                             f"got shape {tuple(margin.shape)}, requires_grad={margin.requires_grad}")
+        m, alpha = margin.contiguous(), 0.0
+    else:
+        m, alpha = None, check_real(margin, "margin")
+    s = scores.contiguous()
+    loss, _ = _noised_hinge_op(s, target.contiguous(), m, _device_seed(generator, s.device), k, epsilon, S, alpha, scale)
+    return loss
 
 # %% ../nbs/16_kernels.ipynb #b0b16e9c
 SVM_MAX_K = 100           # the largest k the smooth SVM kernels take (the degrees are unrolled into k scans)

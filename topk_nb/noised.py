@@ -30,11 +30,15 @@ def cal_hinge(scores: torch.Tensor, target: torch.Tensor, k: int = 5, alpha: flo
     return reduce_loss(selected_hinge(scores, target, top.indices[:, -1:], argument, 1.0), check_reduction(reduction))
 
 # %% ../nbs/05_noised.ipynb #7d4759eb
-def _noised_hinge(scores, target, k, epsilon, n_samples, margin, reduction, generator, noise):
-    "(margin + top_{k+1,eps,B}(s) - s_y)_+ on validated inputs; `margin` is a number or a per-sample tensor."
+def _noised_hinge(scores, target, k, epsilon, n_samples, margin, reduction, generator, noise, scale=1.0):
+    "scale (margin + top_{k+1,eps,B}(s) - s_y)_+ on validated inputs; `margin` is a number or a per-sample tensor."
     out_dtype = loss_dtype(scores)
     with torch.autocast(scores.device.type, enabled=False):
         s = scores if scores.dtype in (torch.float32, torch.float64) else scores.float()
+        if epsilon > 0 and noise is None and _fused(s, k + 1, margin):
+            from topk_nb.kernels import triton_noised_hinge             # a GPU: the hinge and eq. (12) in the kernels
+            loss = triton_noised_hinge(s, target, k + 1, epsilon, n_samples, margin, scale, generator)
+            return reduce_loss(loss, reduction).to(out_dtype)
         if epsilon == 0:
             top = topk_value(s, k + 1)
         elif noise is None:
@@ -44,7 +48,15 @@ def _noised_hinge(scores, target, k, epsilon, n_samples, margin, reduction, gene
             top = topk_value(perturbed, k + 1).mean(0)                      # eq. (11) with K + 1
         s_y = s.gather(1, target[:, None])[:, 0]
         loss = F.relu(margin + top - s_y)
+        if scale != 1.0:
+            loss = scale * loss
     return reduce_loss(loss, reduction).to(out_dtype)
+
+
+def _fused(s: torch.Tensor, kth: int, margin) -> bool:
+    "Whether the fused kernels compute the hinge: `triton_ok`, and a margin that needs no gradient."
+    from topk_nb.kernels import triton_ok
+    return triton_ok(s, kth) and not (isinstance(margin, torch.Tensor) and margin.requires_grad)
 
 # %% ../nbs/05_noised.ipynb #d0410014
 def noised_bal(scores: torch.Tensor, target: torch.Tensor, k: int = 5, epsilon: float = 0.2,
@@ -87,9 +99,8 @@ def noised_imbal(scores: torch.Tensor, target: torch.Tensor, class_counts, k: in
     if noise is None and epsilon > 0: check_int(n_samples, "n_samples", 1)
     work_dtype = torch.float64 if scores.dtype == torch.float64 else torch.float32
     margin_y = margins.to(device=scores.device, dtype=work_dtype)[target]
-    reduction = check_reduction(reduction)
-    hinge = _noised_hinge(scores, target, k, epsilon, n_samples, margin_y, "none", generator, noise)  # noise on s itself
-    return reduce_loss(scale * hinge, reduction)
+    return _noised_hinge(scores, target, k, epsilon, n_samples, margin_y, check_reduction(reduction), generator, noise,
+                         scale)                                     # noise on s itself
 
 
 noised_imbal_topk = noised_imbal    # the earlier name, kept
