@@ -39,13 +39,14 @@ from .records import (EXECUTED, RECORD, RecordError, atomic_write_json, inspect_
 
 # %% auto #0
 __all__ = ['EXPERIMENTS', 'LOCK', 'JOB_LOG', 'FAILED_ATTEMPT', 'FAILED_NOTEBOOK', 'KERNEL_START_TRIES', 'KERNEL_START_TIMEOUT',
-           'NO_SPACE', 'JOB_BUSY', 'JOB_NO_SPACE', 'JOB_UNSAFE', 'STOP_GRACE', 'FILE_PARAMETERS', 'EXPERIMENT_MODULES',
-           'discover_experiments', 'check_folder_name', 'get_experiment', 'parse_value', 'check_key', 'parse_grid',
-           'expand_grid', 'cell_id', 'cell_slug', 'cell_dir', 'with_parameters_tag', 'CellBusy', 'UnsafeCell',
-           'cell_links', 'claim_cell', 'record_stamp', 'notebook_final', 'cell_done', 'Stopped', 'no_space', 'run_cell',
-           'die_with_parent', 'short_error', 'pending_cells', 'grid_summary', 'RunStop', 'notebook_parameters',
-           'value_mismatch', 'unknown_losses', 'check_parameters', 'check_files', 'plan_grid', 'check_out_dir',
-           'run_grid', 'describe_experiment', 'experiment_runtime', 'main']
+           'NO_SPACE', 'JOB_BUSY', 'JOB_NO_SPACE', 'JOB_UNSAFE', 'STOP_GRACE', 'FILE_PARAMETERS', 'SLURM_FLAGS',
+           'EXPERIMENT_MODULES', 'discover_experiments', 'check_folder_name', 'get_experiment', 'parse_value',
+           'check_key', 'parse_grid', 'expand_grid', 'cell_id', 'cell_slug', 'cell_dir', 'with_parameters_tag',
+           'CellBusy', 'UnsafeCell', 'cell_links', 'claim_cell', 'record_stamp', 'notebook_final', 'cell_done',
+           'Stopped', 'no_space', 'run_cell', 'die_with_parent', 'short_error', 'pending_cells', 'grid_summary',
+           'RunStop', 'notebook_parameters', 'value_mismatch', 'unknown_losses', 'check_parameters', 'check_files',
+           'plan_grid', 'check_out_dir', 'run_grid', 'describe_experiment', 'slurm_options', 'experiment_runtime',
+           'main']
 
 # %% ../nbs/13_batch.ipynb #3744057c
 def discover_experiments(package: str = "topk_nb.experiments",  # the package whose modules declare the entries
@@ -919,10 +920,30 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--seeds", type=_positive(int), default=None, help="run each cell with seeds 0..N-1")
     r.add_argument("--out", default="runs", help="folder of the cells' records and executed notebooks (default: runs)")
     r.add_argument("--data-root", default=None, help="folder of the real data set (paper-scale presets); checked before a run")
-    r.add_argument("--gpus", type=_gpu_list, default=None, help="comma-separated GPU ids: one job per GPU")
-    r.add_argument("--jobs", type=_positive(int), default=1, help="parallel jobs without GPUs (default: 1)")
+    r.add_argument("--executor", choices=("local", "slurm"), default="local",
+                   help="local: job processes on this machine (default); slurm: one Slurm job array, a task per cell")
+    r.add_argument("--gpus", type=_gpu_list, default=None, help="local: comma-separated GPU ids, one job per GPU")
+    r.add_argument("--jobs", type=_positive(int), default=None, help="local: parallel jobs without GPUs (default: 1)")
     r.add_argument("--timeout", type=_positive(float), default=None, help="seconds per notebook cell (default: none)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    s = r.add_argument_group("Slurm (--executor slurm; --out on a file system the nodes share)")
+    s.add_argument("--slurm-config", default=None, metavar="FILE",
+                   help="a JSON object of these options (partition, account, gpus_per_cell, cpus_per_cell, mem_gb, "
+                        "time_min, max_parallel, sbatch, poll_s); the options below override it")
+    s.add_argument("--partition", default=None, help="the partition (default: the cluster's)")
+    s.add_argument("--account", default=None, help="the account charged (default: the user's)")
+    s.add_argument("--gpus-per-cell", type=_count, default=None, help="GPUs of one cell (default: 0)")
+    s.add_argument("--cpus-per-cell", type=_positive(int), default=None, help="CPUs of one cell (default: 1)")
+    s.add_argument("--mem", type=_positive(float), default=None, metavar="GB", help="memory of one cell in GB")
+    s.add_argument("--time", type=_positive(int), default=None, metavar="MINUTES",
+                   help="time limit of one cell; a cell that reaches it is requeued and resumes (default: 60)")
+    s.add_argument("--max-parallel", type=_positive(int), default=None, help="array tasks running at once (default: 256)")
+    s.add_argument("--sbatch", nargs="*", default=None, metavar="NAME=VALUE",
+                   help="other sbatch arguments, e.g. qos=high constraint=a100 (NAME=true: a flag)")
+    s.add_argument("--no-wait", action="store_true", help="submit and return; `topk-nb status` tells the states")
+    t = sub.add_parser("status", help="each cell's state (queued, running, ok, failed, missing), Slurm job and logs")
+    t.add_argument("experiment", nargs="?", default=None, help="an experiment (default: every one under --out)")
+    t.add_argument("--out", default="runs", help="the folder `topk-nb run` wrote (default: runs)")
     q = sub.add_parser("report", help="write the markdown report and figures")
     q.add_argument("experiment", help="a catalogue name")
     q.add_argument("--out", default="runs", help="the folder `topk-nb run` wrote (default: runs)")
@@ -930,6 +951,43 @@ def _parser() -> argparse.ArgumentParser:
     j = sub.add_parser("job")              # internal: one cell, in its own process
     j.add_argument("spec")
     return p
+
+
+SLURM_FLAGS = {"slurm_config": None, "partition": "partition", "account": "account", "gpus_per_cell": "gpus_per_cell",
+               "cpus_per_cell": "cpus_per_cell", "mem": "mem_gb", "time": "time_min", "max_parallel": "max_parallel",
+               "sbatch": "sbatch", "no_wait": None}   # the run options of the Slurm executor: {argparse dest: SlurmOptions field}
+
+
+def _count(text):
+    "An integer >= 0 (argparse type)."
+    if not text.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
+    return int(text)
+
+
+def slurm_options(args: argparse.Namespace):
+    "The `SlurmOptions` of `topk-nb run`'s arguments: `--slurm-config`, then the options given; a one-line ValueError for a mistake, or for a Slurm option given to the local executor (and --gpus / --jobs to Slurm)."
+    given = [k for k in SLURM_FLAGS if getattr(args, k) not in (None, False)]
+    if args.executor != "slurm":
+        if given: raise ValueError(f"--{given[0].replace('_', '-')} is an option of --executor slurm (the executor is local)")
+        return None
+    for flag, instead in (("gpus", "--gpus-per-cell"), ("jobs", "--max-parallel")):
+        if getattr(args, flag) is not None:
+            raise ValueError(f"--{flag} is an option of the local executor: with --executor slurm give {instead}")
+    if importlib.util.find_spec("submitit") is None:
+        raise ValueError('--executor slurm submits through submitit, which is not installed: pip install "topk_nb[experiments]"')
+    from topk_nb.slurm import SlurmOptions
+    options = SlurmOptions.from_file(args.slurm_config) if args.slurm_config else SlurmOptions()
+    for dest, name in SLURM_FLAGS.items():
+        if name is None or getattr(args, dest) is None: continue
+        value = getattr(args, dest)
+        if dest == "sbatch":
+            pairs = [w.partition("=") for w in value]
+            if bad := [w for w, (k, sep, v) in zip(value, pairs) if not (k and sep and v)]:
+                raise ValueError(f"--sbatch expects NAME=VALUE words such as qos=high, got {bad[0]!r}")
+            value = {**options.sbatch, **{k: True if v == "true" else v for k, _, v in pairs}}
+        setattr(options, name, value)
+    return options.check()
 
 # %% ../nbs/13_batch.ipynb #1feffe9e
 def _fail(command: str, error: Exception, status: int = 2) -> int:
@@ -975,14 +1033,45 @@ def experiment_runtime(kernel_name: str = "python3", # the kernel papermill star
         return folder
 
 # %% ../nbs/13_batch.ipynb #f79e5574
+def _status(out: str, experiment: str | None) -> int:
+    "`topk-nb status`: a line per cell (state, Slurm job, folder; the logs of a cell not ok), then the counts as JSON."
+    from topk_nb.slurm import status_lines
+    if not out.strip(): return _fail("status", ValueError("--out is empty: give the folder `topk-nb run` wrote"))
+    try:
+        lines, counts = status_lines(out, experiment)
+    except (ValueError, OSError, RuntimeError) as e:
+        return _fail("status", e)
+    print("\n".join(lines + [json.dumps(counts)]))
+    return 0
+
+
+def _run_on_slurm(args: argparse.Namespace, options) -> int:
+    "`topk-nb run --executor slurm`: submit what is neither done nor queued, wait (unless --no-wait), print the cells not ok with their Slurm jobs and logs, then the counts."
+    from topk_nb.slurm import run_slurm
+    try:
+        summary = run_slurm(args.experiment, args.preset, parse_grid(args.grid), args.seeds, args.out, options,
+                            args.timeout, args.data_root, wait=not args.no_wait, progress=not args.no_progress)
+    except (ValueError, OSError, RuntimeError, ImportError) as e:
+        return _fail("run", e)
+    for f in summary["failures"]:
+        where = "".join(f"; {k}: {f[k]}" for k in ("slurm_state", "log", "job_log") if f.get(k))
+        print(f"not done ({f['state']}): {json.dumps(f['params'])}: Slurm job {f['job'] or 'none'}"
+              f"{': ' + f['error'] if f.get('error') else ''}{where}", file=sys.stderr)
+    print(json.dumps({k: v for k, v in summary.items() if k != "failures"}))
+    if "stopped" in summary: return 128 + signal.SIGINT
+    return 1 if summary["failed"] or summary["missing"] else 0
+
+
 def main(argv: Sequence[str] | None = None,  # the words after `topk-nb` (sys.argv[1:] by default)
          ) -> int:
-    "The `topk-nb` command: `list`, `run` and `report`; returns the exit status (2: a mistake on the command line, nothing run)."
+    "The `topk-nb` command: `list`, `run`, `status` and `report`; returns the exit status (2: a mistake on the command line, nothing run)."
     args = _parser().parse_args(sys.argv[1:] if argv is None else list(argv))
     if args.command == "job":
         return _job_main(args.spec)
     if args.command == "list":
         return _list(args.name)
+    if args.command == "status":
+        return _status(args.out, args.experiment)
     if args.command == "report":
         from topk_nb.report import report       # the report builds on the runner (grid, catalogue)
         if not args.out.strip(): return _fail("report", ValueError("--out is empty: give the folder `topk-nb run` wrote"))
@@ -995,12 +1084,18 @@ def main(argv: Sequence[str] | None = None,  # the words after `topk-nb` (sys.ar
         return 0
     try:
         experiment_runtime()                     # papermill, nbformat, ipykernel and a python3 kernel, or one line
+        options = slurm_options(args)
         plan_grid(args.experiment, args.preset, parse_grid(args.grid), args.seeds, args.data_root)
+        if options is not None:
+            from topk_nb.slurm import slurm_available
+            if problem := slurm_available(): raise ValueError(f"--executor slurm: {problem}")
         check_out_dir(args.out)                  # last: a mistake above leaves no folder behind
     except (ValueError, OSError, ImportError) as e:
         return _fail("run", e)
-    summary = run_grid(args.experiment, args.preset, parse_grid(args.grid), args.seeds, args.out, args.gpus, args.jobs,
-                       args.timeout, progress=not args.no_progress, data_root=args.data_root)
+    if options is not None:
+        return _run_on_slurm(args, options)
+    summary = run_grid(args.experiment, args.preset, parse_grid(args.grid), args.seeds, args.out, args.gpus,
+                       args.jobs or 1, args.timeout, progress=not args.no_progress, data_root=args.data_root)
     for f in summary["failures"]:
         print(f"not done: {json.dumps(f['params'])}: {short_error(f['error'])}", file=sys.stderr)
     if "stopped" in summary:
