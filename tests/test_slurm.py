@@ -201,3 +201,28 @@ def test_a_requeued_task_resumes_its_cell(tmp_path):
     assert (directory / "runs.log").read_text().split() == ["start", "start", "done"]
     ledger = list((slurm_folder(out, exp) / "submissions").glob("*.json"))
     assert len(ledger) == 1                                            # requeued by Slurm, not submitted again
+
+
+def test_ctrl_c_of_the_runner_cancels_what_it_submitted_after_saying_so(tmp_path, fast_poll):
+    import signal
+    nb = slow_notebook(tmp_path / "slow.ipynb")
+    out = tmp_path / "runs"
+    exp = get_experiment(str(nb))
+    (out / exp.name).mkdir(parents=True)
+    (out / exp.name / "hold-1").write_text("")
+    runner = subprocess.Popen([sys.executable, "-m", "topk_nb.batch", "run", str(nb), "--grid", "stall_at=2", "--out",
+                               str(out), "--executor", "slurm", "--slurm-config", fast_poll],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    directory = cell_dir(out, exp, {"stall_at": 2})
+    progress = directory / "progress.json"
+    try:
+        wait_until(lambda: progress.exists() and json.loads(progress.read_text())["step"] == 2, what="step 2")
+    finally:
+        runner.send_signal(signal.SIGINT)
+        stdout, stderr = runner.communicate(timeout=120)
+    assert runner.returncode == 128 + signal.SIGINT, stderr
+    job = summary_of(stdout)["slurm_job"]
+    assert f"interrupted: cancelling Slurm job {job}, which this run submitted (1 cell)" in stderr, stderr
+    wait_until(lambda: squeue(job).get(job) == "CANCELLED", what="the job's cancellation")
+    assert not (directory / RECORD).exists()                       # left resumable: no record, no attempt's files
+    assert not list(directory.glob(".record.*")) and not list(directory.glob(".notebook.*")), sorted(directory.iterdir())
