@@ -11,7 +11,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from topk_nb.batch import RECORD, cell_dir, get_experiment, main, record_stamp
+from topk_nb.batch import RECORD, cell_dir, get_experiment, record_stamp
 from topk_nb.slurm import slurm_available, slurm_folder
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,7 +48,7 @@ def cancel_leftovers(tmp_path):
 
 def topk_nb(*words, timeout=300):
     "Exit status, stdout, stderr of the `topk-nb` command in a fresh process (as a user runs it)."
-    p = subprocess.run([sys.executable, "-m", "topk_nb.batch", *words], capture_output=True, text=True, timeout=timeout)
+    p = subprocess.run([sys.executable, "-m", "topk_nb.cli", *words], capture_output=True, text=True, timeout=timeout)
     return p.returncode, p.stdout, p.stderr
 
 
@@ -210,7 +210,7 @@ def test_ctrl_c_of_the_runner_cancels_what_it_submitted_after_saying_so(tmp_path
     exp = get_experiment(str(nb))
     (out / exp.name).mkdir(parents=True)
     (out / exp.name / "hold-1").write_text("")
-    runner = subprocess.Popen([sys.executable, "-m", "topk_nb.batch", "run", str(nb), "--grid", "stall_at=2", "--out",
+    runner = subprocess.Popen([sys.executable, "-m", "topk_nb.cli", "run", str(nb), "--grid", "stall_at=2", "--out",
                                str(out), "--executor", "slurm", "--slurm-config", fast_poll],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     directory = cell_dir(out, exp, {"stall_at": 2})

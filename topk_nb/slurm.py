@@ -17,10 +17,10 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Sequence
 
-from .batch import (FAILED_ATTEMPT, JOB_LOG, RECORD, Experiment, RunStop, STOP_GRACE, _launch, cell_dir, cell_done,
-                    cell_id, check_folder_name, check_out_dir, grid_summary, plan_grid, read_record, record_stamp,
-                    short_error)
-from .records import atomic_write_json
+from .batch import FAILED_ATTEMPT, JOB_LOG, STOP_GRACE, RunStop, _launch, cell_done, check_out_dir, record_stamp
+from .grid import cell_dir, cell_id, check_folder_name, get_experiment, plan_grid, short_error
+from .catalogue import Experiment
+from .records import RECORD, atomic_write_json, read_record
 
 # %% auto #0
 __all__ = ['SLURM_DIR', 'QUEUED', 'RUNNING', 'SlurmOptions', 'SlurmCell', 'slurm_folder', 'task_log', 'write_submission',
@@ -371,7 +371,6 @@ def status_lines(out_dir,  # the --out folder
                  experiment: str | None = None,  # an experiment's name or notebook path (None: every experiment under out_dir)
                  ) -> tuple[list[str], dict]:
     "The lines `topk-nb status` prints, one per cell, and the counts of each state over them."
-    from topk_nb.batch import get_experiment
     out = Path(out_dir).expanduser()
     if not out.is_dir(): raise ValueError(f"--out {str(out_dir)!r} is not a folder")
     if experiment is not None:
