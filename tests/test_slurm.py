@@ -176,29 +176,32 @@ def test_scancel_mid_cell_then_rerun_loses_and_duplicates_nothing(tmp_path, fast
     assert [[c["params"]["x"] for c in sub["cells"]] for sub in ledger] == [[1, 2, 3], [3]]
 
 
-def test_a_requeued_task_resumes_its_cell(tmp_path):
+def test_a_time_limit_warning_and_a_requeue_each_restart_the_task_which_resumes_its_cell(tmp_path):
     nb = slow_notebook(tmp_path / "slow.ipynb")
     out = tmp_path / "runs"
     exp = get_experiment(str(nb))
     (out / exp.name).mkdir(parents=True)
-    (out / exp.name / "hold-1").write_text("")
-    code, stdout, err = topk_nb("run", str(nb), "--grid", "stall_at=4", "--out", str(out), "--executor", "slurm",
+    (out / exp.name / "hold-1").write_text("")                   # every attempt stalls at step 2 while it is there
+    code, stdout, err = topk_nb("run", str(nb), "--grid", "stall_at=2", "--out", str(out), "--executor", "slurm",
                                 "--no-wait", "--time", "10")
     assert code == 0, err
     job = summary_of(stdout)["slurm_job"]                  # one cell: one job, no array
-    directory = cell_dir(out, exp, {"stall_at": 4})
-    progress = directory / "progress.json"
-    wait_until(lambda: progress.exists() and json.loads(progress.read_text())["step"] == 4, what="step 4")
-    subprocess.run(["scontrol", "requeue", job], check=True)         # as Slurm does for a lost node or a preemption
-    # the task starts again in the same folder, and stalls at step 4 again while the hold file is there
-    wait_until(lambda: (directory / "runs.log").read_text().split() == ["start", "start"], limit=180,
-               what="the requeued task's start")
+    directory = cell_dir(out, exp, {"stall_at": 2})
+    progress, runs = directory / "progress.json", directory / "runs.log"
+    wait_until(lambda: progress.exists() and json.loads(progress.read_text())["step"] == 2, what="step 2")
+    # what Slurm sends ahead of the time limit (--signal=USR2@...): submitit requeues the task
+    subprocess.run(["scancel", "--signal=USR2", job], check=True)
+    wait_until(lambda: runs.read_text().split() == ["start", "start"], limit=180, what="the restart after SIGUSR2")
+    # what Slurm does for a lost node or a preemption with requeue
+    subprocess.run(["scontrol", "requeue", job], check=True)
+    wait_until(lambda: runs.read_text().split() == ["start", "start", "start"], limit=180, what="the restart after requeue")
     assert not (directory / RECORD).exists()
     (out / exp.name / "hold-1").unlink()
     wait_until(lambda: (directory / RECORD).exists(), limit=180, what="the requeued cell's record")
     rec = json.loads((directory / RECORD).read_text())
-    assert rec["status"] == "ok" and rec["metrics"]["final"][0]["resumed_from"] == 4, rec
-    assert (directory / "runs.log").read_text().split() == ["start", "start", "done"]
+    assert rec["status"] == "ok" and rec["metrics"]["final"][0]["resumed_from"] == 2, rec   # from the checkpoint
+    assert runs.read_text().split() == ["start", "start", "start", "done"]
+    assert not list(directory.glob(".record.*")) and not list(directory.glob(".notebook.*")), sorted(directory.iterdir())
     ledger = list((slurm_folder(out, exp) / "submissions").glob("*.json"))
     assert len(ledger) == 1                                            # requeued by Slurm, not submitted again
 

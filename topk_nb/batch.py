@@ -35,9 +35,9 @@ from .grid import (EXPERIMENTS, FILE_PARAMETERS, cell_dir, cell_id, cell_slug, c
 
 # %% auto #0
 __all__ = ['LOCK', 'JOB_LOG', 'FAILED_ATTEMPT', 'FAILED_NOTEBOOK', 'KERNEL_START_TRIES', 'KERNEL_START_TIMEOUT', 'NO_SPACE',
-           'JOB_BUSY', 'JOB_NO_SPACE', 'JOB_UNSAFE', 'STOP_GRACE', 'CellBusy', 'UnsafeCell', 'cell_links', 'claim_cell',
-           'record_stamp', 'notebook_final', 'cell_done', 'Stopped', 'no_space', 'run_cell', 'die_with_parent',
-           'pending_cells', 'grid_summary', 'RunStop', 'check_out_dir', 'run_grid']
+           'JOB_BUSY', 'JOB_NO_SPACE', 'JOB_UNSAFE', 'STOP_SIGNALS', 'STOP_GRACE', 'CellBusy', 'UnsafeCell',
+           'cell_links', 'claim_cell', 'record_stamp', 'notebook_final', 'cell_done', 'Stopped', 'no_space', 'run_cell',
+           'die_with_parent', 'pending_cells', 'grid_summary', 'RunStop', 'check_out_dir', 'run_grid']
 
 # %% ../nbs/13_batch.ipynb #caf1b9ce
 LOCK = ".lock"
@@ -324,12 +324,15 @@ def die_with_parent(parent: int,  # the pid of the process that started this one
     return os.getppid() == parent       # checked after the request: a parent that died before it is seen here
 
 # %% ../nbs/13_batch.ipynb #b316a119
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)   # SIGUSR2: Slurm's warning of a time limit or preemption
+
+
 def _stop_on_signals() -> None:
-    "In a job process: the first SIGTERM or SIGINT raises Stopped (the attempt cleans up after itself), later ones are ignored."
+    "In a job process: the first of `STOP_SIGNALS` raises Stopped (the attempt cleans up after itself), later ones are ignored."
     def stop(signum, frame):
-        for s in (signal.SIGTERM, signal.SIGINT): signal.signal(s, signal.SIG_IGN)
+        for s in STOP_SIGNALS: signal.signal(s, signal.SIG_IGN)
         raise Stopped(signal.Signals(signum).name)
-    for s in (signal.SIGTERM, signal.SIGINT): signal.signal(s, stop)
+    for s in STOP_SIGNALS: signal.signal(s, stop)
 
 
 def _job_main(spec_json: str) -> int:

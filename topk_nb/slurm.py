@@ -126,11 +126,19 @@ class SlurmCell:
         return DelayedSubmission(SlurmCell(self.experiment, self.out_dir, self.timeout, self.preset), params)
 
 
+def _running(proc: subprocess.Popen) -> bool:
+    "Whether `proc` has not exited. It never reaps the process: inside a signal handler, the interrupted `communicate` holds the lock `poll` needs, and reaps it."
+    try:
+        return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
+    except ChildProcessError:          # reaped already
+        return False
+
+
 def _wait_for_jobs(stop: RunStop, limit: float = STOP_GRACE + 5) -> None:
     "Wait until the job processes of `stop` have ended (they are killed `STOP_GRACE` seconds after a stop)."
     deadline = time.monotonic() + limit
-    while any(p.poll() is None for p in list(stop.jobs.values())) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    while any(_running(p) for p in list(stop.jobs.values())) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 # %% ../nbs/21_slurm.ipynb #12701f65
 SLURM_DIR = ".slurm"   # OUT/EXPERIMENT/.slurm: submitit's files, the tasks' logs and the ledger (a dot: never a cell's folder)
