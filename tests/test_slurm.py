@@ -18,16 +18,23 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONF = Path(os.environ.get("TOPK_NB_SLURM_DIR", "/tmp/topk-nb-slurm")) / "slurm.conf"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def cluster():
-    "The cluster of `tools/slurm.sh start` (its slurm.conf, unless SLURM_CONF names another), answering."
+def cluster_problem() -> str | None:
+    "None if the cluster of `tools/slurm.sh start` (its slurm.conf, unless SLURM_CONF names another) answers; else why not."
     if "SLURM_CONF" not in os.environ and DEFAULT_CONF.is_file():
         os.environ["SLURM_CONF"] = str(DEFAULT_CONF)
     problem = slurm_available()
-    if problem:
-        problem = f"no Slurm cluster ({problem}); start one with tools/slurm.sh start"
-        if os.environ.get("CI"): pytest.fail(problem)
-        pytest.skip(problem, allow_module_level=True)
+    return problem and f"no Slurm cluster ({problem}); start one with tools/slurm.sh start"
+
+
+PROBLEM = cluster_problem()
+if PROBLEM and not os.environ.get("CI"):
+    pytest.skip(PROBLEM, allow_module_level=True)           # a laptop: one line
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cluster():
+    "In CI a missing cluster fails every test here (elsewhere the module is skipped above)."
+    if PROBLEM: pytest.fail(PROBLEM)
 
 
 @pytest.fixture(scope="module")

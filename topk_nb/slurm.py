@@ -289,12 +289,15 @@ def slurm_available() -> str | None:
     import shutil
     missing = [c for c in ("sbatch", "squeue", "scancel") if shutil.which(c) is None]
     if missing: return f"{', '.join(missing)} not found: run on a Slurm login node (or use the local executor)"
+    conf = os.environ.get("SLURM_CONF")
+    if conf and not Path(conf).is_file():             # else squeue retries for a minute before it says so
+        return f"SLURM_CONF={conf} names no file"
     try:
         out = subprocess.run(["squeue", "--noheader", "--jobs", "0"], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"squeue did not answer ({e})"
     if out.returncode != 0 and "Invalid job id" not in out.stderr:
-        return f"the Slurm controller does not answer: {' '.join(out.stderr.split())[:200]}"
+        return f"the Slurm controller does not answer ({(out.stderr.strip().splitlines() or [''])[-1][:200]})"
     return None
 
 
