@@ -881,10 +881,12 @@ def _svm32_models(K) -> dict:
                ["*fp64", "*fp32", "*fp32", "*i32", "*fp32", "*fp32", "*i32", "*fp32", "*i64", "*i32", "*fp32", "*i64"])
     grow.update(n="i32", n_tiles="i32", K="constexpr", HMAX="constexpr")
     once = lambda sh: 1
+    # An unrolled loop (static_range) inside a loop of the program has no SASS loop of its own; the outer loop's SASS
+    # loop can be attributed to it (its lines are the body's), so both carry the passes of the outer loop.
     return {
         "smooth_svm32_tile": KernelModel(
             K._svm32_tile_kernel, tile, lanes,
-            (("for t0 in range(0, tile, L * R)", steps), ("for r in tl.static_range(R)", once),
+            (("for t0 in range(0, tile, L * R)", steps), ("for r in tl.static_range(R)", steps),   # the SASS loop of the
              ("for lev in range(LOG_L)", lambda sh: plan(sh)[0].bit_length() - 1), ("for j in tl.static_range(K + 1)", once)),
             lambda sh: sh["B"] * sh["n"] * 4 + poly(sh),                    # the scores; the tiles' polynomials
             num_warps=lambda sh: plan(sh)[0] // 32, programs=lambda sh: sh["B"] * plan(sh)[3], elements=lambda sh: plan(sh)[2]),
@@ -897,7 +899,7 @@ def _svm32_models(K) -> dict:
             K._svm32_grad_tile_kernel, gtile, lambda sh: {**lanes(sh), "HMAX": hmax(sh)},
             (("for t0 in range(0, tile, L * R)", lambda sh: 0), ("for r in tl.static_range(R)", once),     # a row with a head
              ("for lev in range(LOG_L)", lambda sh: 0), ("for j in tl.static_range(K + 1)", once),
-             ("for t0 in range(0, tile, L * R)", steps), ("for r in tl.static_range(R)", once)),        # a row without
+             ("for t0 in range(0, tile, L * R)", steps), ("for r in tl.static_range(R)", steps)),       # a row without
             lambda sh: 2 * sh["B"] * sh["n"] * 4,                           # the scores, the gradient
             num_warps=lambda sh: plan(sh)[0] // 32, programs=lambda sh: sh["B"] * plan(sh)[3], elements=lambda sh: plan(sh)[2]),
         "smooth_svm32_grad_row": KernelModel(
@@ -1069,7 +1071,8 @@ BUDGETS = {
     "noised_bal, k = 20": Budget("noised_bal", lambda sh: sh["k"] == 20, 3.0, expected_over=True),
     "smooth_svm, n = 1000, k <= 20": Budget("smooth_svm", lambda sh: sh["n"] == 1000 and sh["k"] <= 20, 3.0,
                                             expected_over=True),
-    "smooth_svm, n = 1e5, k <= 20": Budget("smooth_svm", lambda sh: sh["n"] == 100_000 and sh["k"] <= 20, 2.0),
+    "smooth_svm, n = 1e5, k <= 20": Budget("smooth_svm", lambda sh: sh["n"] == 100_000 and sh["k"] <= 20, 2.0,
+                                           expected_over=True),   # within at k = 5, over at k = 20
     "smooth_svm, k = 100": Budget("smooth_svm, k > SVM32_MAX_K", lambda sh: sh["k"] == 100, 5.0, expected_over=True),
 }
 
