@@ -703,25 +703,29 @@ def _svm_backward_fake(s, target, grad, lsig, rho, ckpt, k, tau, block_n):
 
 # %% ../nbs/16_kernels.ipynb #b192b8a1
 def _svm_setup_context(ctx, inputs, output):
-    "Keep what the backward operator reads: the scores, labels, log sigma, rho and checkpoints."
-    s, target, k, tau, alpha, block_n = inputs
+    "Keep what a backward operator reads: the scores, the labels and the forward's outputs but the loss; k, tau, alpha and the layout (block_n or tile)."
+    s, target, k, tau, alpha, layout = inputs
     ctx.save_for_backward(s, target, *output[1:])
     ctx.mark_non_differentiable(*output[1:])
     ctx.set_materialize_grads(False)          # no zero tensors for the gradients of the outputs above
-    ctx.k, ctx.tau, ctx.alpha, ctx.block_n = k, tau, alpha, block_n
+    ctx.k, ctx.tau, ctx.alpha, ctx.layout = k, tau, alpha, layout
 
 
-def _svm_grad(ctx, grad, *unused):
-    "dL/ds by the backward operator; the other outputs (log sigma, rho, checkpoints) carry no gradient."
-    if grad is None:                          # the loss itself took no part in what is differentiated
-        return None, None, None, None, None, None
-    s, target, lsig, rho, ckpt = ctx.saved_tensors
-    if torch.is_grad_enabled():               # create_graph=True: the exact log-space tree, by autograd (chapter 00)
-        return twice_differentiable(tree_svm_loss, s, grad, target, ctx.k, ctx.tau, ctx.alpha), None, None, None, None, None
-    return _svm_backward_op(s, target, grad, lsig, rho, ckpt, ctx.k, ctx.tau, ctx.block_n), None, None, None, None, None
+def _svm_grad_by(backward_op: Callable # backward_op(s, target, grad, *saved outputs, k, tau, layout) -> dL/ds
+                 ) -> Callable:
+    "The autograd formula of a smooth SVM forward operator: dL/ds by its backward operator; the other outputs carry no gradient."
+    def grad_fn(ctx, grad, *unused):
+        rest = (None,) * 5                    # target, k, tau, alpha, layout
+        if grad is None:                      # the loss itself took no part in what is differentiated
+            return (None, *rest)
+        s, target, *saved = ctx.saved_tensors
+        if torch.is_grad_enabled():           # create_graph=True: the exact log-space tree, by autograd (chapter 00)
+            return (twice_differentiable(tree_svm_loss, s, grad, target, ctx.k, ctx.tau, ctx.alpha), *rest)
+        return (backward_op(s, target, grad, *saved, ctx.k, ctx.tau, ctx.layout), *rest)
+    return grad_fn
 
 
-_svm_forward_op.register_autograd(_svm_grad, setup_context=_svm_setup_context)
+_svm_forward_op.register_autograd(_svm_grad_by(_svm_backward_op), setup_context=_svm_setup_context)
 
 # %% ../nbs/16_kernels.ipynb #38b9b185
 def smooth_svm_triton(scores: torch.Tensor,          # (B, n) float32 or float64 scores
@@ -746,7 +750,7 @@ SVM32_MAX_K = 32          # the largest k of the float32 kernels (their code gro
 if HAS_TRITON:
     _XZERO = tl.constexpr(-(1 << 30))        # the exponent of a zero coefficient: it loses every maximum
     _XRANGE = tl.constexpr(float(1 << 23))   # |log2 e_i| from here on: the row leaves the exponents' range (NaN)
-    _THETA = tl.constexpr(0.5)               # e_i sigma_{k-1} / sigma_k above this: an element of the exact head
+    _LOG2_THETA = tl.constexpr(-1.0)         # log2 of theta = 1/2: e_i sigma_{k-1} / sigma_k above it, a class of the exact head
 
     @triton.jit
     def _pow2(d):
@@ -953,8 +957,9 @@ if HAS_TRITON:
         s = tl.load(s_ptr + row * n + offs, mask=inside, other=0.0).to(tl.float32)
         d = tl.minimum(tl.maximum((s - sy) * d_scale, -_XRANGE), _XRANGE)   # (L,) log2 e_i
         valid = inside & (offs != y)
-        t = tl.exp2(d + lrho)                                            # (L,) t_i = e_i rho_K
-        big = t > _THETA
+        a = d + lrho                                                     # (L,) log2 t_i, t_i = e_i rho_K
+        big = a > _LOG2_THETA                                            # t_i > theta (NaN: no)
+        t = tl.exp2(tl.where(a > 1.0, 1.0, a))                           # capped past 2, where a class is head: Horner stays finite
         head = valid & big
         tail = valid & ~big                                              # NaN (an out-of-range row) goes to the tail: NaN
         u1 = tl.full([L], 1.0, tl.float32)                               # u_{j-1}
@@ -982,7 +987,7 @@ if HAS_TRITON:
         w = (tl.load(rho_ptr + row) * tl.load(go_ptr + row).to(tl.float64) / K).to(tl.float32)   # dL/ds_i = w (pi_k - pi_k-1)
         lrho, Rr = _svm32_row_consts(sc_ptr, se_ptr, row, K)
         start = p * tile
-        if tl.exp2(tl.load(dm_ptr + row) + lrho) > _THETA:               # the row's largest t_i: it has a head
+        if tl.load(dm_ptr + row) + lrho > _LOG2_THETA:                   # the row's largest t_i > theta: it has a head
             C, E = _poly_one(L, K)
             cnt = 0
             hbase = (row * n_tiles + p) * HMAX
@@ -1150,23 +1155,4 @@ def _svm32_backward_fake(s, target, grad, rho, sc, se, dm, k, tau, tile):
     return torch.empty_like(s)
 
 
-def _svm32_setup_context(ctx, inputs, output):
-    "Keep what the backward operator reads: the scores, labels, rho, the row's sigma and largest log2 e_i."
-    s, target, k, tau, alpha, tile = inputs
-    ctx.save_for_backward(s, target, *output[1:])
-    ctx.mark_non_differentiable(*output[1:])
-    ctx.set_materialize_grads(False)
-    ctx.k, ctx.tau, ctx.alpha, ctx.tile = k, tau, alpha, tile
-
-
-def _svm32_grad(ctx, grad, *unused):
-    "dL/ds by the backward operator (create_graph=True: the exact log-space tree, by autograd)."
-    if grad is None:
-        return None, None, None, None, None, None
-    s, target, rho, sc, se, dm = ctx.saved_tensors
-    if torch.is_grad_enabled():
-        return twice_differentiable(tree_svm_loss, s, grad, target, ctx.k, ctx.tau, ctx.alpha), None, None, None, None, None
-    return _svm32_backward_op(s, target, grad, rho, sc, se, dm, ctx.k, ctx.tau, ctx.tile), None, None, None, None, None
-
-
-_svm32_forward_op.register_autograd(_svm32_grad, setup_context=_svm32_setup_context)
+_svm32_forward_op.register_autograd(_svm_grad_by(_svm32_backward_op), setup_context=_svm_setup_context)
