@@ -207,7 +207,9 @@ if HAS_TRITON:
             draws = tl.arange(0, S_PAD)
             there = draws < N_SAMPLES
             last = (draws * n_rows + row) * KTH + KTH - 1
-            total = tl.sum(tl.load(cval_ptr + last, mask=there, other=0.0), 0)
+            total = 0.0
+            for b in range(N_SAMPLES):                               # draw by draw, in the order the chunked path adds them:
+                total += tl.load(cval_ptr + (b * n_rows + row) * KTH + KTH - 1)   # a tree sum rounds differently on a GPU
             tl.store(idx_ptr + draws * n_rows + row, tl.load(cidx_ptr + last, mask=there, other=0), mask=there)
         else:
             lanes = tl.arange(0, BLOCK)                                  # (BLOCK,) candidates of one draw
