@@ -118,8 +118,8 @@ if HAS_TRITON:
         offs = chunk * BLOCK + lanes
         x = tl.load(s_ptr + row * n + offs, mask=offs < n, other=-float("inf")).to(tl.float32)
         for t in range(KTH):
-            top = tl.argmax(x, 0)
-            tl.store(top_ptr + (row * n_chunks + chunk) * KTH + t, tl.max(x, 0))
+            v, top = tl.max(x, 0, return_indices=True)                   # one reduction for the value and its place
+            tl.store(top_ptr + (row * n_chunks + chunk) * KTH + t, v)
             x = tl.where(lanes == top, -float("inf"), x)
 
     @triton.jit
@@ -176,8 +176,8 @@ if HAS_TRITON:
             xt = tl.where(drawn[:, None] & valid[None, :], s_live[None, :] + epsilon * zt, -float("inf"))
             at = ((draw.to(tl.int64) * n_rows + row) * n_chunks + chunk) * KTH   # (DRAWS_PAD,) into (S, B, chunks, KTH)
             for t in range(KTH):
-                best = tl.argmax(xt, 1)                                  # (DRAWS_PAD,) one reduction for all the draws
-                tl.store(cval_ptr + at + t, tl.max(xt, 1), mask=drawn)
+                v, best = tl.max(xt, 1, return_indices=True)             # (DRAWS_PAD,) one reduction for all the draws
+                tl.store(cval_ptr + at + t, v, mask=drawn)
                 place = tl.load(scratch_ptr + base + best, mask=drawn, other=0).to(tl.int32)
                 tl.store(cidx_ptr + at + t, chunk * BLOCK + place, mask=drawn)
                 xt = tl.where(tile[None, :] == best[:, None], -float("inf"), xt)
@@ -191,8 +191,8 @@ if HAS_TRITON:
                 x = tl.where(inside, s + epsilon * z, -float("inf"))
                 out = ((b * n_rows + row) * n_chunks + chunk) * KTH      # (S, B, chunks, KTH) candidates
                 for t in range(KTH):
-                    top = tl.argmax(x, 0)
-                    tl.store(cval_ptr + out + t, tl.max(x, 0))
+                    v, top = tl.max(x, 0, return_indices=True)           # one reduction for the value and its place
+                    tl.store(cval_ptr + out + t, v)
                     tl.store(cidx_ptr + out + t, chunk * BLOCK + top)
                     x = tl.where(lanes == top, -float("inf"), x)
 
