@@ -31,8 +31,8 @@ run:      ## the main job: Sawada's synthetic experiments 1-3, full paper grid o
 	topk-nb run circles_tradeoffs --preset paper --jobs 2 --out runs
 	topk-nb report circles_tradeoffs --out runs
 
-gpu-test: ## on a CUDA machine, from a source checkout with torch and pytest: the kernel tests compiled for the GPU and the CUDA-only checks
-	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) -m pytest tests/test_kernels.py tests/test_cuda.py -q -p no:cacheprovider
+gpu-test: ## on a CUDA machine, from a source checkout with torch and pytest: the kernel tests compiled for the GPU and the CUDA-only checks, one line per test (a run cut short still names what ran); the CPU's compile-for-sm_90 test is left to the CPU, since here every kernel compiles for the real GPU
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) -m pytest tests/test_kernels.py tests/test_cuda.py -v -rf -p no:cacheprovider --deselect tests/test_kernels.py::test_svm_kernels_compile_for_a_gpu
 
 gpu-check: ## on a CUDA machine: every loss's float32 correctness, host syncs, speed vs cross-entropy, epoch overhead, torch.compile, CUDA graphs; writes results/gpu/<device>-<date>.json and .md (GPU_CHECK_FLAGS=--quick for a short run)
 	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) -m topk_nb.gpucheck --out results/gpu $(GPU_CHECK_FLAGS)
