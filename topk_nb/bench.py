@@ -29,9 +29,9 @@ from .models import get_model
 __all__ = ['SYNCING_OPS', 'SASS_CLASSES', 'F64_CHAIN', 'H100', 'KERNEL_MODELS', 'COST_STEPS', 'BUDGETS', 'time_interleaved',
            'bench_scores', 'bench_loss', 'largest_tensor', 'peak_memory', 'loss_speed', 'esp_speed', 'epoch_times',
            'OpCall', 'op_calls', 'aten_ops', 'syncing_ops', 'op_table', 'SassInstr', 'KernelSass', 'parse_sass',
-           'kernel_sass', 'sass_class', 'f64_transcendentals', 'SourceLoop', 'source_loops', 'sass_loops',
-           'dynamic_counts', 'estimate_time', 'ce_triton', 'KernelModel', 'StepModel', 'live_classes', 'kernel_cost',
-           'cost_table', 'Budget', 'within_budget', 'print_cost_table']
+           'kernel_sass', 'sass_class', 'f64_transcendentals', 'SourceLoop', 'source_loops', 'SourceBranch',
+           'source_branches', 'sass_loops', 'dynamic_counts', 'estimate_time', 'ce_triton', 'KernelModel', 'StepModel',
+           'live_classes', 'kernel_cost', 'cost_table', 'Budget', 'within_budget', 'print_cost_table']
 
 # %% ../nbs/14_bench.ipynb #f6ddc67b
 def time_interleaved(fns: Sequence[Callable[[], object]], device="cpu", rounds: int = 5, block: int = 3,
@@ -606,6 +606,25 @@ def source_loops(fn # a @triton.jit kernel (or its Python function)
         loops.append(SourceLoop(head, start + node.lineno - 1, start + node.end_lineno - 1))
     return sorted(loops, key=lambda lp: lp.first)
 
+
+class SourceBranch(NamedTuple):
+    "An `if` of a kernel's Python source (an `elif` is an `if` in the else part of another)."
+    head: str                      # 'if count <= SMALL'
+    body: tuple                    # (first, last) lines of the body in the file
+    orelse: tuple | None           # (first, last) lines of the else part, None without one
+
+
+def source_branches(fn # a @triton.jit kernel (or its Python function)
+                    ) -> list[SourceBranch]:
+    "The `if` statements of the kernel's own source, in source order."
+    py = _python_fn(fn)
+    lines, start = inspect.getsourcelines(py)
+    tree = ast.parse(textwrap.dedent("".join(lines)))
+    span = lambda nodes: (start + nodes[0].lineno - 1, start + nodes[-1].end_lineno - 1) if nodes else None
+    found = [SourceBranch(f"if {ast.unparse(node.test)}", span(node.body), span(node.orelse))
+             for node in ast.walk(tree) if isinstance(node, ast.If)]
+    return sorted(found, key=lambda br: br.body[0])
+
 # %% ../nbs/14_bench.ipynb #5ee17541
 def sass_loops(sass: KernelSass) -> list[tuple[int, int]]:
     "The SASS loops (first, last) instruction index: each backward branch and its target."
@@ -619,11 +638,16 @@ def sass_loops(sass: KernelSass) -> list[tuple[int, int]]:
 def dynamic_counts(sass: KernelSass,      # from `kernel_sass`
                    loops: Sequence[SourceLoop],  # `source_loops` of the same kernel
                    trips: Sequence[float],       # runs of each loop's body per enclosing pass, in the order of `loops`
+                   branches: Sequence[SourceBranch] = (),  # `if`s whose body does not always run
+                   taken: Sequence[float] = (),  # the share of a program's passes that run each one's body (the rest
+                                                 # run its else part), in the order of `branches`
                    ) -> dict:
     "Instructions one thread executes per program, by class and by opcode; software float64 transcendentals; float64 instructions inside loops; SASS loops that stand for no source loop."
     if len(trips) != len(loops):
         raise ValueError(f"trips must give one count per source loop ({len(loops)}: {[lp.head for lp in loops]}), "
                          f"got {len(trips)}")
+    if len(taken) != len(branches) or not all(0 <= p <= 1 for p in taken):
+        raise ValueError(f"taken must give one share in [0, 1] per branch ({len(branches)}), got {list(taken)}")
     instrs, regions = sass.instructions, sass_loops(sass)
     inside = lambda r, s: s[0] <= r[0] and r[1] <= s[1] and r != s                 # r nested in s
     own, owner = {}, {}
@@ -632,6 +656,8 @@ def dynamic_counts(sass: KernelSass,      # from `kernel_sass`
                   if instrs[i].line is not None and not any(inside(q, r) and q[0] <= i <= q[1] for q in regions)]
         cands = [k for k, lp in enumerate(loops) if sum(lp.first <= x <= lp.last for x in own[r]) * 2 >= max(len(own[r]), 1)]
         owner[r] = min(cands, key=lambda k: loops[k].last - loops[k].first) if cands else None
+        if len(instrs[r[1]].frames) > 1:               # its back edge is inlined code: a loop of a function the kernel
+            owner[r] = None                            # calls (say a slow path of cos), not one of the kernel's own
     parent = {r: min((q for q in regions if inside(r, q)), key=lambda q: q[1] - q[0], default=None) for r in regions}
     runs = {}
     for r in regions:                                  # sibling SASS loops of one source loop: unrolled by u, remainder
@@ -654,6 +680,12 @@ def dynamic_counts(sass: KernelSass,      # from `kernel_sass`
         if owner[r] is None or any(inside(r, q) and owner[q] == owner[r] for q in regions): continue
         for i in range(r[0], r[1] + 1):
             mult[i] *= runs[r]
+    for br, p in zip(branches, taken):                 # a branch's instructions, by the kernel line they come from
+        for i, ins in enumerate(instrs):
+            if ins.line is not None and br.body[0] <= ins.line <= br.body[1]:
+                mult[i] *= p
+            elif ins.line is not None and br.orelse and br.orelse[0] <= ins.line <= br.orelse[1]:
+                mult[i] *= 1 - p
     counts, ops = dict.fromkeys(SASS_CLASSES, 0.0), Counter()
     for ins, m in zip(instrs, mult):
         counts[sass_class(ins.opcode)] += m
@@ -783,6 +815,8 @@ class KernelModel(NamedTuple):
     num_warps: Callable = lambda sh: 4
     programs: Callable = lambda sh: sh["B"]   # the launch grid
     elements: Callable = lambda sh: sh["n"]   # score elements one program covers
+    branches: tuple = ()             # ((if head, shape -> share of programs taking its body), ...): the ifs whose
+                                     # body does not always run, in source order (the others count as always run)
 
 
 class StepModel(NamedTuple):
@@ -838,17 +872,22 @@ def _candidates_model(K, pruned: bool) -> KernelModel:
     "The candidates kernel as the launch sets it (`pruned`) or with pruning off: the full path on every chunk, as for nearly equal scores."
     sig = dict(s_ptr="*fp32", noise_ptr="*fp32", seed_ptr="*i64", top_ptr="*fp32", scratch_ptr="*i16", cval_ptr="*fp32",
                cidx_ptr="*i64", n_rows="i32", n="i32", n_chunks="i32", epsilon="fp32", bound="fp32", KTH="constexpr",
-               N_SAMPLES="constexpr", DRAWS="constexpr", DRAWS_PAD="constexpr", GIVEN_NOISE="constexpr",
-               PRUNE="constexpr", BLOCK="constexpr", CAP="constexpr")
+               N_SAMPLES="constexpr", DRAWS="constexpr", GIVEN_NOISE="constexpr", PRUNE="constexpr",
+               BLOCK="constexpr", CAP="constexpr", SMALL="constexpr", DS="constexpr", DC="constexpr")
     prune = lambda sh: pruned and _plan(sh)["CAP"] > 0
     tiled = lambda sh: prune(sh) and _tiled(sh)
+    small = lambda sh: live_classes(sh, sigma=sh.get("sigma", 2.0)) <= _plan(sh)["CAP"] // 4   # the quarter tile holds them
     return KernelModel(
         K._perturbed_candidates_kernel, sig,
-        lambda sh: dict(KTH=sh["k"] + 1, N_SAMPLES=10, DRAWS=_plan(sh)["DRAWS"], DRAWS_PAD=_pow2(_plan(sh)["DRAWS"]),
+        lambda sh: dict(KTH=sh["k"] + 1, N_SAMPLES=10, DRAWS=_plan(sh)["DRAWS"],
                         GIVEN_NOISE=False, PRUNE=prune(sh),
-                        BLOCK=_plan(sh)["BLOCK"], CAP=max(1, _plan(sh)["CAP"])),
+                        BLOCK=_plan(sh)["BLOCK"], CAP=max(1, _plan(sh)["CAP"]), SMALL=_plan(sh)["SMALL"], DS=_plan(sh)["DS"],
+                        DC=_plan(sh)["DC"]),
         (("for b in range(b_lo, b_hi)", lambda sh: 0),                                                  # given noise
-         ("for t in range(KTH)", lambda sh: sh["k"] + 1 if tiled(sh) else 0),                           # the live tile
+         ("for d0 in range(b_lo, b_hi, DS)", lambda sh: -(-10 // _plan(sh)["DS"])),                    # the quarter tile
+         ("for t in range(KTH)", lambda sh: sh["k"] + 1),
+         ("for d0 in range(b_lo, b_hi, DC)", lambda sh: -(-10 // _plan(sh)["DC"])),                    # the whole tile
+         ("for t in range(KTH)", lambda sh: sh["k"] + 1),
          ("for b in range(b_lo, b_hi)", lambda sh: 0 if tiled(sh) else _plan(sh)["DRAWS"]),              # the whole chunk
          ("for t in range(KTH)", lambda sh: sh["k"] + 1)),
         lambda sh: (sh["B"] * sh["n"] * 4 + 10 * sh["B"] * _plan(sh)["chunks"] * (sh["k"] + 1) * 12   # scores; candidates
@@ -856,7 +895,9 @@ def _candidates_model(K, pruned: bool) -> KernelModel:
                        if tiled(sh) else 0)),                                                       # the live tile's scratch
         num_warps=lambda sh: _plan(sh)["warps"],
         programs=lambda sh: sh["B"] * _plan(sh)["chunks"] * _plan(sh)["groups"],
-        elements=lambda sh: min(sh["n"], _plan(sh)["BLOCK"]) * _plan(sh)["DRAWS"] / 10)   # per program: its chunk, its share of the draws
+        elements=lambda sh: min(sh["n"], _plan(sh)["BLOCK"]) * _plan(sh)["DRAWS"] / 10,   # per program: its chunk, its share of the draws
+        branches=(("if (count >= 0) & (count <= CAP)", lambda sh: float(tiled(sh))),     # the live classes fit the tile
+                  ("if count <= SMALL", lambda sh: float(small(sh)))))                    # ... and a quarter of it
 
 
 def _svm32_models(K) -> dict:
@@ -1008,6 +1049,18 @@ COST_STEPS = {
 }
 
 # %% ../nbs/14_bench.ipynb #dd481743
+def _model_branches(name: str, km: KernelModel) -> list[SourceBranch]:
+    "The source `if`s a kernel model names, matched in source order (a head may occur more than once)."
+    found, out = source_branches(km.fn), []
+    for head, _ in km.branches:
+        at = next((i for i, br in enumerate(found) if br.head == head), None)
+        if at is None:
+            raise ValueError(f"the branch table of {name} is stale: no {head!r} after the previous one in the source")
+        out.append(found[at])
+        found = found[at + 1:]
+    return out
+
+
 def kernel_cost(name: str,   # a key of KERNEL_MODELS
                 shape: dict, # {'B', 'n', 'k'}
                 ) -> dict:
@@ -1021,7 +1074,9 @@ def kernel_cost(name: str,   # a key of KERNEL_MODELS
                          f"the table {[head for head, _ in km.loops]}")
     w = km.num_warps(shape)
     sass = kernel_sass(km.fn, km.signature, km.constexprs(shape), num_warps=w)
-    dyn = dynamic_counts(sass, loops, [trips(shape) for _, trips in km.loops])
+    branches = _model_branches(name, km)
+    dyn = dynamic_counts(sass, loops, [trips(shape) for _, trips in km.loops], branches,
+                         [share(shape) for _, share in km.branches])
     per_elem = 32 * w / km.elements(shape)
     est = estimate_time(dyn["classes"], km.programs(shape), w, km.bytes(shape), launches=1, registers=sass.registers,
                         shuffles=dyn["ops"].get("SHFL", 0.0), global_loads=dyn["global_loads"])

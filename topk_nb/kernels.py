@@ -133,10 +133,31 @@ if HAS_TRITON:
         tl.store(t_ptr + row, tl.max(x, 0))
 
     @triton.jit
+    def _live_classes(s_ptr, scratch_ptr, base, places, count, row, n, chunk, BLOCK: tl.constexpr):
+        "The classes and scores of the first compacted live classes at `places` (W,) (class 0 and score 0 past `count`)."
+        valid = places < count
+        cls = chunk * BLOCK + tl.load(scratch_ptr + base + places, mask=valid, other=0).to(tl.int32)
+        return cls, tl.load(s_ptr + row * n + cls, mask=valid, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _noised_tile(s_live, cls, valid, seed, noise_ptr, d0, b_hi, row, n, n_rows, epsilon, D: tl.constexpr,
+                     GIVEN_NOISE: tl.constexpr):
+        "The (D, W) tile of s + epsilon z for draws d0 .. d0 + D - 1 (-inf past b_hi and past the live classes), and the draws."
+        draw = d0 + tl.arange(0, D)                                      # (D,) draws
+        drawn = draw < b_hi
+        counter = (draw[:, None].to(tl.int64) * n_rows + row) * n + cls[None, :]   # the same counters as the chunk's
+        if GIVEN_NOISE:
+            zt = tl.load(noise_ptr + counter, mask=drawn[:, None] & valid[None, :], other=0.0).to(tl.float32)
+        else:
+            zt = tl.randn(seed, counter)
+        return tl.where(drawn[:, None] & valid[None, :], s_live[None, :] + epsilon * zt, -float("inf")), draw, drawn
+
+    @triton.jit
     def _perturbed_candidates_kernel(s_ptr, noise_ptr, seed_ptr, top_ptr, scratch_ptr, cval_ptr, cidx_ptr, n_rows, n,
                                      n_chunks, epsilon, bound, KTH: tl.constexpr, N_SAMPLES: tl.constexpr,
-                                     DRAWS: tl.constexpr, DRAWS_PAD: tl.constexpr, GIVEN_NOISE: tl.constexpr,
-                                     PRUNE: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr):
+                                     DRAWS: tl.constexpr, GIVEN_NOISE: tl.constexpr, PRUNE: tl.constexpr,
+                                     BLOCK: tl.constexpr, CAP: tl.constexpr, SMALL: tl.constexpr, DS: tl.constexpr,
+                                     DC: tl.constexpr):
         "Program (row, chunk, group): for each of the group's draws, the KTH largest entries of s + epsilon z in the chunk, largest first, and their classes; with PRUNE, noise only for the classes that can be among them, all the group's draws at once."
         row, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)    # int64 row: (S B + row) n passes 2^31
         b_lo = tl.program_id(2) * DRAWS
@@ -162,25 +183,32 @@ if HAS_TRITON:
             base = ((row * n_chunks + chunk) * tl.num_programs(2) + tl.program_id(2)) * CAP
             tl.store(scratch_ptr + base + tl.cumsum(live.to(tl.int32), 0) - 1, lanes.to(tl.int16), mask=live)
             tl.debug_barrier()                                           # the tile's stores are seen by every thread
-            tile = tl.arange(0, CAP)
-            valid = tile < count
-            cls = chunk * BLOCK + tl.load(scratch_ptr + base + tile, mask=valid, other=0).to(tl.int32)
-            s_live = tl.load(s_ptr + row * n + cls, mask=valid, other=0.0).to(tl.float32)
-            draw = b_lo + tl.arange(0, DRAWS_PAD)                        # (DRAWS_PAD, CAP): every draw of the group at once
-            drawn = draw < b_hi
-            counter = (draw[:, None].to(tl.int64) * n_rows + row) * n + cls[None, :]   # the same counters as the chunk's
-            if GIVEN_NOISE:
-                zt = tl.load(noise_ptr + counter, mask=drawn[:, None] & valid[None, :], other=0.0).to(tl.float32)
-            else:
-                zt = tl.randn(seed, counter)
-            xt = tl.where(drawn[:, None] & valid[None, :], s_live[None, :] + epsilon * zt, -float("inf"))
-            at = ((draw.to(tl.int64) * n_rows + row) * n_chunks + chunk) * KTH   # (DRAWS_PAD,) into (S, B, chunks, KTH)
-            for t in range(KTH):
-                v, best = tl.max(xt, 1, return_indices=True)             # (DRAWS_PAD,) one reduction for all the draws
-                tl.store(cval_ptr + at + t, v, mask=drawn)
-                place = tl.load(scratch_ptr + base + best, mask=drawn, other=0).to(tl.int32)
-                tl.store(cidx_ptr + at + t, chunk * BLOCK + place, mask=drawn)
-                xt = tl.where(tile[None, :] == best[:, None], -float("inf"), xt)
+            if count <= SMALL:                                           # a quarter tile holds them: a quarter of the work
+                ts = tl.arange(0, SMALL)                                 # (names of its own: the tiles differ in shape)
+                cs, ss = _live_classes(s_ptr, scratch_ptr, base, ts, count, row, n, chunk, BLOCK)
+                for d0 in range(b_lo, b_hi, DS):                         # DS draws at a time, all at once
+                    xs, ds, dns = _noised_tile(ss, cs, ts < count, seed, noise_ptr, d0, b_hi, row, n, n_rows, epsilon, DS,
+                                               GIVEN_NOISE)              # (DS, SMALL)
+                    ats = ((ds.to(tl.int64) * n_rows + row) * n_chunks + chunk) * KTH   # (DS,) into (S, B, chunks, KTH)
+                    for t in range(KTH):
+                        vs, bs = tl.max(xs, 1, return_indices=True)      # (DS,) one reduction for all the draws
+                        tl.store(cval_ptr + ats + t, vs, mask=dns)
+                        ps = tl.load(scratch_ptr + base + bs, mask=dns, other=0).to(tl.int32)
+                        tl.store(cidx_ptr + ats + t, chunk * BLOCK + ps, mask=dns)
+                        xs = tl.where(ts[None, :] == bs[:, None], -float("inf"), xs)
+            else:                                                        # the whole tile
+                tile = tl.arange(0, CAP)
+                cls, s_live = _live_classes(s_ptr, scratch_ptr, base, tile, count, row, n, chunk, BLOCK)
+                for d0 in range(b_lo, b_hi, DC):
+                    xt, draw, drawn = _noised_tile(s_live, cls, tile < count, seed, noise_ptr, d0, b_hi, row, n, n_rows,
+                                                   epsilon, DC, GIVEN_NOISE)     # (DC, CAP)
+                    at = ((draw.to(tl.int64) * n_rows + row) * n_chunks + chunk) * KTH
+                    for t in range(KTH):
+                        v, best = tl.max(xt, 1, return_indices=True)
+                        tl.store(cval_ptr + at + t, v, mask=drawn)
+                        place = tl.load(scratch_ptr + base + best, mask=drawn, other=0).to(tl.int32)
+                        tl.store(cidx_ptr + at + t, chunk * BLOCK + place, mask=drawn)
+                        xt = tl.where(tile[None, :] == best[:, None], -float("inf"), xt)
         else:                                                            # every class of the chunk, one draw at a time
             for b in range(b_lo, b_hi):
                 flat = (b * n_rows + row) * n + offs
@@ -255,12 +283,14 @@ def _selection_plan(B: int, n: int, n_samples: int,
     if cap == 0:
         cap = min(BLOCK // 4, 1024) if BLOCK >= PRUNE_MIN else -1
     CAP = triton.next_power_of_2(cap) if 0 < cap < BLOCK else 0
-    if CAP:                                                               # a (draws, CAP) tile of at most TILE values
-        draws = max(1, min(n_samples, TILE // CAP))
+    small = max(CAP // 4, 1)
+    if CAP:                                                               # one program per chunk: it compacts once
+        draws = n_samples
     else:
         draws = triton.cdiv(n_samples, min(n_samples, triton.cdiv(TARGET_PROGRAMS, B * chunks)))
+    tile_draws = lambda width: min(triton.next_power_of_2(n_samples), max(1, TILE // width))   # (draws, width) <= TILE
     return dict(BLOCK=BLOCK, chunks=chunks, CAP=CAP, DRAWS=draws, groups=triton.cdiv(n_samples, draws),
-                warps=min(16, max(1, BLOCK // 256)))
+                warps=min(16, max(1, BLOCK // 256)), SMALL=small, DS=tile_draws(small), DC=tile_draws(max(CAP, 1)))
 
 
 def _select(s: torch.Tensor,                # (B, n) scores, contiguous
@@ -284,9 +314,9 @@ def _select(s: torch.Tensor,                # (B, n) scores, contiguous
     cval = torch.empty(n_samples, B, p["chunks"], k, dtype=torch.float32, **kw)
     cidx = torch.empty(n_samples, B, p["chunks"], k, dtype=torch.int64, **kw)
     _launch(_perturbed_candidates_kernel, (B, p["chunks"], p["groups"]), s, z, seed, top, scratch, cval, cidx, B, n,
-            p["chunks"], epsilon, RANDN_BOUND, KTH=k, N_SAMPLES=n_samples, DRAWS=p["DRAWS"],
-            DRAWS_PAD=triton.next_power_of_2(p["DRAWS"]), GIVEN_NOISE=noise is not None,
-            PRUNE=p["CAP"] > 0, BLOCK=p["BLOCK"], CAP=max(p["CAP"], 1), num_warps=p["warps"])
+            p["chunks"], epsilon, RANDN_BOUND, KTH=k, N_SAMPLES=n_samples, DRAWS=p["DRAWS"], GIVEN_NOISE=noise is not None,
+            PRUNE=p["CAP"] > 0, BLOCK=p["BLOCK"], CAP=max(p["CAP"], 1), SMALL=p["SMALL"], DS=p["DS"], DC=p["DC"],
+            num_warps=p["warps"])
     mean = torch.empty(B, dtype=torch.float32, **kw)
     idx = torch.empty(n_samples, B, dtype=torch.int64, **kw)
     loss = torch.empty(B if target is not None else 0, dtype=s.dtype, **kw)
