@@ -58,6 +58,11 @@ PRESETS: dict[str, dict[str, Any]] = {
                              gamma=0.1, ks=(1, 5), select_metric="val_top5", multicrop="marginals"),
     "berrada_imagenet_svm": dict(epochs=120, batch_size=256, lr=1.0, weight_decay=2.5e-5, milestones=(30, 60, 90),
                                  gamma=0.1, ks=(1, 5), select_metric="val_top5", multicrop="marginals"),
+    # Garcin 2022 (draft), App. D: the noised balanced loss on ImageNet, "the weight decay parameter to 0.00015 and the
+    # initial learning rate to 0.1"; the rest "the same procedure as Berrada et al. (2018)" (the draft's batch size is
+    # garbled: Berrada's 256). The draft's CE and smoothed hinge use berrada_imagenet and berrada_imagenet_svm.
+    "garcin_imagenet_noised": dict(epochs=120, batch_size=256, lr=0.1, weight_decay=1.5e-4, milestones=(30, 60, 90),
+                                   gamma=0.1, ks=(1, 5), select_metric="val_top5", multicrop="marginals"),
     "garcin_plantnet": dict(epochs=30, batch_size=32, lr=2e-3, weight_decay=1e-4, milestones=(20, 25), gamma=0.1,
                             ks=(1, 3, 5, 10), select_metric="val_macro_top5"),   # Garcin 2022, §4.5: one run per K
     "sawada_cifar100": dict(epochs=200, batch_size=128, lr=0.1, weight_decay=5e-4, milestones=(60, 120, 160),
