@@ -989,7 +989,9 @@ def _kernel_models() -> dict:
                  HINGE="constexpr", HAS_MARGIN="constexpr", BLOCK="constexpr"),
             lambda sh: dict(KTH=sh["k"] + 1, N_SAMPLES=10, S_PAD=16, SORTED=_plan(sh)["chunks"] == 1, HINGE=True,
                             HAS_MARGIN=False, BLOCK=_pow2(_plan(sh)["chunks"] * (sh["k"] + 1))),
-            (("for b in range(N_SAMPLES)", lambda sh: 10), ("for _ in range(KTH - 1)", lambda sh: sh["k"])),
+            (("for b in range(N_SAMPLES)", lambda sh: 10),         # one chunk: the draws' K-th candidates added in order
+             ("for b in range(N_SAMPLES)", lambda sh: 10),         # several: each draw's K-th of the candidates
+             ("for _ in range(KTH - 1)", lambda sh: sh["k"])),     # (SORTED is a constexpr: one of the two is compiled)
             lambda sh: 10 * sh["B"] * _plan(sh)["chunks"] * (sh["k"] + 1) * 12 + sh["B"] * (8 + 10 * 8 + 16),  # candidates; results
             num_warps=lambda sh: min(16, max(1, _pow2(_plan(sh)["chunks"] * (sh["k"] + 1)) // 256))),
         "perturbed_grad": KernelModel(
