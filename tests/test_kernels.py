@@ -306,22 +306,22 @@ for k, fast in ((1, True), (3, True), (3, False)):
             sig = {name: ("*fp64" if name in ("s_ptr", "go_ptr", "g_ptr") else kind) for name, kind in sig.items()}
         const = {"K": k, "BLOCK_N": 64, "BLOCK_K": triton.next_power_of_2(k + 1), "FAST": fast}
         assert triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32)).asm["cubin"]
-tile = ptrs(["s_ptr", "y_ptr", "tc_ptr", "te_ptr", "tm_ptr", "scr_ptr"], ["*fp32", "*i64", "*fp32", "*i32", "*fp32", "*fp32"])
+tile = ptrs(["s_ptr", "y_ptr", "tc_ptr", "te_ptr", "tm_ptr"], ["*fp32", "*i64", "*fp32", "*i32", "*fp32"])
 tile.update(n="i32", n_tiles="i32", tile="i32", d_scale="fp32")
 row = ptrs(["tc_ptr", "te_ptr", "tm_ptr", "loss_ptr", "rho_ptr", "sc_ptr", "se_ptr", "dm_ptr"],
            ["*fp32", "*i32", "*fp32", "*fp32", "*fp64", "*fp32", "*i32", "*fp32"])
 row.update(n_tiles="i32", alpha_tau_bits="i64", tau_bits="i64")
 gtile = ptrs(["s_ptr", "y_ptr", "go_ptr", "rho_ptr", "sc_ptr", "se_ptr", "dm_ptr", "g_ptr", "tc_ptr", "te_ptr", "hd_ptr", "hi_ptr",
-              "hn_ptr", "scr_ptr"],
-             ["*fp32", "*i64", "*fp32", "*fp64", "*fp32", "*i32", "*fp32", "*fp32", "*fp32", "*i32", "*fp32", "*i64", "*i32", "*fp32"])
+              "hn_ptr"],
+             ["*fp32", "*i64", "*fp32", "*fp64", "*fp32", "*i32", "*fp32", "*fp32", "*fp32", "*i32", "*fp32", "*i64", "*i32"])
 gtile.update(n="i32", n_tiles="i32", tile="i32", d_scale="fp32")
 grow = ptrs(["rho_ptr", "go_ptr", "sc_ptr", "se_ptr", "g_ptr", "tc_ptr", "te_ptr", "hd_ptr", "hi_ptr", "hn_ptr", "fd_ptr", "fi_ptr"],
             ["*fp64", "*fp32", "*fp32", "*i32", "*fp32", "*fp32", "*i32", "*fp32", "*i64", "*i32", "*fp32", "*i64"])
 grow.update(n="i32", n_tiles="i32")
-for k in (1, 3):
-    lanes = {"K": k, "L": 32, "LOG_L": 5, "R": 8}
+for k in (1, 3, 9):                                # 9: the forward's class loop is a loop above k = 8
+    lanes, hmax = {"K": k, "L": 32, "LOG_L": 5, "R": 8}, triton.next_power_of_2(3 * k + 2)
     for fn, sig, const in ((K._svm32_tile_kernel, tile, lanes), (K._svm32_row_kernel, row, {"K": k}),
-                           (K._svm32_grad_tile_kernel, gtile, {**lanes, "HMAX": 16}), (K._svm32_grad_row_kernel, grow, {"K": k, "HMAX": 16})):
+                           (K._svm32_grad_tile_kernel, gtile, {**lanes, "HMAX": hmax}), (K._svm32_grad_row_kernel, grow, {"K": k, "HMAX": hmax})):
         sig = {**sig, **{name: "constexpr" for name in const}}
         assert triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32)).asm["cubin"]
 cand = ptrs(["s_ptr", "noise_ptr", "seed_ptr", "top_ptr", "scratch_ptr", "cval_ptr", "cidx_ptr"],

@@ -908,14 +908,14 @@ def _svm32_models(K) -> dict:
     steps = lambda sh: plan(sh)[2] // (plan(sh)[0] * plan(sh)[1])         # passes of R classes per thread over a tile
     poly = lambda sh: sh["B"] * plan(sh)[3] * (sh["k"] + 1) * 8           # every tile's polynomial, written or read
     ptr = lambda names, kinds: dict(zip(names, kinds))
-    tile = ptr(["s_ptr", "y_ptr", "tc_ptr", "te_ptr", "tm_ptr", "scr_ptr"], ["*fp32", "*i64", "*fp32", "*i32", "*fp32", "*fp32"])
+    tile = ptr(["s_ptr", "y_ptr", "tc_ptr", "te_ptr", "tm_ptr"], ["*fp32", "*i64", "*fp32", "*i32", "*fp32"])
     tile.update(n="i32", n_tiles="i32", tile="i32", d_scale="fp32", K="constexpr", L="constexpr", LOG_L="constexpr", R="constexpr")
     row = ptr(["tc_ptr", "te_ptr", "tm_ptr", "loss_ptr", "rho_ptr", "sc_ptr", "se_ptr", "dm_ptr"],
               ["*fp32", "*i32", "*fp32", "*fp32", "*fp64", "*fp32", "*i32", "*fp32"])
     row.update(n_tiles="i32", alpha_tau_bits="i64", tau_bits="i64", K="constexpr")
     gtile = ptr(["s_ptr", "y_ptr", "go_ptr", "rho_ptr", "sc_ptr", "se_ptr", "dm_ptr", "g_ptr", "tc_ptr", "te_ptr", "hd_ptr",
-                 "hi_ptr", "hn_ptr", "scr_ptr"], ["*fp32", "*i64", "*fp32", "*fp64", "*fp32", "*i32", "*fp32", "*fp32", "*fp32",
-                                                  "*i32", "*fp32", "*i64", "*i32", "*fp32"])
+                 "hi_ptr", "hn_ptr"], ["*fp32", "*i64", "*fp32", "*fp64", "*fp32", "*i32", "*fp32", "*fp32", "*fp32",
+                                       "*i32", "*fp32", "*i64", "*i32"])
     gtile.update(n="i32", n_tiles="i32", tile="i32", d_scale="fp32", K="constexpr", L="constexpr", LOG_L="constexpr",
                  R="constexpr", HMAX="constexpr")
     grow = ptr(["rho_ptr", "go_ptr", "sc_ptr", "se_ptr", "g_ptr", "tc_ptr", "te_ptr", "hd_ptr", "hi_ptr", "hn_ptr", "fd_ptr", "fi_ptr"],
@@ -923,12 +923,16 @@ def _svm32_models(K) -> dict:
     grow.update(n="i32", n_tiles="i32", K="constexpr", HMAX="constexpr")
     once = lambda sh: 1
     # An unrolled loop (static_range) inside a loop of the program has no SASS loop of its own; the outer loop's SASS
-    # loop can be attributed to it (its lines are the body's), so both carry the passes of the outer loop.
+    # loop can be attributed to it (its lines are the body's), so both carry the passes of the outer loop. The forward
+    # tile kernel unrolls U classes a trip of its class loop: all R of a pass up to k = _UNROLL_K (the loop over r has
+    # one trip and no SASS loop), _UNROLL_U above (the SASS loop over r is attributed to the loop over u).
+    unroll = lambda sh: plan(sh)[1] if sh["k"] <= K._UNROLL_K.value else K._UNROLL_U.value
     return {
         "smooth_svm32_tile": KernelModel(
             K._svm32_tile_kernel, tile, lanes,
-            (("for t0 in range(0, tile, L * R)", steps), ("for r in tl.static_range(R)", steps),   # the SASS loop of the
-             ("for lev in range(LOG_L)", lambda sh: plan(sh)[0].bit_length() - 1), ("for j in tl.static_range(K + 1)", once)),
+            (("for t0 in range(0, tile, L * R)", steps), ("for r in range(0, R, U)", lambda sh: plan(sh)[1] // unroll(sh)),
+             ("for u in tl.static_range(U)", lambda sh: steps(sh) if unroll(sh) == plan(sh)[1] else plan(sh)[1] // unroll(sh)),
+             ("for lev in range(LOG_L)", lambda sh: plan(sh)[0].bit_length() - 1)),
             lambda sh: sh["B"] * sh["n"] * 4 + poly(sh),                    # the scores; the tiles' polynomials
             num_warps=lambda sh: plan(sh)[0] // 32, programs=lambda sh: sh["B"] * plan(sh)[3], elements=lambda sh: plan(sh)[2]),
         "smooth_svm32_row": KernelModel(
@@ -938,16 +942,15 @@ def _svm32_models(K) -> dict:
             num_warps=lambda sh: 1),
         "smooth_svm32_grad_tile": KernelModel(
             K._svm32_grad_tile_kernel, gtile, lambda sh: {**lanes(sh), "HMAX": hmax(sh)},
-            (("for t0 in range(0, tile, L * R)", lambda sh: 0), ("for r in tl.static_range(R)", once),     # a row with a head
-             ("for lev in range(LOG_L)", lambda sh: 0), ("for j in tl.static_range(K + 1)", once),
+            (("for t0 in range(0, tile, L * R)", lambda sh: 0), ("for r in range(R)", lambda sh: plan(sh)[1]),  # a row with
+             ("for lev in range(LOG_L)", lambda sh: 0),                                                      # a head
              ("for t0 in range(0, tile, L * R)", steps), ("for r in tl.static_range(R)", steps)),       # a row without
             lambda sh: 2 * sh["B"] * sh["n"] * 4,                           # the scores, the gradient
             num_warps=lambda sh: plan(sh)[0] // 32, programs=lambda sh: sh["B"] * plan(sh)[3], elements=lambda sh: plan(sh)[2]),
         "smooth_svm32_grad_row": KernelModel(
             K._svm32_grad_row_kernel, grow, lambda sh: dict(K=sh["k"], HMAX=hmax(sh)),
             (("for p in range(n_tiles)", lambda sh: plan(sh)[3]), ("for p in range(1, n_tiles)", lambda sh: 0),
-             ("for gi in range(hc)", lambda sh: 0), ("for a in tl.static_range(1, K)", once),
-             ("for a in tl.static_range(1, K - 1)", once)),
+             ("for gi in range(hc)", lambda sh: 0)),
             lambda sh: sh["B"] * plan(sh)[3] * 4 + sh["B"] * 8,                # the tiles' head counts
             num_warps=lambda sh: max(1, hmax(sh) // 32)),
     }

@@ -783,6 +783,8 @@ if HAS_TRITON:
     _XZERO = tl.constexpr(-(1 << 30))        # the exponent of a zero coefficient: it loses every maximum
     _XRANGE = tl.constexpr(float(1 << 23))   # |log2 e_i| from here on: the row leaves the exponents' range (NaN)
     _LOG2_THETA = tl.constexpr(-1.0)         # log2 of theta = 1/2: e_i sigma_{k-1} / sigma_k above it, a class of the exact head
+    _UNROLL_K = tl.constexpr(8)              # the forward's class loop: all R classes of a pass unrolled up to this k,
+    _UNROLL_U = tl.constexpr(4)              # this many a trip above it (compile time grows faster than the unrolled code)
 
     @triton.jit
     def _pow2(d):
@@ -853,48 +855,52 @@ if HAS_TRITON:
         return C, E
 
     @triton.jit
-    def _poly_mul(AC, AE, BC, BE, K: tl.constexpr):
-        "The product of two polynomials truncated at degree K, renormalised: R_j = sum_a A_a B_{j-a}."
-        RC = (AC[0] * BC[0],)
-        RE = (AE[0] + BE[0],)
-        for j in tl.static_range(1, K + 1):
-            c = AC[0] * BC[j]
-            e = AE[0] + BE[j]
-            for a in tl.static_range(1, j + 1):
-                c, e = _xadd(c, e, AC[a] * BC[j - a], AE[a] + BE[j - a])
-            c, e = _xnorm(c, e)
-            RC = RC + (c,)
-            RE = RE + (e,)
-        c0, e0 = _xnorm(RC[0], RE[0])
-        return _tset(RC, 0, c0), _tset(RE, 0, e0)
+    def _poly_coef(AC, AE, BC, BE, j: tl.constexpr):
+        "Degree j of the product of two polynomials, sum_a A_a B_{j-a}, as (c, e), not renormalised: every term scaled to the largest exponent among them, then summed."
+        e = AE[0] + BE[j]
+        for a in tl.static_range(1, j + 1):
+            e = tl.maximum(e, AE[a] + BE[j - a])
+        c = AC[0] * (BC[j] * _pow2_neg(AE[0] + BE[j] - e))
+        for a in tl.static_range(1, j + 1):
+            c += AC[a] * (BC[j - a] * _pow2_neg(AE[a] + BE[j - a] - e))
+        return c, e
 
     @triton.jit
-    def _poly_halve(C, E, scr_ptr, half, K: tl.constexpr, L: tl.constexpr):
-        "One halving of the lanes' product: lane l < half multiplies its polynomial by lane l + half's, through the program's scratch (2 (K + 1), L)."
-        lanes = tl.arange(0, L)
-        for j in tl.static_range(K + 1):
-            tl.store(scr_ptr + j * L + lanes, C[j])
-            tl.store(scr_ptr + (K + 1 + j) * L + lanes, E[j].to(tl.float32, bitcast=True))
-        tl.debug_barrier()
-        other, ok = lanes + half, lanes < half
+    def _poly_mul(AC, AE, BC, BE, K: tl.constexpr):
+        "The product of two polynomials truncated at degree K, renormalised."
+        RC = ()
+        RE = ()
+        for i in tl.static_range(K + 1):                                 # degrees downwards: A_j, B_j die after degree j
+            c, e = _poly_coef(AC, AE, BC, BE, K - i)
+            c, e = _xnorm(c, e)
+            RC = (c,) + RC
+            RE = (e,) + RE
+        return RC, RE
+
+    @triton.jit
+    def _poly_swap_mul(C, E, lev, K: tl.constexpr, L: tl.constexpr):
+        "One butterfly step of the lanes' product: lane l multiplies its polynomial by lane (l xor 2^lev)'s; after log2 L steps every lane holds the product of all."
+        other = tl.arange(0, L) ^ (1 << lev)
         BC = ()
         BE = ()
         for j in tl.static_range(K + 1):
-            BC = BC + (tl.load(scr_ptr + j * L + other, mask=ok, other=0.0),)
-            BE = BE + (tl.load(scr_ptr + (K + 1 + j) * L + other, mask=ok, other=0.0).to(tl.int32, bitcast=True),)
-        tl.debug_barrier()
+            BC = BC + (tl.gather(C[j], other, 0),)
+            BE = BE + (tl.gather(E[j], other, 0),)
         return _poly_mul(C, E, BC, BE, K)
 
     @triton.jit
-    def _lane0(C, E, K: tl.constexpr, L: tl.constexpr):
-        "Lane 0's polynomial, as scalars."
+    def _store_poly(c_ptr, e_ptr, base, C, E, K: tl.constexpr, L: tl.constexpr):
+        "Store a polynomial that every lane holds (K + 1 mantissas and exponents from base on): lane j writes degree j, L degrees a store."
         lanes = tl.arange(0, L)
-        RC = ()
-        RE = ()
-        for j in tl.static_range(K + 1):
-            RC = RC + (tl.sum(tl.where(lanes == 0, C[j], 0.0), 0),)
-            RE = RE + (tl.sum(tl.where(lanes == 0, E[j], 0), 0),)
-        return RC, RE
+        for j0 in tl.static_range(0, K + 1, L):
+            vc = C[j0]
+            ve = E[j0]
+            for j in tl.static_range(j0 + 1, K + 1):
+                if j < j0 + L:
+                    vc = tl.where(lanes == j - j0, C[j], vc)
+                    ve = tl.where(lanes == j - j0, E[j], ve)
+            tl.store(c_ptr + base + j0 + lanes, vc, mask=j0 + lanes <= K)
+            tl.store(e_ptr + base + j0 + lanes, ve, mask=j0 + lanes <= K)
 
     @triton.jit
     def _load_poly(c_ptr, e_ptr, base, K: tl.constexpr):
@@ -909,7 +915,23 @@ if HAS_TRITON:
 # %% ../nbs/16_kernels.ipynb #3db6ebe7
 if HAS_TRITON:
     @triton.jit
-    def _svm32_tile_kernel(s_ptr, y_ptr, tc_ptr, te_ptr, tm_ptr, scr_ptr, n, n_tiles, tile, d_scale,
+    def _svm32_load(s_ptr, row, n, offs, end):
+        "The scores of classes offs (L,) in float32; 0 past the row or the tile (end)."
+        return tl.load(s_ptr + row * n + offs, mask=(offs < n) & (offs < end), other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _svm32_class(C, E, bad, dmax, s, offs, n, end, y, sy, d_scale, K: tl.constexpr):
+        "One class per thread (scores s of classes offs) into the lanes' polynomials: times (1 + e z), e = 2^d, d = (s - s_y) d_scale; the out-of-range flag and the largest d."
+        d = (s - sy) * d_scale                                           # (L,) log2 e_i
+        valid = (offs < n) & (offs < end) & (offs != y)
+        bad = bad | (valid & (tl.abs(d) >= _XRANGE))
+        dmax = tl.maximum(dmax, tl.where(valid, d, -float("inf")))
+        m, q = _xelem(tl.minimum(tl.maximum(d, -_XRANGE), _XRANGE), valid)
+        C, E = _poly_step(C, E, m, q, K)
+        return C, E, bad, dmax
+
+    @triton.jit
+    def _svm32_tile_kernel(s_ptr, y_ptr, tc_ptr, te_ptr, tm_ptr, n, n_tiles, tile, d_scale,
                            K: tl.constexpr, L: tl.constexpr, LOG_L: tl.constexpr, R: tl.constexpr):
         "Program (row, p): prod (1 + e_i z) over the classes of tile p but the label, truncated at K, e_i = 2^{(s_i - s_y) d_scale}; and the tile's largest log2 e_i."
         row, p = tl.program_id(0).to(tl.int64), tl.program_id(1)       # int64: row n passes 2^31
@@ -920,28 +942,22 @@ if HAS_TRITON:
         bad = tl.zeros([L], tl.int1)
         dmax = tl.full([L], -float("inf"), tl.float32)                  # (L,) each thread's largest log2 e_i
         start = p * tile
-        for t0 in range(0, tile, L * R):
-            for r in tl.static_range(R):                                 # R classes per thread, then renormalise
-                offs = start + t0 + r * L + lanes                        # (L,) classes
-                inside = (offs < n) & (offs < start + tile)
-                s = tl.load(s_ptr + row * n + offs, mask=inside, other=0.0).to(tl.float32)
-                d = (s - sy) * d_scale                                   # (L,) log2 e_i
-                valid = inside & (offs != y)
-                bad = bad | (valid & (tl.abs(d) >= _XRANGE))
-                dmax = tl.maximum(dmax, tl.where(valid, d, -float("inf")))
-                m, q = _xelem(tl.minimum(tl.maximum(d, -_XRANGE), _XRANGE), valid)
-                C, E = _poly_step(C, E, m, q, K)
+        end = start + tile
+        U: tl.constexpr = R if K <= _UNROLL_K else _UNROLL_U             # classes per thread unrolled a trip
+        nxt = _svm32_load(s_ptr, row, n, start + lanes, end)            # scores are loaded one class ahead
+        for t0 in range(0, tile, L * R):                                 # R classes per thread, then renormalise
+            for r in range(0, R, U):                                     # one trip up to k = _UNROLL_K
+                for u in tl.static_range(U):
+                    offs = start + t0 + (r + u) * L + lanes              # (L,) classes
+                    s = nxt
+                    nxt = _svm32_load(s_ptr, row, n, offs + L, end)      # the next class's (none past the tile)
+                    C, E, bad, dmax = _svm32_class(C, E, bad, dmax, s, offs, n, end, y, sy, d_scale, K)
             C, E = _poly_norm(C, E, K)
         C = _tset(C, 0, tl.where(bad, float("nan"), C[0]))               # out of range: NaN, never a wrong number
-        scr = scr_ptr + (row * n_tiles + p) * (2 * (K + 1) * L)       # this program's scratch
-        for lev in range(LOG_L):                                         # the lanes' product, lane 0 ends with it
-            C, E = _poly_halve(C, E, scr, L >> (lev + 1), K, L)
-        C, E = _lane0(C, E, K, L)
+        for lev in range(LOG_L):                                         # the lanes' product, every lane ends with it
+            C, E = _poly_swap_mul(C, E, lev, K, L)
         tl.store(tm_ptr + row * n_tiles + p, tl.max(dmax, 0))
-        base = (row * n_tiles + p) * (K + 1)
-        for j in tl.static_range(K + 1):
-            tl.store(tc_ptr + base + j, C[j])
-            tl.store(te_ptr + base + j, E[j])
+        _store_poly(tc_ptr, te_ptr, (row * n_tiles + p) * (K + 1), C, E, K, L)
 
 # %% ../nbs/16_kernels.ipynb #a24adabb
 if HAS_TRITON:
@@ -1008,8 +1024,22 @@ if HAS_TRITON:
         return d, tail, head
 
     @triton.jit
+    def _svm32_grad_head_class(C, E, cnt, s_ptr, g_ptr, hd_ptr, hi_ptr, hbase, row, n, y, sy, offs, inside, d_scale, lrho, Rr, w,
+                               K: tl.constexpr, L: tl.constexpr, HMAX: tl.constexpr):
+        "One class per thread of a row with a head: the tail's gradient by Horner and its polynomial times (1 + e z); the head classes listed (cnt so far)."
+        d, tail, head = _svm32_grad_block(s_ptr, g_ptr, row, n, y, sy, offs, inside, d_scale, lrho, Rr, w, K, L)
+        m, q = _xelem(d, tail)
+        C, E = _poly_step(C, E, m, q, K)
+        hm = head.to(tl.int32)
+        pos = cnt + tl.cumsum(hm, 0) - hm                                # (L,) places in the tile's head list
+        keep = head & (pos < HMAX)
+        tl.store(hd_ptr + hbase + pos, d, mask=keep)
+        tl.store(hi_ptr + hbase + pos, offs.to(tl.int64), mask=keep)
+        return C, E, cnt + tl.sum(hm, 0)
+
+    @triton.jit
     def _svm32_grad_tile_kernel(s_ptr, y_ptr, go_ptr, rho_ptr, sc_ptr, se_ptr, dm_ptr, g_ptr, tc_ptr, te_ptr, hd_ptr, hi_ptr,
-                                hn_ptr, scr_ptr, n, n_tiles, tile, d_scale,
+                                hn_ptr, n, n_tiles, tile, d_scale,
                                 K: tl.constexpr, L: tl.constexpr, LOG_L: tl.constexpr, R: tl.constexpr, HMAX: tl.constexpr):
         "Program (row, p): dL/ds of the tile's tail by Horner; if the row has a head, the tile's tail polynomial and its head classes listed."
         row, p = tl.program_id(0).to(tl.int64), tl.program_id(1)
@@ -1024,31 +1054,19 @@ if HAS_TRITON:
             cnt = 0
             hbase = (row * n_tiles + p) * HMAX
             for t0 in range(0, tile, L * R):
-                for r in tl.static_range(R):
+                for r in range(R):                                       # a loop, not unrolled: the rare path
                     offs = start + t0 + r * L + lanes                    # (L,) classes
                     inside = (offs < n) & (offs < start + tile)
-                    d, tail, head = _svm32_grad_block(s_ptr, g_ptr, row, n, y, sy, offs, inside, d_scale, lrho, Rr, w, K, L)
-                    m, q = _xelem(d, tail)
-                    C, E = _poly_step(C, E, m, q, K)
-                    hm = head.to(tl.int32)
-                    pos = cnt + tl.cumsum(hm, 0) - hm                    # (L,) places in the tile's head list
-                    keep = head & (pos < HMAX)
-                    tl.store(hd_ptr + hbase + pos, d, mask=keep)
-                    tl.store(hi_ptr + hbase + pos, offs.to(tl.int64), mask=keep)
-                    cnt += tl.sum(hm, 0)
+                    C, E, cnt = _svm32_grad_head_class(C, E, cnt, s_ptr, g_ptr, hd_ptr, hi_ptr, hbase, row, n, y, sy, offs, inside,
+                                                       d_scale, lrho, Rr, w, K, L, HMAX)
                 C, E = _poly_norm(C, E, K)
-            scr = scr_ptr + (row * n_tiles + p) * (2 * (K + 1) * L)   # this program's scratch
-            for lev in range(LOG_L):                                     # the lanes' product, lane 0 ends with it
-                C, E = _poly_halve(C, E, scr, L >> (lev + 1), K, L)
-            C, E = _lane0(C, E, K, L)
-            base = (row * n_tiles + p) * (K + 1)
-            for j in tl.static_range(K + 1):
-                tl.store(tc_ptr + base + j, C[j])
-                tl.store(te_ptr + base + j, E[j])
+            for lev in range(LOG_L):                                     # the lanes' product, every lane ends with it
+                C, E = _poly_swap_mul(C, E, lev, K, L)
+            _store_poly(tc_ptr, te_ptr, (row * n_tiles + p) * (K + 1), C, E, K, L)
             tl.store(hn_ptr + row * n_tiles + p, cnt)
         else:                                                            # no head: Horner on every class, nothing else
             for t0 in range(0, tile, L * R):
-                for r in tl.static_range(R):
+                for r in tl.static_range(R):                             # unrolled: the R loads issued together
                     offs = start + t0 + r * L + lanes
                     inside = (offs < n) & (offs < start + tile)
                     _svm32_grad_block(s_ptr, g_ptr, row, n, y, sy, offs, inside, d_scale, lrho, Rr, w, K, L)
@@ -1087,9 +1105,7 @@ if HAS_TRITON:
                 mg, qg = _xelem(tl.zeros([HMAX], tl.float32) + dg, h != gi)
                 HC, HE = _poly_step(HC, HE, mg, qg, K - 1)
                 HC, HE = _poly_norm(HC, HE, K - 1)
-            c1, e1 = TC[0] * HC[K - 1], TE[0] + HE[K - 1]                    # sigma_{K-1}(others without h)
-            for a in tl.static_range(1, K):
-                c1, e1 = _xadd(c1, e1, TC[a] * HC[K - 1 - a], TE[a] + HE[K - 1 - a])
+            c1, e1 = _poly_coef(TC, TE, HC, HE, K - 1)                       # sigma_{K-1}(others without h)
             mh, qh = _xelem(dh, hv)
             b = row * (K + 1)
             cK, eK = tl.load(sc_ptr + b + K), tl.load(se_ptr + b + K)
@@ -1098,9 +1114,7 @@ if HAS_TRITON:
             if K == 1:
                 pk1 = tl.zeros([HMAX], tl.float32)
             else:
-                c2, e2 = TC[0] * HC[K - 2], TE[0] + HE[K - 2]                # sigma_{K-2}(others without h)
-                for a in tl.static_range(1, K - 1):
-                    c2, e2 = _xadd(c2, e2, TC[a] * HC[K - 2 - a], TE[a] + HE[K - 2 - a])
+                c2, e2 = _poly_coef(TC, TE, HC, HE, K - 2)                   # sigma_{K-2}(others without h)
                 pk1 = (mh * c2 / cK1) * _pow2(qh + e2 - eK1)                 # pi_{K-1,h}
             w = (tl.load(rho_ptr + row) * tl.load(go_ptr + row).to(tl.float64) / K).to(tl.float32)
             g = tl.where(over, float("nan"), w * (pk - pk1))
@@ -1143,8 +1157,7 @@ def _svm32_forward_op(s: torch.Tensor,       # (B, n) float32 scores, contiguous
     tc = torch.empty(B, P, k + 1, dtype=torch.float32, device=dev)     # each tile's polynomial
     te = torch.empty(B, P, k + 1, dtype=torch.int32, device=dev)
     tm = torch.empty(B, P, dtype=torch.float32, device=dev)            # each tile's largest log2 e_i
-    scr = torch.empty(B * P * 2 * (k + 1) * L, dtype=torch.float32, device=dev)
-    _launch(_svm32_tile_kernel, (B, P), s, target, tc, te, tm, scr, n, P, T, _LOG2E / (k * tau),
+    _launch(_svm32_tile_kernel, (B, P), s, target, tc, te, tm, n, P, T, _LOG2E / (k * tau),
             K=k, L=L, LOG_L=L.bit_length() - 1, R=R, num_warps=L // 32)
     loss, rho, sc, se, dm = _svm32_state(s, k)
     _launch(_svm32_row_kernel, (B,), tc, te, tm, loss, rho, sc, se, dm, P, f64_bits(alpha / tau), f64_bits(tau), K=k, num_warps=1)
@@ -1171,9 +1184,8 @@ def _svm32_backward_op(s: torch.Tensor, target: torch.Tensor,
     hd = torch.empty(B, P, hmax, dtype=torch.float32, device=dev)      # each tile's head: log2 e_i and classes
     hi = torch.empty(B, P, hmax, dtype=torch.int64, device=dev)
     hn = torch.empty(B, P, dtype=torch.int32, device=dev)
-    scr = torch.empty(B * P * 2 * (k + 1) * L, dtype=torch.float32, device=dev)
     g = grad.contiguous()
-    _launch(_svm32_grad_tile_kernel, (B, P), s, target, g, rho, sc, se, dm, out, tc, te, hd, hi, hn, scr, n, P, T,
+    _launch(_svm32_grad_tile_kernel, (B, P), s, target, g, rho, sc, se, dm, out, tc, te, hd, hi, hn, n, P, T,
             _LOG2E / (k * tau), K=k, L=L, LOG_L=L.bit_length() - 1, R=R, HMAX=hmax, num_warps=L // 32)
     fd = torch.empty(B, hmax, dtype=torch.float32, device=dev)         # the row's head list
     fi = torch.empty(B, hmax, dtype=torch.int64, device=dev)
