@@ -3,6 +3,7 @@ machine (CI starts it). Without one the module is skipped with one line; in CI (
 missing cluster fails."""
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -47,10 +48,14 @@ def fast_poll(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def cancel_leftovers(tmp_path):
-    "After each test, cancel the Slurm jobs it submitted (its ledgers): a failed test leaves no task behind."
+    "After each test, cancel the Slurm jobs it submitted (its ledgers) and wait until they have left the node: a failed test leaves no task behind to hold the node's CPUs while the next test's job waits."
     yield
     jobs = [c["job"] for p in tmp_path.rglob(".slurm/submissions/*.json") for c in json.loads(p.read_text())["cells"]]
-    if jobs: subprocess.run(["scancel", *jobs], capture_output=True)
+    if not jobs: return
+    subprocess.run(["scancel", *jobs], capture_output=True, timeout=60)
+    arrays = sorted({j.split("_")[0] for j in jobs})
+    live = lambda: {j: s for a in arrays for j, s in squeue(a).items() if s in ("PENDING", "RUNNING", "COMPLETING")}
+    wait_until(lambda: not live(), limit=90, what="the end of this test's Slurm jobs")
 
 
 def topk_nb(*words, timeout=300):
@@ -213,8 +218,14 @@ def test_a_time_limit_warning_and_a_requeue_each_restart_the_task_which_resumes_
     assert len(ledger) == 1                                            # requeued by Slurm, not submitted again
 
 
-def test_ctrl_c_of_the_runner_cancels_what_it_submitted_after_saying_so(tmp_path, fast_poll):
-    import signal
+# the runner must stop on a signal whatever SIGINT disposition it inherits: a background job of a shell script, and
+# every process it starts, has SIGINT ignored, and Python then installs no KeyboardInterrupt handler of its own
+INHERITED = {"default": signal.SIG_DFL, "ignored": signal.SIG_IGN}
+
+
+@pytest.mark.parametrize("signum,inherited", [(signal.SIGINT, "default"), (signal.SIGINT, "ignored"),
+                                              (signal.SIGTERM, "default")], ids=["SIGINT", "SIGINT-ignored", "SIGTERM"])
+def test_ctrl_c_of_the_runner_cancels_what_it_submitted_after_saying_so(tmp_path, fast_poll, signum, inherited):
     nb = slow_notebook(tmp_path / "slow.ipynb")
     out = tmp_path / "runs"
     exp = get_experiment(str(nb))
@@ -222,17 +233,28 @@ def test_ctrl_c_of_the_runner_cancels_what_it_submitted_after_saying_so(tmp_path
     (out / exp.name / "hold-1").write_text("")
     runner = subprocess.Popen([sys.executable, "-m", "topk_nb.cli", "run", str(nb), "--grid", "stall_at=2", "--out",
                                str(out), "--executor", "slurm", "--slurm-config", fast_poll],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, INHERITED[inherited]))
     directory = cell_dir(out, exp, {"stall_at": 2})
     progress = directory / "progress.json"
     try:
         wait_until(lambda: progress.exists() and json.loads(progress.read_text())["step"] == 2, what="step 2")
     finally:
-        runner.send_signal(signal.SIGINT)
-        stdout, stderr = runner.communicate(timeout=120)
-    assert runner.returncode == 128 + signal.SIGINT, stderr
+        runner.send_signal(signum)
+        sent = time.monotonic()
+        try:
+            stdout, stderr = runner.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            runner.kill()                                            # no runner outlives the test
+            stdout, stderr = runner.communicate()
+            raise AssertionError(f"the runner had not exited 120 s after {signum.name}; its stderr:\n{stderr}") from None
+    took = time.monotonic() - sent
+    assert runner.returncode == 128 + signum, stderr
+    assert took < 60, f"the runner took {took:.0f} s to exit after {signum.name}"   # one scancel and one squeue
     job = summary_of(stdout)["slurm_job"]
+    assert summary_of(stdout)["stopped"] == f"interrupted by {signum.name}", stdout
     assert f"interrupted: cancelling Slurm job {job}, which this run submitted (1 cell)" in stderr, stderr
+    assert "Traceback" not in stderr, stderr
     wait_until(lambda: squeue(job).get(job) == "CANCELLED", what="the job's cancellation")
     assert not (directory / RECORD).exists()                       # left resumable: no record, no attempt's files
     assert not list(directory.glob(".record.*")) and not list(directory.glob(".notebook.*")), sorted(directory.iterdir())

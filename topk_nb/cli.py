@@ -218,8 +218,8 @@ def _run_on_slurm(args: argparse.Namespace, options) -> int:
         where = "".join(f"; {k}: {f[k]}" for k in ("slurm_state", "log", "job_log") if f.get(k))
         print(f"not done ({f['state']}): {json.dumps(f['params'])}: Slurm job {f['job'] or 'none'}"
               f"{': ' + f['error'] if f.get('error') else ''}{where}", file=sys.stderr)
-    print(json.dumps({k: v for k, v in summary.items() if k != "failures"}))
-    if "stopped" in summary: return 128 + signal.SIGINT
+    print(json.dumps({k: v for k, v in summary.items() if k not in ("failures", "signal")}))
+    if "stopped" in summary: return 128 + summary["signal"]        # 130 for Ctrl-C, 143 for SIGTERM
     return 1 if summary["failed"] or summary["missing"] else 0
 
 

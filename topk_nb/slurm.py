@@ -18,14 +18,15 @@ from pathlib import Path
 from typing import Sequence
 
 from .batch import FAILED_ATTEMPT, JOB_LOG, STOP_GRACE, RunStop, _launch, cell_done, check_out_dir, record_stamp
+from .batch import _signals_held
 from .grid import cell_dir, cell_id, check_folder_name, get_experiment, plan_grid, short_error
 from .catalogue import Experiment
 from .records import RECORD, atomic_write_json, read_record
 
 # %% auto #0
-__all__ = ['SLURM_DIR', 'QUEUED', 'RUNNING', 'SlurmOptions', 'SlurmCell', 'slurm_folder', 'task_log', 'write_submission',
-           'read_submissions', 'parse_squeue', 'squeue_states', 'cell_state', 'grid_states', 'count_states',
-           'submit_cells', 'slurm_available', 'run_slurm', 'status_lines']
+__all__ = ['SLURM_DIR', 'QUEUED', 'RUNNING', 'CANCEL_TIMEOUT', 'SlurmOptions', 'SlurmCell', 'slurm_folder', 'task_log',
+           'write_submission', 'read_submissions', 'parse_squeue', 'squeue_states', 'cell_state', 'grid_states',
+           'count_states', 'submit_cells', 'slurm_available', 'run_slurm', 'status_lines']
 
 # %% ../nbs/21_slurm.ipynb #b4888592
 @dataclass
@@ -198,12 +199,14 @@ def parse_squeue(text: str) -> dict[str, str]:
     return states
 
 
-def squeue_states(arrays: Sequence[str]) -> dict[str, str]:
+def squeue_states(arrays: Sequence[str],  # array jobs (or lone jobs)
+                  timeout: float = 120,  # seconds squeue may take (a busy controller answers slowly)
+                  ) -> dict[str, str]:
     "The Slurm state of every task of the array jobs `arrays` that Slurm still knows; a one-line RuntimeError if squeue fails."
     if not arrays: return {}
     try:
         out = subprocess.run(["squeue", "--noheader", "--array", "--states", "all", "--format", "%i|%T",
-                              "--jobs", ",".join(sorted(set(arrays)))], capture_output=True, text=True, timeout=120)
+                              "--jobs", ",".join(sorted(set(arrays)))], capture_output=True, text=True, timeout=timeout)
     except (OSError, subprocess.TimeoutExpired) as e:
         raise RuntimeError(f"squeue did not answer ({e}): is this a Slurm login node?") from None
     if out.returncode != 0:
@@ -229,6 +232,7 @@ def cell_state(directory,  # the cell's folder
 def grid_states(experiment: Experiment,  # the catalogue entry
                 cells: Sequence[dict] | None,  # the grid's cells (None: every cell of the ledger and of the records on disk)
                 out_dir,  # the --out folder
+                squeue_timeout: float | None = 120,  # seconds squeue may take (None: no squeue, the disk alone)
                 ) -> list[dict]:
     "One row per cell: state, params, folder, its latest Slurm task (`job`, `slurm_state`) and, unless ok, its logs."
     folder = slurm_folder(out_dir, experiment)
@@ -239,7 +243,7 @@ def grid_states(experiment: Experiment,  # the catalogue entry
             params = (read_record(path) or {}).get("identity", {}).get("cell")
             if isinstance(params, dict): known.setdefault(cell_id(params), params)
         cells = list(known.values())
-    queue = squeue_states([s["job"].split("_")[0] for s in subs.values()])
+    queue = {} if squeue_timeout is None else squeue_states([s["job"].split("_")[0] for s in subs.values()], squeue_timeout)
     rows = []
     for params in cells:
         sub = subs.get(cell_id(params))
@@ -301,6 +305,9 @@ def slurm_available() -> str | None:
     return None
 
 
+CANCEL_TIMEOUT = 30.0   # seconds scancel, then the squeue of the summary, may take once the runner is interrupted
+
+
 def run_slurm(experiment: str | Experiment,  # a catalogue name, or the path of a notebook
               preset: str | None = None,  # one of the experiment's presets
               grid: dict | None = None,  # overrides {parameter: [values]}
@@ -312,7 +319,7 @@ def run_slurm(experiment: str | Experiment,  # a catalogue name, or the path of 
               wait: bool = True,  # wait until no cell of the grid is queued or running
               progress: bool = True,  # a line per change of the counts while waiting (on stderr)
               ) -> dict:
-    "Submit the cells of a grid that are neither ok nor queued nor running as one Slurm array job; returns the counts of `count_states`, `submitted`, the `slurm_job` and the cells not ok (`failures`, with their Slurm job and logs)."
+    "Submit the cells of a grid that are neither ok nor queued nor running as one Slurm array job; returns the counts of `count_states`, `submitted`, the `slurm_job` and the cells not ok (`failures`, with their Slurm job and logs); interrupted (SIGINT, SIGTERM), also `stopped` and `signal`."
     options = (options or SlurmOptions()).check()
     if timeout is not None and not (isinstance(timeout, (int, float)) and 0 < timeout < math.inf):
         raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
@@ -320,49 +327,75 @@ def run_slurm(experiment: str | Experiment,  # a catalogue name, or the path of 
     out_dir = check_out_dir(out_dir).resolve()
     if problem := slurm_available(): raise RuntimeError(problem)
     folder = slurm_folder(out_dir, exp)
-    with _ledger_lock(folder):
-        rows = grid_states(exp, cells, out_dir)
-        todo = [r["params"] for r in rows if r["state"] in ("failed", "missing")]
-        skipped = sum(r["state"] == "ok" for r in rows)
-        jobs = submit_cells(exp, todo, out_dir, options, timeout, preset) if todo else []
-        if jobs: write_submission(folder, jobs, todo, preset)
-        array = jobs[0].split("_")[0] if jobs else None
-    if progress:
-        print(f"topk-nb run: {exp.name}: {len(cells)} cells, {skipped} done, {len(cells) - skipped - len(todo)} already "
-              f"queued or running, {len(todo)} submitted" + (f" as Slurm job {array} (logs in {folder})" if array else ""),
-              file=sys.stderr)
-    stopped = None
-    if wait:
+    todo, skipped, array, rows = [], 0, None, None
+    with _interrupts() as got:
         try:
-            with _sigterm_interrupts():
-                rows = _wait(exp, cells, out_dir, options.poll_s, progress)
+            with _ledger_lock(folder):
+                rows = grid_states(exp, cells, out_dir)
+                todo = [r["params"] for r in rows if r["state"] in ("failed", "missing")]
+                skipped = sum(r["state"] == "ok" for r in rows)
+                with _signals_held():       # an interrupt during sbatch comes once the ledger names what it submitted
+                    jobs = submit_cells(exp, todo, out_dir, options, timeout, preset) if todo else []
+                    if jobs: write_submission(folder, jobs, todo, preset)
+                    array = jobs[0].split("_")[0] if jobs else None
+            if progress:
+                print(f"topk-nb run: {exp.name}: {len(cells)} cells, {skipped} done, {len(cells) - skipped - len(todo)} "
+                      f"already queued or running, {len(todo)} submitted"
+                      + (f" as Slurm job {array} (logs in {folder})" if array else ""), file=sys.stderr)
+            rows = _wait(exp, cells, out_dir, options.poll_s, progress) if wait else None
         except KeyboardInterrupt:
-            stopped = "interrupted"
-            if array is not None:
-                print(f"topk-nb run: interrupted: cancelling Slurm job {array}, which this run submitted ({len(todo)} "
-                      f"cell{'s' * (len(todo) != 1)}); what they ran is left resumable: run the same command again to "
-                      "resume", file=sys.stderr)
-                subprocess.run(["scancel", array], timeout=120)
-            else:
-                print("topk-nb run: interrupted: this run submitted nothing, so nothing is cancelled", file=sys.stderr)
-            rows = grid_states(exp, cells, out_dir)
-    else:
-        rows = grid_states(exp, cells, out_dir)
+            if not got: got.append(signal.SIGINT)
+            _cancel(array, len(todo))
+            rows = _states_after_cancel(exp, cells, out_dir)
+    if rows is None: rows = grid_states(exp, cells, out_dir)
     summary = {"total": len(cells), "skipped": skipped, **count_states(rows), "submitted": len(todo),
                "slurm_job": array, "failures": [r for r in rows if r["state"] in ("failed", "missing")]}
     summary["ok"] -= skipped
-    return summary if stopped is None else {**summary, "stopped": stopped}
+    if not got: return summary
+    return {**summary, "stopped": f"interrupted by {signal.Signals(got[0]).name}", "signal": got[0]}
 
 
 @contextlib.contextmanager
-def _sigterm_interrupts():
-    "Inside the block (main thread), SIGTERM raises KeyboardInterrupt as Ctrl-C does."
-    def handler(signum, frame): raise KeyboardInterrupt
-    try: old = signal.signal(signal.SIGTERM, handler)
-    except ValueError: old = None                    # not the main thread
-    try: yield
+def _interrupts():
+    "Inside the block (main thread), the first SIGINT or SIGTERM raises KeyboardInterrupt and is added to the list the block gets; later ones are ignored, so the (bounded) cancellation runs to its end."
+    got = []
+    def handler(signum, frame):
+        if got: return
+        got.append(signum)
+        raise KeyboardInterrupt
+    old = {}
+    try:       # set, not inherited: a process started with SIGINT ignored (a shell's background job) gets no KeyboardInterrupt from Python
+        for s in (signal.SIGINT, signal.SIGTERM): old[s] = signal.signal(s, handler)
+    except ValueError: pass                            # not the main thread
+    try: yield got
     finally:
-        if old is not None: signal.signal(signal.SIGTERM, old)
+        for s, h in old.items(): signal.signal(s, h)
+
+
+def _cancel(array: str | None, n_cells: int) -> None:
+    "Say what an interrupted run cancels, and cancel it: `scancel` of the job this run submitted, nothing else, within `CANCEL_TIMEOUT` seconds."
+    if array is None:
+        print("topk-nb run: interrupted: this run submitted nothing, so nothing is cancelled", file=sys.stderr)
+        return
+    print(f"topk-nb run: interrupted: cancelling Slurm job {array}, which this run submitted ({n_cells} "
+          f"cell{'s' * (n_cells != 1)}); what they ran is left resumable: run the same command again to resume",
+          file=sys.stderr)
+    try:
+        out = subprocess.run(["scancel", array], capture_output=True, text=True, timeout=CANCEL_TIMEOUT)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        problem = str(e)
+    else:
+        problem = None if out.returncode == 0 else " ".join(out.stderr.split())[:300] or f"exit status {out.returncode}"
+    if problem: print(f"topk-nb run: scancel {array} failed ({problem}): cancel it yourself", file=sys.stderr)
+
+
+def _states_after_cancel(exp: Experiment, cells: Sequence[dict], out_dir) -> list[dict]:
+    "The grid's states once the run is interrupted: Slurm's within `CANCEL_TIMEOUT` seconds, else the disk's alone."
+    try:
+        return grid_states(exp, cells, out_dir, CANCEL_TIMEOUT)
+    except RuntimeError as e:
+        print(f"topk-nb run: {e}; the states below are the disk's alone", file=sys.stderr)
+        return grid_states(exp, cells, out_dir, None)
 
 
 def _wait(exp: Experiment, cells: Sequence[dict], out_dir, poll_s: float, progress: bool) -> list[dict]:
