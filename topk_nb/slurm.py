@@ -358,17 +358,19 @@ def run_slurm(experiment: str | Experiment,  # a catalogue name, or the path of 
 @contextlib.contextmanager
 def _interrupts():
     "Inside the block (main thread), the first SIGINT or SIGTERM raises KeyboardInterrupt and is added to the list the block gets; later ones are ignored, so the (bounded) cancellation runs to its end."
-    got = []
+    got, signals = [], {signal.SIGINT, signal.SIGTERM}
     def handler(signum, frame):
         if got: return
         got.append(signum)
         raise KeyboardInterrupt
-    old = {}
+    old, mask = {}, None
     try:       # set, not inherited: a process started with SIGINT ignored (a shell's background job) gets no KeyboardInterrupt from Python
-        for s in (signal.SIGINT, signal.SIGTERM): old[s] = signal.signal(s, handler)
-    except ValueError: pass                            # not the main thread
+        for s in signals: old[s] = signal.signal(s, handler)
+        mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)      # nor one started with them blocked
+    except (ValueError, AttributeError, OSError): pass                  # not the main thread
     try: yield got
     finally:
+        if mask is not None: signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         for s, h in old.items(): signal.signal(s, h)
 
 
