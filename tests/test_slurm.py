@@ -12,8 +12,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from topk_nb.batch import RECORD, cell_dir, get_experiment, record_stamp
-from topk_nb.slurm import slurm_available, slurm_folder
+from topk_nb.batch import JOB_LOG, RECORD, cell_dir, get_experiment, record_stamp
+from topk_nb.slurm import slurm_available, slurm_folder, task_log
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONF = Path(os.environ.get("TOPK_NB_SLURM_DIR", "/tmp/topk-nb-slurm")) / "slurm.conf"
@@ -62,6 +62,15 @@ def topk_nb(*words, timeout=300):
     "Exit status, stdout, stderr of the `topk-nb` command in a fresh process (as a user runs it)."
     p = subprocess.run([sys.executable, "-m", "topk_nb.cli", *words], capture_output=True, text=True, timeout=timeout)
     return p.returncode, p.stdout, p.stderr
+
+
+def cell_logs(directory: Path, folder: Path, job: str) -> str:
+    "The last lines of a cell's job log and of its Slurm task's log, for the message of a failed assertion."
+    parts = []
+    for path in (directory / JOB_LOG, task_log(folder, job)):
+        text = path.read_text(errors="replace") if path.exists() else "(no file)"
+        parts.append(f"--- {path}:\n" + "\n".join(text.splitlines()[-30:]))
+    return "\n".join(parts)
 
 
 def summary_of(stdout: str) -> dict:
@@ -256,5 +265,6 @@ def test_ctrl_c_of_the_runner_cancels_what_it_submitted_after_saying_so(tmp_path
     assert f"interrupted: cancelling Slurm job {job}, which this run submitted (1 cell)" in stderr, stderr
     assert "Traceback" not in stderr, stderr
     wait_until(lambda: squeue(job).get(job) == "CANCELLED", what="the job's cancellation")
-    assert not (directory / RECORD).exists()                       # left resumable: no record, no attempt's files
-    assert not list(directory.glob(".record.*")) and not list(directory.glob(".notebook.*")), sorted(directory.iterdir())
+    left = sorted(p.name for p in directory.iterdir())          # left resumable: no record, no attempt's files
+    assert RECORD not in left and not [n for n in left if n.startswith((".record.", ".notebook."))], \
+        (left, cell_logs(directory, slurm_folder(out, exp), job))
