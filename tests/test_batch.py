@@ -14,7 +14,8 @@ import pytest
 from topk_nb import batch
 from topk_nb import report as reports
 from topk_nb.batch import (RECORD, Experiment, Figure, Finding, PaperValue, cell_dir, cell_id,
-                           expand_grid, load_records, main, parse_grid, read_record, run_grid, write_record)
+                           expand_grid, load_records, parse_grid, read_record, run_grid, write_record)
+from topk_nb.cli import main
 from topk_nb.report import report
 from topk_nb.data import fake_image_folder
 
@@ -151,7 +152,7 @@ def test_write_record_is_complete_and_atomic(tmp_path):
 def test_resume_after_kill(tmp_path):
     nb = fake_notebook(tmp_path / "slow.ipynb", "import time\ntime.sleep(0.5)\n" + WRITE)
     out = tmp_path / "runs"
-    cmd = [sys.executable, "-m", "topk_nb.batch", "run", str(nb), "--grid", "x=1,2,3", "--out", str(out),
+    cmd = [sys.executable, "-m", "topk_nb.cli", "run", str(nb), "--grid", "x=1,2,3", "--out", str(out),
            "--no-progress"]
     proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120

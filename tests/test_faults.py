@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 from torch.utils.data import TensorDataset
 
-from topk_nb import batch, train
+from topk_nb import batch, cli, train
 from topk_nb.batch import EXECUTED, RECORD, cell_done, load_records, read_record
 from topk_nb.data import fake_cifar100
 from topk_nb.train import CheckpointError, atomic_write, fit, load_checkpoint, previous_checkpoint, save_checkpoint
@@ -46,7 +46,7 @@ def counting_notebook(folder: Path) -> Path:
 
 
 def runner(nb: Path, out: Path, xs, sleep: float, *extra) -> list[str]:
-    return [sys.executable, "-m", "topk_nb.batch", "run", str(nb), "--grid", "x=" + ",".join(map(str, xs)),
+    return [sys.executable, "-m", "topk_nb.cli", "run", str(nb), "--grid", "x=" + ",".join(map(str, xs)),
             f"sleep={sleep}", "--out", str(out), "--no-progress", *extra]
 
 
@@ -257,7 +257,7 @@ def test_atomic_files_follow_the_umask(tmp_path):
 
 # --- the report -------------------------------------------------------------------------------------------------------
 def _report(*words):
-    return subprocess.run([sys.executable, "-m", "topk_nb.batch", "report", *words], env=ENV, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "topk_nb.cli", "report", *words], env=ENV, capture_output=True,
                           text=True, timeout=120)
 
 
@@ -297,7 +297,7 @@ def test_report_names_unreadable_records_and_refuses_a_missing_out(tmp_path):
     (["--grid", "epochs=2.5"], "--grid epochs=2.5: epochs takes an integer"),
 ])
 def test_runner_mistakes_stop_before_anything_runs(tmp_path, words, expected):
-    res = subprocess.run([sys.executable, "-m", "topk_nb.batch", "run", "circles_tradeoffs", "--out",
+    res = subprocess.run([sys.executable, "-m", "topk_nb.cli", "run", "circles_tradeoffs", "--out",
                           str(tmp_path / "runs"), *words], env=ENV, capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and res.stdout == "", res
     assert res.stderr.count("\n") == 1 and res.stderr.startswith(("topk-nb run: error: ", "topk-nb: error: ")) and expected in res.stderr, res.stderr
@@ -307,7 +307,7 @@ def test_runner_mistakes_stop_before_anything_runs(tmp_path, words, expected):
 def test_a_data_root_without_the_data_set_stops_before_anything_runs(tmp_path):
     empty = tmp_path / "data"
     empty.mkdir()
-    res = subprocess.run([sys.executable, "-m", "topk_nb.batch", "run", "cifar100_noise", "--preset", "paper",
+    res = subprocess.run([sys.executable, "-m", "topk_nb.cli", "run", "cifar100_noise", "--preset", "paper",
                           "--data-root", str(empty), "--out", str(tmp_path / "runs")],
                          env=ENV, capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and res.stdout == "" and res.stderr.count("\n") == 1, res
@@ -319,7 +319,7 @@ def test_a_missing_weights_file_stops_the_paper_preset_before_anything_runs(tmp_
     data = tmp_path / "data"
     data.mkdir()
     missing = tmp_path / "resnet50_imagenet.pt"
-    res = subprocess.run([sys.executable, "-m", "topk_nb.batch", "run", "plantnet_imbalanced", "--preset", "paper",
+    res = subprocess.run([sys.executable, "-m", "topk_nb.cli", "run", "plantnet_imbalanced", "--preset", "paper",
                           "--data-root", str(data), "--grid", f"weights={missing}", "--out", str(tmp_path / "runs")],
                          env=ENV, capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and res.stdout == "" and res.stderr.count("\n") == 1, res
@@ -330,29 +330,29 @@ def test_a_missing_weights_file_stops_the_paper_preset_before_anything_runs(tmp_
 
 def test_an_out_that_cannot_be_written_stops_before_anything_runs(tmp_path):
     (tmp_path / "file").write_text("")
-    res = subprocess.run([sys.executable, "-m", "topk_nb.batch", "run", "circles_tradeoffs", "--out",
+    res = subprocess.run([sys.executable, "-m", "topk_nb.cli", "run", "circles_tradeoffs", "--out",
                           str(tmp_path / "file" / "runs")], env=ENV, capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and res.stdout == "" and res.stderr.count("\n") == 1, res
     assert "is not a folder this process can write to" in res.stderr, res.stderr
 
 
 def test_list_name_shows_the_parameters_and_the_presets_values():
-    res = subprocess.run([sys.executable, "-m", "topk_nb.batch", "list", "imagenet_lt"], env=ENV, capture_output=True,
+    res = subprocess.run([sys.executable, "-m", "topk_nb.cli", "list", "imagenet_lt"], env=ENV, capture_output=True,
                          text=True, timeout=120)
     assert res.returncode == 0, res
     assert "parameters (their defaults are a CPU smoke run): " in res.stdout and "milestones=[60, 80]" in res.stdout
     assert "preset paper: 60 cells (needs --data-root)" in res.stdout and "milestones=[60, 80]" in res.stdout.split("preset paper")[1]
-    bad = subprocess.run([sys.executable, "-m", "topk_nb.batch", "list", "nope"], env=ENV, capture_output=True, text=True,
+    bad = subprocess.run([sys.executable, "-m", "topk_nb.cli", "list", "nope"], env=ENV, capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "unknown experiment 'nope'" in bad.stderr, bad
 
 
 def test_help_describes_every_option():
-    for command in ("run", "report", "list"):
-        res = subprocess.run([sys.executable, "-m", "topk_nb.batch", command, "--help"], env=ENV, capture_output=True,
+    for command in ("run", "status", "report", "list"):
+        res = subprocess.run([sys.executable, "-m", "topk_nb.cli", command, "--help"], env=ENV, capture_output=True,
                              text=True, timeout=120)
         assert res.returncode == 0, res
-        parser = batch._parser()._subparsers._group_actions[0].choices[command]
+        parser = cli._parser()._subparsers._group_actions[0].choices[command]
         for action in parser._actions:
             assert action.help, (command, action.dest)          # each option and argument says what it does
             assert any(opt in res.stdout for opt in action.option_strings or [action.dest]), (command, action.dest)
@@ -412,7 +412,7 @@ def test_list_into_a_closed_pipe_is_quiet():
     read, write = os.pipe()
     os.close(read)
     try:
-        res = subprocess.run([sys.executable, "-m", "topk_nb.batch", "list"], stdout=write, stderr=subprocess.PIPE,
+        res = subprocess.run([sys.executable, "-m", "topk_nb.cli", "list"], stdout=write, stderr=subprocess.PIPE,
                              env=ENV, text=True, timeout=120)
     finally:
         os.close(write)
@@ -607,7 +607,7 @@ def _cli(*words) -> tuple[int, str, str]:
     with redirect_stderr(err):
         from contextlib import redirect_stdout
         with redirect_stdout(out):
-            code = batch.main(list(words))
+            code = cli.main(list(words))
     return code, out.getvalue(), err.getvalue()
 
 

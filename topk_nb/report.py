@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Sequence
 
 from .catalogue import Experiment, Figure, Finding, PaperValue, unit_scale
-from .batch import expand_grid, get_experiment, short_error
+from .grid import expand_grid, get_experiment, short_error
 from .records import RecordError, load_records
 
 # %% auto #0
