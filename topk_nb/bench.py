@@ -638,7 +638,7 @@ def sass_loops(sass: KernelSass) -> list[tuple[int, int]]:
 def dynamic_counts(sass: KernelSass,      # from `kernel_sass`
                    loops: Sequence[SourceLoop],  # `source_loops` of the same kernel
                    trips: Sequence[float],       # runs of each loop's body per enclosing pass, in the order of `loops`
-                   branches: Sequence[SourceBranch] = (),  # `if`s whose body does not always run
+                   branches: Sequence[SourceBranch] = (),  # the if statements whose body does not always run
                    taken: Sequence[float] = (),  # the share of a program's passes that run each one's body (the rest
                                                  # run its else part), in the order of `branches`
                    ) -> dict:
@@ -1055,7 +1055,7 @@ COST_STEPS = {
 
 # %% ../nbs/14_bench.ipynb #dd481743
 def _model_branches(name: str, km: KernelModel) -> list[SourceBranch]:
-    "The source `if`s a kernel model names, matched in source order (a head may occur more than once)."
+    "The source if statements a kernel model names, matched in source order (a head may occur more than once)."
     found, out = source_branches(km.fn), []
     for head, _ in km.branches:
         at = next((i for i, br in enumerate(found) if br.head == head), None)
