@@ -589,12 +589,16 @@ class SourceLoop(NamedTuple):
     last: int
 
 
+def _kernel_tree(fn) -> tuple[ast.AST, int]:
+    "The syntax tree of a kernel's function and the file line its source starts on."
+    lines, start = inspect.getsourcelines(_python_fn(fn))
+    return ast.parse(textwrap.dedent("".join(lines))), start
+
+
 def source_loops(fn # a @triton.jit kernel (or its Python function)
                  ) -> list[SourceLoop]:
     "The loops of the kernel's own source, in source order (the loops of the helpers it calls are not its own)."
-    py = _python_fn(fn)
-    lines, start = inspect.getsourcelines(py)
-    tree = ast.parse(textwrap.dedent("".join(lines)))
+    tree, start = _kernel_tree(fn)
     loops = []
     for node in ast.walk(tree):
         if isinstance(node, ast.For):
@@ -617,9 +621,7 @@ class SourceBranch(NamedTuple):
 def source_branches(fn # a @triton.jit kernel (or its Python function)
                     ) -> list[SourceBranch]:
     "The `if` statements of the kernel's own source, in source order."
-    py = _python_fn(fn)
-    lines, start = inspect.getsourcelines(py)
-    tree = ast.parse(textwrap.dedent("".join(lines)))
+    tree, start = _kernel_tree(fn)
     span = lambda nodes: (start + nodes[0].lineno - 1, start + nodes[-1].end_lineno - 1) if nodes else None
     found = [SourceBranch(f"if {ast.unparse(node.test)}", span(node.body), span(node.orelse))
              for node in ast.walk(tree) if isinstance(node, ast.If)]
