@@ -8,6 +8,7 @@ from hypothesis import given, strategies as st
 
 from topk_nb.core import scores_without_target
 from topk_nb.esp_backward import log_sigma
+from topk_nb.losses import get_loss
 from topk_nb.svm import (SmoothSVM, TopkHinge, _SmoothTopkSVMFunction, hard_enough, smooth_svm,
                          smooth_topk_svm_bruteforce, subset_sums_bruteforce, topk_hinge)
 
@@ -119,7 +120,7 @@ def test_hard_switch_only_where_equal_to_float_precision():
 @pytest.mark.parametrize("kwargs, message", [
     (dict(k=0), "k must be an integer in [1, 5]"),
     (dict(k=6), "k must be an integer in [1, 5]"),
-    (dict(k=2, tau=0.0), "tau must be a finite number in (0.0, inf]"),
+    (dict(k=2, tau=-1e-3), "tau must be a finite number in [0.0, inf]"),
     (dict(k=2, tau=float("inf")), "tau must be a finite number"),
     (dict(k=2, alpha=-0.1), "alpha must be a finite number in [0.0, inf]"),
     (dict(k=2, reduction="avg"), "reduction must be one of"),
@@ -189,3 +190,18 @@ def test_large_k_against_float64_tree(n, k, tau, scale, certified):
     (g,) = torch.autograd.grad((loss * w.float()).sum(), s32)
     (g_ref,) = torch.autograd.grad((ref * w).sum(), s)
     assert ((g.double() - g_ref).abs().amax(1) <= 1e-4 * g_ref.abs().amax(1)).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_zero_temperature_is_the_topk_hinge(dtype):
+    s, y = random_scores(7, 16, 20, 3.0, dtype)
+    w = torch.rand(20, generator=torch.Generator().manual_seed(1), dtype=dtype)
+    for k in (1, 4, 19):
+        ref = TopkHinge(k=k, alpha=0.5, weight=w, ignore_index=3)
+        for loss in (get_loss("smooth_svm", k=k, tau=0, alpha=0.5, weight=w, ignore_index=3),
+                     SmoothSVM(k=k, tau=0.0, alpha=0.5, weight=w, ignore_index=3)):
+            x, x_ref = s.clone().requires_grad_(True), s.clone().requires_grad_(True)
+            out, expected = loss(x, y), ref(x_ref, y)
+            out.backward(); expected.backward()
+            assert out.dtype == expected.dtype == dtype
+            assert torch.equal(out, expected) and torch.equal(x.grad, x_ref.grad)

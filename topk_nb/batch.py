@@ -31,7 +31,7 @@ from .records import (EXECUTED, RECORD, RecordError, atomic_write_json, inspect_
 from .grid import (EXPERIMENTS, FILE_PARAMETERS, cell_dir, cell_id, cell_slug, check_files,  # noqa: F401 (the grid, importable from here)
                           check_folder_name, check_key, check_parameters, discover_experiments, expand_grid,
                           get_experiment, notebook_parameters, parse_grid, parse_value, plan_grid, short_error,
-                          unknown_losses, value_mismatch, with_parameters_tag)
+                          unknown_names, value_mismatch, value_problem, with_parameters_tag)
 
 # %% auto #0
 __all__ = ['LOCK', 'JOB_LOG', 'FAILED_ATTEMPT', 'FAILED_NOTEBOOK', 'KERNEL_START_TRIES', 'KERNEL_START_TIMEOUT', 'NO_SPACE',

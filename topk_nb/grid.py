@@ -20,10 +20,10 @@ from typing import Sequence
 from .catalogue import Experiment, experiments_dir
 
 # %% auto #0
-__all__ = ['EXPERIMENTS', 'FILE_PARAMETERS', 'discover_experiments', 'check_folder_name', 'get_experiment', 'parse_value',
-           'check_key', 'parse_grid', 'expand_grid', 'cell_id', 'cell_slug', 'cell_dir', 'with_parameters_tag',
-           'short_error', 'notebook_parameters', 'value_mismatch', 'unknown_losses', 'check_parameters', 'check_files',
-           'plan_grid']
+__all__ = ['EXPERIMENTS', 'REGISTRIES', 'FILE_PARAMETERS', 'discover_experiments', 'check_folder_name', 'get_experiment',
+           'parse_value', 'check_key', 'parse_grid', 'expand_grid', 'cell_id', 'cell_slug', 'cell_dir',
+           'with_parameters_tag', 'short_error', 'notebook_parameters', 'literal_values', 'parameter_choices',
+           'value_mismatch', 'unknown_names', 'value_problem', 'check_parameters', 'check_files', 'plan_grid']
 
 # %% ../nbs/22_grid.ipynb #49087b6d
 def discover_experiments(package: str = "topk_nb.experiments",  # the package whose modules declare the entries
@@ -176,15 +176,23 @@ def short_error(error) -> str:
     return lines[-1][:200] if lines else ""
 
 # %% ../nbs/22_grid.ipynb #2a03a5e6
-def notebook_parameters(notebook,  # an experiment notebook
-                        ) -> dict | None:
-    "The parameters its parameters cell assigns (the cell tagged `parameters`, else the first code cell), each with its default (None where it is not a literal); None if the cell cannot be parsed."
+def _parameters_tree(notebook):
+    "The parameters cell (the cell tagged `parameters`, else the first code cell) parsed: an `ast.Module`, None if it does not parse."
     import ast
     nb = with_parameters_tag(notebook)
     cell = next(c for c in nb.cells if "parameters" in c.get("metadata", {}).get("tags", []))
     try:
-        tree = ast.parse(cell.source)
+        return ast.parse(cell.source)
     except SyntaxError:
+        return None
+
+
+def notebook_parameters(notebook,  # an experiment notebook
+                        ) -> dict | None:
+    "The parameters its parameters cell assigns, each with its default (None where it is not a literal); None if the cell cannot be parsed."
+    import ast
+    tree = _parameters_tree(notebook)
+    if tree is None:
         return None
     params = {}
     for node in tree.body:
@@ -196,6 +204,34 @@ def notebook_parameters(notebook,  # an experiment notebook
                 value = None
             params.update({t.id: value for t in targets if isinstance(t, ast.Name)})
     return params
+
+# %% ../nbs/22_grid.ipynb #3069be5a
+def literal_values(annotation,  # an annotation: a `typing.Literal[...]` object, or its `ast` node in a cell's source
+                   ) -> tuple | None:
+    "The values a `Literal[...]` annotation allows (`typing.Literal` or `Literal` imported from it), None for any other annotation."
+    import ast
+    import typing
+    if isinstance(annotation, ast.AST):
+        if not isinstance(annotation, ast.Subscript):
+            return None
+        head = annotation.value
+        if not ((isinstance(head, ast.Name) and head.id == "Literal") or (isinstance(head, ast.Attribute) and head.attr == "Literal")):
+            return None
+        items = annotation.slice.elts if isinstance(annotation.slice, ast.Tuple) else [annotation.slice]
+        try:
+            return tuple(ast.literal_eval(item) for item in items)
+        except ValueError:
+            return None
+    return typing.get_args(annotation) if typing.get_origin(annotation) is typing.Literal else None
+
+
+def parameter_choices(notebook,  # an experiment notebook
+                      ) -> dict:
+    "{parameter: its allowed values} for each parameter its parameters cell annotates with `Literal[...]`."
+    import ast
+    tree = _parameters_tree(notebook)
+    nodes = [] if tree is None else [n for n in tree.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)]
+    return {n.target.id: values for n in nodes if (values := literal_values(n.annotation)) is not None}
 
 # %% ../nbs/22_grid.ipynb #47155c14
 def value_mismatch(default,  # the parameter's default in the notebook's parameters cell (None: any value)
@@ -215,49 +251,79 @@ def value_mismatch(default,  # the parameter's default in the notebook's paramet
     return None if ok else kind
 
 
-def unknown_losses(key: str,  # a parameter's name
-                   default,  # its default in the notebook's parameters cell
-                   value,  # a value given for it
-                   ) -> str | None:
-    "For a parameter named `loss` or `...losses` whose default names losses of the registry (`topk_nb.losses.LOSSES`): what in `value` names none, in words; else None."
+REGISTRIES = {   # parameter names that name entries of a registry: (what an entry is, "module:registry")
+    "loss": ("loss", "topk_nb.losses:LOSSES"),
+    "model": ("model", "topk_nb.models:MODELS"),
+    "train_preset": ("training preset", "topk_nb.train:PRESETS"),
+}
+
+
+def _registry_of(key: str):
+    "The `REGISTRIES` entry a parameter name refers to: `loss`, `losses` or `..._losses`; `model` or `..._model`; `train_preset`."
+    for name, entry in REGISTRIES.items():
+        if key in (name, name + "es", name + "s") or key.endswith(("_" + name, "_" + name + "s", "_" + name + "es")):
+            return entry
+    return None
+
+
+def unknown_names(key: str,  # a parameter's name
+                  default,  # its default in the notebook's parameters cell
+                  value,  # a value given for it
+                  ) -> str | None:
+    "For a parameter that names entries of a registry (`REGISTRIES`: the losses, the models, the training presets) and whose default names only such entries (or is None): what in `value` names none, in words; else None."
     def names(v): return [v] if isinstance(v, str) else [x for x in v if isinstance(x, str)] if isinstance(v, list) else []
-    if not (key == "loss" or key.endswith("losses")) or not names(default):
+    entry = _registry_of(key)
+    if entry is None:
         return None
-    from topk_nb.losses import LOSSES
-    if not all(n in LOSSES for n in names(default)):
-        return None                              # the notebook names losses of its own
-    bad = [n for n in names(value) if n not in LOSSES]
-    return f"{', '.join(map(repr, bad))} is no loss of the registry; valid names: {', '.join(LOSSES)}" if bad else None
+    what, where = entry
+    module, attr = where.split(":")
+    registry = getattr(importlib.import_module(module), attr)
+    if not all(n in registry for n in names(default)):
+        return None                              # the notebook names entries of its own
+    bad = [n for n in names(value) if n not in registry]
+    return f"{', '.join(map(repr, bad))} is no {what} of the registry; valid names: {', '.join(registry)}" if bad else None
+
+
+def value_problem(key: str,  # a parameter's name
+                  default,  # its default in the notebook's parameters cell
+                  value,  # a value given for it
+                  choices: tuple | None = None,  # the values its `Literal[...]` annotation allows (None: no annotation)
+                  notebook: str | None = None,  # the notebook's file name, to say where the default is declared
+                  ) -> str | None:
+    "What is wrong with `value` for parameter `key`, in words (its kind, its annotation's choices, the registries); None if nothing."
+    if kind := value_mismatch(default, value):
+        return f"{key} takes {kind} (its default{' in ' + notebook if notebook else ''} is {default!r})"
+    if choices is not None and value not in choices:
+        return f"{key} takes one of {', '.join(map(repr, choices))}"
+    return unknown_names(key, default, value)
 
 # %% ../nbs/22_grid.ipynb #9b3eb71a
 def check_parameters(exp: Experiment,  # the catalogue entry
                      preset: str | None = None,  # the preset to run (None: the notebook's defaults)
                      grid: dict | None = None,  # the `--grid` overrides {parameter: [values]}
                      ) -> None:
-    "Raise ValueError, in one line naming the key and the notebook's parameters, if `grid` has a key that is no identifier (whatever the notebook), or the preset or `grid` sets a name its parameters cell does not assign (or `record_path`, which the runner sets), a value of another kind than the parameter's default, or a loss the registry lacks (`unknown_losses`)."
+    "Raise ValueError, in one line naming the key and the notebook's parameters, if `grid` has a key that is no identifier (whatever the notebook), or the preset or `grid` sets a name its parameters cell does not assign (or `record_path`, which the runner sets), or a value `value_problem` refuses (another kind than the default's, outside the parameter's `Literal` choices, no entry of a registry)."
     for key in grid or {}:
         check_key(key)                           # always: papermill writes each key as Python code
     known = notebook_parameters(exp.notebook_path())
     if known is None:
         return                                   # a parameters cell that does not parse: papermill will say so
+    choices = parameter_choices(exp.notebook_path())
     name, allowed = exp.notebook_path().name, ", ".join(sorted(set(known) - {"record_path"}))
+    def problem(key, value): return value_problem(key, known[key], value, choices.get(key), name)
     for key in grid or {}:
         if key == "record_path" or key not in known:
             raise ValueError(f"--grid {key}=...: {key!r} is not a parameter of {name}; its parameters: {allowed}")
         for value in grid[key]:
             shown = json.dumps(value) if not isinstance(value, str) else value
-            if kind := value_mismatch(known[key], value):
-                raise ValueError(f"--grid {key}={shown}: {key} takes {kind} (its default in {name} is {known[key]!r})")
-            if wrong := unknown_losses(key, known[key], value):
+            if wrong := problem(key, value):
                 raise ValueError(f"--grid {key}={shown}: {wrong}")
     for cell in expand_grid(exp.presets[preset]) if preset is not None else []:
         for key in cell:
             if key == "record_path" or key not in known:
                 raise ValueError(f"preset {preset!r} of {exp.name} sets {key!r}, which is not a parameter of {name}; "
                                  f"its parameters: {allowed}")
-            if kind := value_mismatch(known[key], cell[key]):
-                raise ValueError(f"preset {preset!r} of {exp.name} sets {key}={cell[key]!r}, but {key} takes {kind}")
-            if wrong := unknown_losses(key, known[key], cell[key]):
+            if wrong := problem(key, cell[key]):
                 raise ValueError(f"preset {preset!r} of {exp.name} sets {key}={cell[key]!r}: {wrong}")
 
 # %% ../nbs/22_grid.ipynb #d577932d

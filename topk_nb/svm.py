@@ -212,15 +212,17 @@ def svm_route(s: torch.Tensor, # (B, n) scores, float32 or float64
 def smooth_svm(scores: torch.Tensor,             # (B, n) scores
                target: torch.Tensor,             # (B,) class indices
                k: int = 5,                       # the k of top-k
-               tau: float = 1.0,                 # temperature: tau -> 0 gives the top-k hinge
+               tau: float = 1.0,                 # temperature; 0 is the top-k hinge (its limit as tau -> 0)
                alpha: float = 1.0,               # margin
                reduction: str = "mean",          # "mean", "sum" or "none"
                hard_switch: bool = True,         # rows where the smooth loss equals the hinge to rounding take the hinge (the fused kernels, and the host path where 2k > n, compute every row exactly, equal to rounding)
                check_finite: bool | None = None, # check the scores are finite (None: on the host path only)
                ) -> torch.Tensor:
-    "Smooth top-k SVM loss L_{k,tau} (Berrada 2018, eq. 9-10) with margin alpha."
+    "Smooth top-k SVM loss L_{k,tau} (Berrada 2018, eq. 9-10) with margin alpha; tau = 0 gives the top-k hinge l_k."
+    tau = check_real(tau, "tau", 0.0)
+    if tau == 0:                                                     # L_{k,0} = l_k, the top-k hinge (Berrada 2018, eq. 8)
+        return topk_hinge(scores, target, k, alpha, reduction, check_finite)
     scores, target, k = check_loss_input(scores, target, k, check_finite)
-    tau = check_real(tau, "tau", 0.0, lo_open=True)
     alpha = check_real(alpha, "alpha", 0.0)
     reduction = check_reduction(reduction)
     out_dtype = loss_dtype(scores)
@@ -250,12 +252,12 @@ class SmoothSVM(LossModule):
 
     def __init__(self, *,
                  k: int = 5,                # the k of top-k
-                 tau: float = 1.0,          # temperature: tau -> 0 gives the top-k hinge
+                 tau: float = 1.0,          # temperature; 0 is the top-k hinge (its limit as tau -> 0)
                  alpha: float | None = 1.0, # margin; None means 1, as smooth-topk's SmoothTopkSVM reads it
                  hard_switch: bool = True,  # rows where the smooth loss equals the hinge to rounding take the hinge
                  **conventions):            # weight, ignore_index, reduction, max_support, check_finite (see LossModule)
         super().__init__(**conventions)
-        self.k, self.tau = check_int(k, "k", 1), check_real(tau, "tau", 0.0, lo_open=True)
+        self.k, self.tau = check_int(k, "k", 1), check_real(tau, "tau", 0.0)
         self.alpha, self.hard_switch = check_real(1.0 if alpha is None else alpha, "alpha", 0.0), hard_switch
 
     def per_sample(self, scores, labels):

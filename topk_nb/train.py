@@ -687,7 +687,11 @@ def _check_params(kind: str, params) -> dict:
     return dict(params)
 
 # %% ../nbs/12_train.ipynb #53a738f4
-def run(spec: dict | None = None, **overrides) -> dict:
+def run(spec: dict | None = None,  # the run: `dataset`, `model`, `loss` (registry names), their `*_params`, and `TrainConfig` fields
+        *,
+        wrap_loss: Callable | None = None,  # `wrap_loss(loss_fn, data) -> loss_fn`: what trains instead of the loss (e.g. the loss with a measurement); the record names the loss itself
+        **overrides,  # keys of `spec`, given as keywords
+        ) -> dict:
     "Train the registered `model` on the registered `dataset` with the registered `loss`; other keys are `TrainConfig` fields."
     spec = {**(spec or {}), **overrides}
     missing = [k for k in ("dataset", "model", "loss") if spec.get(k) is None]
@@ -713,6 +717,8 @@ def run(spec: dict | None = None, **overrides) -> dict:
     if entry.stochastic and built.get("generator") is None:
         built["generator"] = torch.Generator(device).manual_seed(derive_seed(config.seed, "loss", env.rank))
     loss_fn = get_loss(loss_name, **built)
+    if wrap_loss is not None:
+        loss_fn = wrap_loss(loss_fn, data)
     meta = {"dataset": dataset, "dataset_params": data_params, "model": model_name, "model_params": model_params,
             "loss": loss_name, "loss_params": {k: v for k, v in loss_params.items() if k not in ("generator", "class_counts")},
             "n_classes": data.n_classes, "data_sizes": data.sizes()}
