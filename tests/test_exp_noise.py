@@ -28,7 +28,7 @@ def definitions(name: str, **extra) -> dict:
     "A namespace with the notebook's parameters, its imports and its definition cells (cells starting with def/class)."
     ns = dict(parameters(name))
     cells = _cells(name)
-    imports = next(c.source for c in cells if c.source.startswith("import json"))
+    imports = next(c.source for c in cells if "from topk_nb.notebook import start" in c.source)   # the cell that starts
     exec("\n".join(line for line in imports.splitlines() if line.startswith(("import ", "from "))), ns)
     for c in cells:
         if c.source.startswith(("def ", "class ")):

@@ -20,7 +20,8 @@ from typing import Sequence
 
 from .batch import _job_main, check_out_dir, run_grid
 from .catalogue import Experiment, experiments_dir
-from .grid import EXPERIMENTS, expand_grid, notebook_parameters, parse_grid, plan_grid, short_error
+from .grid import (EXPERIMENTS, expand_grid, notebook_parameters, parameter_choices, parse_grid, plan_grid,
+                          short_error)
 from .records import RecordError
 from .report import report
 from .slurm import SlurmOptions, run_slurm, slurm_available, status_lines
@@ -56,11 +57,12 @@ def _gpu_list(text):
 # %% ../nbs/23_cli.ipynb #f9664840
 def describe_experiment(exp: Experiment,  # a catalogue entry
                         ) -> str:
-    "What `topk-nb list NAME` prints: the entry, its notebook's parameters with their defaults, and each preset's values."
-    params = notebook_parameters(exp.notebook_path()) or {}
+    "What `topk-nb list NAME` prints: the entry, its notebook's parameters with their defaults (and their choices, where annotated), and each preset's values."
+    params, choices = notebook_parameters(exp.notebook_path()) or {}, parameter_choices(exp.notebook_path())
+    def shown(k, v): return f"{k}={json.dumps(v)}" + (f" (one of {'|'.join(map(json.dumps, choices[k]))})" if k in choices else "")
     lines = [f"{exp.name}: {exp.description}", f"  notebook: {exp.notebook_path()}",
              "  parameters (their defaults are a CPU smoke run): "
-             + ", ".join(f"{k}={json.dumps(v)}" for k, v in params.items() if k != "record_path")]
+             + ", ".join(shown(k, v) for k, v in params.items() if k != "record_path")]
     for name, preset in exp.presets.items():
         needs = " (needs --data-root)" if name in exp.data_presets else ""
         lines.append(f"  preset {name}: {len(expand_grid(preset))} cells{needs}")

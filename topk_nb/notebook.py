@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import tempfile
 import time
 import typing
@@ -41,11 +42,17 @@ def _plain(v):
     return {k: _plain(x) for k, x in v.items()} if isinstance(v, dict) else v
 
 
+def _imported(name: str, value, namespace: dict) -> bool:
+    "Whether `value`, a string, list or dictionary, is the attribute `name` of a loaded module other than the notebook's own (whose globals are `namespace`): imported (`from topk_nb.train import PRESETS`), not assigned."
+    return isinstance(value, (str, list, tuple, dict)) and any(
+        getattr(m, name, None) is value and getattr(m, "__dict__", None) is not namespace for m in list(sys.modules.values()))
+
+
 def namespace_parameters(namespace: dict,  # a notebook's globals, before its body has run
                          ) -> dict:
-    "The parameters a notebook holds: its public names with JSON values (`_is_value`), tuples as lists, in the order they were assigned; IPython's own names left out."
+    "The parameters a notebook holds: its public names with JSON values (`_is_value`), tuples as lists, in the order they were assigned; IPython's own names and imported tables (`_imported`) left out."
     return {name: _plain(v) for name, v in namespace.items()
-            if not name.startswith("_") and name not in _IPYTHON_NAMES and _is_value(v)}
+            if not name.startswith("_") and name not in _IPYTHON_NAMES and _is_value(v) and not _imported(name, v, namespace)}
 
 # %% ../nbs/24_notebook.ipynb #c57017f6
 @dataclass
@@ -129,17 +136,19 @@ def start(namespace: dict,  # the notebook's `globals()`, right after its parame
           threads: int | None = None,  # at most this many CPU threads for torch (None: torch's default)
           ) -> NotebookRun:
     "Read, check and print the parameters of an experiment notebook (`namespace_parameters`; a ValueError names each bad one), cap torch's threads, start the clock; the `NotebookRun` the notebook's body uses."
-    found = namespace_parameters(namespace)
-    record_path = found.pop("record_path", None)
     entry = EXPERIMENTS.get(experiment) if experiment is not None else None
     declared = notebook_parameters(entry.notebook_path()) if entry is not None and entry.notebook_path().is_file() else None
-    if declared is not None:
+    record_path = namespace.get("record_path")
+    if declared is not None:                             # the catalogue's notebook: the names its parameters cell assigns
         declared.pop("record_path", None)
-        stray, missing = [n for n in found if n not in declared], [n for n in declared if n not in found]
-        if stray or missing:
-            raise ValueError(f"start: the notebook holds {', '.join(stray) or 'no name'} besides the parameters of "
-                             f"{entry.notebook_path().name}, and lacks {', '.join(missing) or 'none of them'}: run its "
-                             "parameters cell first, in a fresh kernel, and assign nothing else before start")
+        missing = [n for n in declared if n not in namespace or not _is_value(namespace[n])]
+        if missing:
+            raise ValueError(f"start: the notebook does not hold {', '.join(missing)}, which the parameters cell of "
+                             f"{entry.notebook_path().name} assigns: run that cell first")
+        found = {n: _plain(namespace[n]) for n in declared}
+    else:                                                # an ad-hoc notebook: what it holds
+        found = namespace_parameters(namespace)
+        found.pop("record_path", None)
     annotations = namespace.get("__annotations__") or {}
     for name, value in found.items():
         choices = literal_values(annotations[name]) if name in annotations else None
