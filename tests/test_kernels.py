@@ -104,13 +104,19 @@ def test_pruned_selection_draws_the_same_noise():
 
 
 def test_randn_bound_holds_and_is_near_tight():
-    "Every value tl.randn draws is within RANDN_BOUND, which exceeds the Box-Muller extreme sqrt(-2 ln 1e-7) by < 0.05 %."
+    "Every normal the kernels draw is within RANDN_BOUND, which exceeds the Box-Muller extreme sqrt(-2 ln 1e-7) by < 0.05 %; the draws are standard normal."
     import math
     extreme = math.sqrt(-2 * math.log(1e-7))
     assert extreme <= kernels.RANDN_BOUND < extreme * 1.0005
+    edge = torch.empty(32, device=DEV)
+    kernels_extreme_normals[(1,)](edge)                              # the largest radius at sixteen angles
+    angles = torch.arange(16, dtype=torch.float64) * math.pi / 8
+    torch.testing.assert_close(edge.cpu().double(), extreme * torch.cat([angles.cos(), angles.sin()]), rtol=0, atol=1e-5)
     out = torch.empty(2**20, device=DEV)
-    kernels_normals[(2**20 // 2**14,)](out, 77, BLOCK=2**14)
+    kernels_normals[(2**20 // 2**14,)](out, 77, G=2**12)
     assert out.abs().max().item() <= kernels.RANDN_BOUND
+    q = torch.tensor([0.01, 0.1, 0.5, 0.9, 0.99])
+    torch.testing.assert_close(torch.quantile(out.cpu(), q), torch.distributions.Normal(0.0, 1.0).icdf(q), rtol=0, atol=0.02)
 
 
 if kernels.HAS_TRITON:
@@ -118,9 +124,16 @@ if kernels.HAS_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def kernels_normals(out_ptr, seed, BLOCK: tl.constexpr):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        tl.store(out_ptr + offs, tl.randn(seed, offs))
+    def kernels_normals(out_ptr, seed, G: tl.constexpr):
+        quads = tl.program_id(0) * G + tl.arange(0, G)
+        tl.store(out_ptr + 4 * tl.program_id(0) * G + tl.arange(0, 4 * G), kernels._normals(seed, quads.to(tl.int64)))
+
+    @triton.jit
+    def kernels_extreme_normals(out_ptr):
+        lanes = tl.arange(0, 16)
+        c, s = kernels._box_muller(tl.zeros([16], dtype=tl.uint32), lanes.to(tl.uint32) * 0x10000000)
+        tl.store(out_ptr + lanes, c)
+        tl.store(out_ptr + 16 + lanes, s)
 
 
 @pytest.mark.parametrize("dtype, n", [(torch.float64, 40), (torch.float32, 2500)])

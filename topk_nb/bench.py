@@ -369,7 +369,8 @@ for line in sys.stdin:
     try:
         with contextlib.redirect_stdout(log):
             src = ASTSource(fn=kernel(req), signature=req["signature"], constexprs=req["constexprs"])
-            out = triton.compile(src, target=GPUTarget("cuda", req["arch"], 32), options={"num_warps": req["num_warps"]})
+            out = triton.compile(src, target=GPUTarget("cuda", req["arch"], 32), options={"num_warps": req["num_warps"],
+                                                                                     **({"maxnreg": req["maxnreg"]} if req["maxnreg"] else {})})
         with open(req["out"], "wb") as f:
             f.write(out.asm["cubin"])
         reply = {"ok": True, "log": log.getvalue()}
@@ -494,11 +495,11 @@ _SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
 @functools.lru_cache(maxsize=None)
 def _kernel_sass(module: str, source: tuple, name: str, signature: tuple, constexprs: tuple, num_warps: int,
-                 arch: int) -> KernelSass:
+                 arch: int, maxnreg: int | None = None) -> KernelSass:
     file = source[0]
-    out = os.path.join(_COMPILER.dir, f"{name}_{abs(hash((module, signature, constexprs, num_warps, arch)))}.cubin")
+    out = os.path.join(_COMPILER.dir, f"{name}_{abs(hash((module, signature, constexprs, num_warps, arch, maxnreg)))}.cubin")
     reply = _COMPILER.compile(dict(module=module, file=file, name=name, signature=dict(signature),
-                                   constexprs=dict(constexprs), num_warps=num_warps, arch=arch, out=out))
+                                   constexprs=dict(constexprs), num_warps=num_warps, arch=arch, maxnreg=maxnreg, out=out))
     if not reply["ok"]:
         raise RuntimeError(f"compiling {name} for sm_{arch} failed:\n{reply['error']}")
     sass = subprocess.run([_nvidia_tool("nvdisasm"), "-c", "-gi", out], capture_output=True, text=True, check=True).stdout
@@ -515,6 +516,7 @@ def kernel_sass(fn,                   # a @triton.jit kernel, defined in an impo
                 constexprs: dict,     # constexpr argument -> value
                 num_warps: int = 4,   # warps per program, as the launch passes them
                 arch: int = 90,       # compute capability: 90 is the H100
+                maxnreg: int | None = None,  # the most registers per thread, as the launch passes them (None: ptxas chooses)
                 ) -> KernelSass:
     "Compile `fn` for `sm_{arch}` (no GPU needed) and read back its SASS, registers, stack, local memory and spills."
     py = _python_fn(fn)
@@ -529,7 +531,7 @@ def kernel_sass(fn,                   # a @triton.jit kernel, defined in an impo
         raise ValueError(f"constexprs must give every constexpr argument of signature, missing: {missing}")
     lines, start = inspect.getsourcelines(py)
     return _kernel_sass(module, (file, start, start + len(lines) - 1), py.__name__, tuple(signature.items()), tuple(sorted(constexprs.items())),
-                        num_warps, arch)
+                        num_warps, arch, maxnreg)
 
 # %% ../nbs/14_bench.ipynb #e0072988
 SASS_CLASSES = ("fp32", "fp64", "mufu", "int", "mem", "warp", "control", "other")
@@ -815,6 +817,7 @@ class KernelModel(NamedTuple):
     loops: tuple                     # ((loop head, shape -> trips per enclosing pass), ...) in source order
     bytes: Callable                  # shape -> bytes the launch must read and write in DRAM
     num_warps: Callable = lambda sh: 4
+    maxnreg: Callable = lambda sh: None       # shape -> the launch's register cap per thread (None: ptxas chooses)
     programs: Callable = lambda sh: sh["B"]   # the launch grid
     elements: Callable = lambda sh: sh["n"]   # score elements one program covers
     branches: tuple = ()             # ((if head, shape -> share of programs taking its body), ...): the ifs whose
@@ -895,7 +898,7 @@ def _candidates_model(K, pruned: bool) -> KernelModel:
         lambda sh: (sh["B"] * sh["n"] * 4 + 10 * sh["B"] * _plan(sh)["chunks"] * (sh["k"] + 1) * 12   # scores; candidates
                     + (4 * sh["B"] * _plan(sh)["chunks"] * live_classes(sh, sigma=sh.get("sigma", 2.0))
                        if tiled(sh) else 0)),                                                       # the live tile's scratch
-        num_warps=lambda sh: _plan(sh)["warps"],
+        num_warps=lambda sh: _plan(sh)["warps"], maxnreg=lambda sh: _plan(sh)["maxnreg"],
         programs=lambda sh: sh["B"] * _plan(sh)["chunks"] * _plan(sh)["groups"],
         elements=lambda sh: min(sh["n"], _plan(sh)["BLOCK"]) * _plan(sh)["DRAWS"] / 10,   # per program: its chunk, its share of the draws
         branches=(("if (count >= 0) & (count <= CAP)", lambda sh: float(tiled(sh))),     # the live classes fit the tile
@@ -1080,7 +1083,7 @@ def kernel_cost(name: str,   # a key of KERNEL_MODELS
         raise ValueError(f"the loop table of {name} is stale: the source has {[lp.head for lp in loops]}, "
                          f"the table {[head for head, _ in km.loops]}")
     w = km.num_warps(shape)
-    sass = kernel_sass(km.fn, km.signature, km.constexprs(shape), num_warps=w)
+    sass = kernel_sass(km.fn, km.signature, km.constexprs(shape), num_warps=w, maxnreg=km.maxnreg(shape))
     branches = _model_branches(name, km)
     dyn = dynamic_counts(sass, loops, [trips(shape) for _, trips in km.loops], branches,
                          [share(shape) for _, share in km.branches])

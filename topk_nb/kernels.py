@@ -100,7 +100,7 @@ if HAS_TRITON:
         return bits.to(tl.int64).to(tl.float64, bitcast=True)
 
 # %% ../nbs/16_kernels.ipynb #38b03ee8
-RANDN_BOUND = 5.68        # |tl.randn| <= sqrt(-2 ln 1e-7) = 5.6777 (Box-Muller of u1 >= 1e-7), with a margin of 4e-4
+RANDN_BOUND = 5.68        # |z| <= sqrt(-2 ln 1e-7) = 5.6777 (Box-Muller of u1 >= 1e-7), with a margin of 4e-4
 
 
 def kth_max_row(k: int, # the K of top_K
@@ -133,6 +133,39 @@ if HAS_TRITON:
         tl.store(t_ptr + row, tl.max(x, 0))
 
     @triton.jit
+    def _box_muller(w1, w2):
+        "The pair (rho cos theta, rho sin theta) of two 32-bit words: rho = sqrt(-2 ln u), u = max(w1 / 2^32, 1e-7) to 24 bits, theta = 2 pi w2 / 2^32."
+        u = tl.maximum((w1 >> 8).to(tl.float32) * 5.9604644775390625e-08, 1.0e-7)       # (w1 >> 8) 2^-24, in [1e-7, 1)
+        rho = tl.sqrt(-1.3862943611198906 * tl.log2(u))                                   # -2 ln u = -2 ln 2 log2 u
+        v = w2 + 0x20000000                                              # theta + pi/4, in 2^-32 turns (mod 1)
+        quad = (v >> 30).to(tl.int32)                                    # theta = quad pi/2 + a: the nearest quadrant
+        a = ((v & 0x3FFFFFFF).to(tl.int32) - 0x20000000).to(tl.float32) * 1.4629180792671596e-09   # a in [-pi/4, pi/4)
+        a2 = a * a                                                       # sin a, cos a: minimax polynomials on [-pi/4, pi/4]
+        sin_a = a + a * a2 * (-1.6666654611e-1 + a2 * (8.3321608736e-3 + a2 * -1.9515295891e-4))
+        cos_a = 1.0 + a2 * (-0.5 + a2 * (4.166664568298827e-2 + a2 * (-1.388731625493765e-3 + a2 * 2.443315711809948e-5)))
+        odd = (quad & 1) != 0                                            # cos(quad pi/2 + a), sin(quad pi/2 + a)
+        c = tl.where(odd, sin_a, cos_a)
+        s = tl.where(odd, cos_a, sin_a)
+        return rho * tl.where(((quad + 1) & 2) != 0, -c, c), rho * tl.where((quad & 2) != 0, -s, s)
+
+    @triton.jit
+    def _normals(seed, counter):
+        "The (4 G,) normals of classes 4 q .. 4 q + 3 for the (G,) int64 counters of their groups q: one Philox call, four normals."
+        w0, w1, w2, w3 = tl.randint4x(seed, counter)
+        z0, z1 = _box_muller(w0, w1)
+        z2, z3 = _box_muller(w2, w3)
+        return tl.reshape(tl.join(tl.join(z0, z2), tl.join(z1, z3)), (4 * counter.shape[0],))   # class 4 q + m: z_m
+
+    @triton.jit
+    def _normal(seed, draw, row, n, n_rows, cls):
+        "The (D, W) normals of the (D,) draws and (W,) classes, as `_normals` makes them: class c is word c mod 4 of its group's call."
+        counter = (draw[:, None].to(tl.int64) * n_rows + row) * ((n + 3) // 4) + cls[None, :] // 4
+        w0, w1, w2, w3 = tl.randint4x(seed, counter)
+        high = (cls[None, :] & 2) != 0                                   # classes 4 q + 2, 4 q + 3: the second pair
+        c, s = _box_muller(tl.where(high, w2, w0), tl.where(high, w3, w1))
+        return tl.where((cls[None, :] & 1) != 0, s, c)
+
+    @triton.jit
     def _live_classes(s_ptr, scratch_ptr, base, places, count, row, n, chunk, BLOCK: tl.constexpr):
         "The classes and scores of the first compacted live classes at `places` (W,) (class 0 and score 0 past `count`)."
         valid = places < count
@@ -145,11 +178,11 @@ if HAS_TRITON:
         "The (D, W) tile of s + epsilon z for draws d0 .. d0 + D - 1 (-inf past b_hi and past the live classes), and the draws."
         draw = d0 + tl.arange(0, D)                                      # (D,) draws
         drawn = draw < b_hi
-        counter = (draw[:, None].to(tl.int64) * n_rows + row) * n + cls[None, :]   # the same counters as the chunk's
         if GIVEN_NOISE:
-            zt = tl.load(noise_ptr + counter, mask=drawn[:, None] & valid[None, :], other=0.0).to(tl.float32)
+            flat = (draw[:, None].to(tl.int64) * n_rows + row) * n + cls[None, :]
+            zt = tl.load(noise_ptr + flat, mask=drawn[:, None] & valid[None, :], other=0.0).to(tl.float32)
         else:
-            zt = tl.randn(seed, counter)
+            zt = _normal(seed, draw, row, n, n_rows, cls)                # the same numbers as the whole chunk's
         return tl.where(drawn[:, None] & valid[None, :], s_live[None, :] + epsilon * zt, -float("inf")), draw, drawn
 
     @triton.jit
@@ -210,12 +243,12 @@ if HAS_TRITON:
                         tl.store(cidx_ptr + at + t, chunk * BLOCK + place, mask=drawn)
                         xt = tl.where(tile[None, :] == best[:, None], -float("inf"), xt)
         else:                                                            # every class of the chunk, one draw at a time
+            quads = chunk * (BLOCK // 4) + tl.arange(0, BLOCK // 4)     # (BLOCK / 4,) groups of four classes
             for b in range(b_lo, b_hi):
-                flat = (b * n_rows + row) * n + offs
                 if GIVEN_NOISE:
-                    z = tl.load(noise_ptr + flat, mask=inside, other=0.0).to(tl.float32)
+                    z = tl.load(noise_ptr + (b * n_rows + row) * n + offs, mask=inside, other=0.0).to(tl.float32)
                 else:
-                    z = tl.randn(seed, flat)
+                    z = _normals(seed, (b * n_rows + row) * ((n + 3) // 4) + quads)   # one Philox call per four classes
                 x = tl.where(inside, s + epsilon * z, -float("inf"))
                 out = ((b * n_rows + row) * n_chunks + chunk) * KTH      # (S, B, chunks, KTH) candidates
                 for t in range(KTH):
@@ -278,8 +311,8 @@ def _selection_plan(B: int, n: int, n_samples: int,
                     cap: int,    # live classes a pruned chunk holds in its tile (0: by the chunk's size; -1: no pruning)
                     ) -> dict:
     "How the selection kernels cut a (B, n) problem: the chunk, the chunks per row, the tile of live classes (0: no pruning), the draws per program."
-    block = block or MAX_ROW
-    BLOCK, chunks = (triton.next_power_of_2(n), 1) if n <= block else (block, triton.cdiv(n, block))
+    block = max(4, block or MAX_ROW)                                     # whole groups of four classes
+    BLOCK, chunks = (max(4, triton.next_power_of_2(n)), 1) if n <= block else (block, triton.cdiv(n, block))
     if cap == 0:
         cap = min(BLOCK // 4, 1024) if BLOCK >= PRUNE_MIN else -1
     CAP = triton.next_power_of_2(cap) if 0 < cap < BLOCK else 0
@@ -288,9 +321,11 @@ def _selection_plan(B: int, n: int, n_samples: int,
         draws = n_samples
     else:
         draws = triton.cdiv(n_samples, min(n_samples, triton.cdiv(TARGET_PROGRAMS, B * chunks)))
+    warps = min(16, max(1, BLOCK // 256))
     tile_draws = lambda width: min(triton.next_power_of_2(n_samples), max(1, TILE // width))   # (draws, width) <= TILE
     return dict(BLOCK=BLOCK, chunks=chunks, CAP=CAP, DRAWS=draws, groups=triton.cdiv(n_samples, draws),
-                warps=min(16, max(1, BLOCK // 256)), SMALL=small, DS=tile_draws(small), DC=tile_draws(max(CAP, 1)))
+                warps=warps, maxnreg=64 if warps == 16 else None,   # 16 warps: two programs an SM (64 K registers)
+                SMALL=small, DS=tile_draws(small), DC=tile_draws(max(CAP, 1)))
 
 
 def _select(s: torch.Tensor,                # (B, n) scores, contiguous
@@ -316,7 +351,7 @@ def _select(s: torch.Tensor,                # (B, n) scores, contiguous
     _launch(_perturbed_candidates_kernel, (B, p["chunks"], p["groups"]), s, z, seed, top, scratch, cval, cidx, B, n,
             p["chunks"], epsilon, RANDN_BOUND, KTH=k, N_SAMPLES=n_samples, DRAWS=p["DRAWS"], GIVEN_NOISE=noise is not None,
             PRUNE=p["CAP"] > 0, BLOCK=p["BLOCK"], CAP=max(p["CAP"], 1), SMALL=p["SMALL"], DS=p["DS"], DC=p["DC"],
-            num_warps=p["warps"])
+            num_warps=p["warps"], **({"maxnreg": p["maxnreg"]} if p["maxnreg"] and s.is_cuda else {}))
     mean = torch.empty(B, dtype=torch.float32, **kw)
     idx = torch.empty(n_samples, B, dtype=torch.int64, **kw)
     loss = torch.empty(B if target is not None else 0, dtype=s.dtype, **kw)
