@@ -9,7 +9,6 @@ import json
 import sys
 import tempfile
 import time
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -44,8 +43,13 @@ def _plain(v):
 
 def _imported(name: str, value, namespace: dict) -> bool:
     "Whether `value`, a string, list or dictionary, is the attribute `name` of a loaded module other than the notebook's own (whose globals are `namespace`): imported (`from topk_nb.train import PRESETS`), not assigned."
-    return isinstance(value, (str, list, tuple, dict)) and any(
-        getattr(m, name, None) is value and getattr(m, "__dict__", None) is not namespace for m in list(sys.modules.values()))
+    if not isinstance(value, (str, list, tuple, dict)):
+        return False                                     # numbers and None: the same object says nothing
+    for module in list(sys.modules.values()):
+        names = getattr(module, "__dict__", None)        # its globals as stored: no module `__getattr__` runs
+        if isinstance(names, dict) and names is not namespace and names.get(name) is value:
+            return True
+    return False
 
 
 def namespace_parameters(namespace: dict,  # a notebook's globals, before its body has run
