@@ -77,17 +77,18 @@ def test_pruned_cases_take_both_paths():
 
 
 def test_pruned_selection_takes_each_tile():
-    "One chunk of 64 with a tile of 32 (a quarter tile of 8): rows whose live classes fit the quarter tile, the whole tile, or neither (the whole chunk) all give PyTorch's topk of the given noise."
+    "One chunk of 64 with a tile of 32 (a quarter tile of 8, a sixteenth of 2): rows whose live classes fit the sixteenth, the quarter tile, the whole tile, or none (the whole chunk) all give PyTorch's topk of the given noise."
     g = torch.Generator().manual_seed(5)
-    s = torch.full((3, 64), -50.0)
-    s[0, :2] = 10.0                                                   # 2 live classes: the quarter tile
-    s[1, :20] = 10.0 + 0.01 * torch.arange(20.0)                      # 20: the whole tile
-    s[2] = 0.01 * torch.arange(64.0)                                  # 64: neither
-    s = s + 1e-3 * torch.rand(3, 64, generator=g)                     # no ties
-    z = torch.randn(5, 3, 64, generator=g)
+    s = torch.full((4, 64), -50.0)
+    s[0, :2] = 10.0                                                   # 2 live classes: the sixteenth tile
+    s[1, :5] = 10.0 + 0.01 * torch.arange(5.0)                        # 5: the quarter tile
+    s[2, :20] = 10.0 + 0.01 * torch.arange(20.0)                      # 20: the whole tile
+    s[3] = 0.01 * torch.arange(64.0)                                  # 64: none
+    s = s + 1e-3 * torch.rand(4, 64, generator=g)                     # no ties
+    z = torch.randn(5, 4, 64, generator=g)
     reach = 0.3 * z.abs().amax(0).amax(1, keepdim=True) * 1.001       # as the kernel bounds the given noise
     live = (s + reach >= s.topk(2, dim=-1).values[:, -1:] - reach).sum(1)
-    assert live[0] <= 8 < live[1] <= 32 < live[2], live
+    assert live[0] <= 2 < live[1] <= 8 < live[2] <= 32 < live[3], live
     mean, idx = (t.cpu() for t in kernels.perturbed_kth_triton(s.to(DEV), 2, 0.3, 5, noise=z.to(DEV), cap=32))
     ref = (s + 0.3 * z).topk(2, dim=-1)
     torch.testing.assert_close(mean, ref.values[..., -1].mean(0), rtol=1e-6, atol=1e-5)
@@ -350,7 +351,7 @@ kernels_and_constants = [(K._perturbed_merge_kernel, merge, {"KTH": 5, "N_SAMPLE
                          for sorted_ in (True, False)]
 kernels_and_constants += [(K._perturbed_candidates_kernel, cand, {"KTH": 5, "N_SAMPLES": 10, "DRAWS": 3, "DS": 16, "DC": 4,
                                                                   "GIVEN_NOISE": given, "PRUNE": prune, "BLOCK": 1024,
-                                                                  "CAP": 256, "SMALL": 64})
+                                                                  "CAP": 256, "SMALL": 64, "TINY": 16, "DQ": 16})
                           for given in (False, True) for prune in (False, True)]
 kernels_and_constants += [(K._chunk_top_kernel, ptrs(["s_ptr", "top_ptr"], ["*fp32", "*fp32"]) | dict(n="i32", n_chunks="i32"),
                            {"KTH": 5, "BLOCK": 1024}),

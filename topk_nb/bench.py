@@ -878,17 +878,21 @@ def _candidates_model(K, pruned: bool) -> KernelModel:
     sig = dict(s_ptr="*fp32", noise_ptr="*fp32", seed_ptr="*i64", top_ptr="*fp32", scratch_ptr="*i16", cval_ptr="*fp32",
                cidx_ptr="*i64", n_rows="i32", n="i32", n_chunks="i32", epsilon="fp32", bound="fp32", KTH="constexpr",
                N_SAMPLES="constexpr", DRAWS="constexpr", GIVEN_NOISE="constexpr", PRUNE="constexpr",
-               BLOCK="constexpr", CAP="constexpr", SMALL="constexpr", DS="constexpr", DC="constexpr")
+               BLOCK="constexpr", CAP="constexpr", SMALL="constexpr", DS="constexpr", DC="constexpr",
+               TINY="constexpr", DQ="constexpr")
     prune = lambda sh: pruned and _plan(sh)["CAP"] > 0
     tiled = lambda sh: prune(sh) and _tiled(sh)
-    small = lambda sh: live_classes(sh, sigma=sh.get("sigma", 2.0)) <= _plan(sh)["CAP"] // 4   # the quarter tile holds them
+    small = lambda sh: live_classes(sh, sigma=sh.get("sigma", 2.0)) <= _plan(sh)["SMALL"]   # the quarter tile holds them
+    tiny = lambda sh: live_classes(sh, sigma=sh.get("sigma", 2.0)) <= _plan(sh)["TINY"]     # ... a sixteenth of it
     return KernelModel(
         K._perturbed_candidates_kernel, sig,
         lambda sh: dict(KTH=sh["k"] + 1, N_SAMPLES=10, DRAWS=_plan(sh)["DRAWS"],
                         GIVEN_NOISE=False, PRUNE=prune(sh),
                         BLOCK=_plan(sh)["BLOCK"], CAP=max(1, _plan(sh)["CAP"]), SMALL=_plan(sh)["SMALL"], DS=_plan(sh)["DS"],
-                        DC=_plan(sh)["DC"]),
+                        DC=_plan(sh)["DC"], TINY=_plan(sh)["TINY"], DQ=_plan(sh)["DQ"]),
         (("for b in range(b_lo, b_hi)", lambda sh: 0),                                                  # given noise
+         ("for d0 in range(b_lo, b_hi, DQ)", lambda sh: -(-10 // _plan(sh)["DQ"])),                    # the sixteenth tile
+         ("for t in range(KTH)", lambda sh: sh["k"] + 1),
          ("for d0 in range(b_lo, b_hi, DS)", lambda sh: -(-10 // _plan(sh)["DS"])),                    # the quarter tile
          ("for t in range(KTH)", lambda sh: sh["k"] + 1),
          ("for d0 in range(b_lo, b_hi, DC)", lambda sh: -(-10 // _plan(sh)["DC"])),                    # the whole tile
@@ -902,7 +906,8 @@ def _candidates_model(K, pruned: bool) -> KernelModel:
         programs=lambda sh: sh["B"] * _plan(sh)["chunks"] * _plan(sh)["groups"],
         elements=lambda sh: min(sh["n"], _plan(sh)["BLOCK"]) * _plan(sh)["DRAWS"] / 10,   # per program: its chunk, its share of the draws
         branches=(("if (count >= 0) & (count <= CAP)", lambda sh: float(tiled(sh))),     # the live classes fit the tile
-                  ("if count <= SMALL", lambda sh: float(small(sh)))))                    # ... and a quarter of it
+                  ("if count <= TINY", lambda sh: float(tiny(sh))),                       # ... a sixteenth of it
+                  ("if count <= SMALL", lambda sh: float(small(sh)))))                    # ... else a quarter                    # ... and a quarter of it
 
 
 def _svm32_models(K) -> dict:

@@ -190,8 +190,8 @@ if HAS_TRITON:
                                      n_chunks, epsilon, bound, KTH: tl.constexpr, N_SAMPLES: tl.constexpr,
                                      DRAWS: tl.constexpr, GIVEN_NOISE: tl.constexpr, PRUNE: tl.constexpr,
                                      BLOCK: tl.constexpr, CAP: tl.constexpr, SMALL: tl.constexpr, DS: tl.constexpr,
-                                     DC: tl.constexpr):
-        "Program (row, chunk, group): for each of the group's draws, the KTH largest entries of s + epsilon z in the chunk, largest first, and their classes; with PRUNE, noise only for the classes that can be among them, all the group's draws at once."
+                                     DC: tl.constexpr, TINY: tl.constexpr, DQ: tl.constexpr):
+        "Program (row, chunk, group): for each of the group's draws, the KTH largest entries of s + epsilon z in the chunk, largest first, and their classes; with PRUNE, noise only for the classes that can be among them, all the group's draws at once, on the narrowest of three tiles that holds them."
         row, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)    # int64 row: (S B + row) n passes 2^31
         b_lo = tl.program_id(2) * DRAWS
         b_hi = tl.minimum(b_lo + DRAWS, N_SAMPLES)
@@ -216,7 +216,20 @@ if HAS_TRITON:
             base = ((row * n_chunks + chunk) * tl.num_programs(2) + tl.program_id(2)) * CAP
             tl.store(scratch_ptr + base + tl.cumsum(live.to(tl.int32), 0) - 1, lanes.to(tl.int16), mask=live)
             tl.debug_barrier()                                           # the tile's stores are seen by every thread
-            if count <= SMALL:                                           # a quarter tile holds them: a quarter of the work
+            if count <= TINY:                                            # a sixteenth of the tile holds them
+                tq = tl.arange(0, TINY)                                  # (names of its own: the tiles differ in shape)
+                cq, sq = _live_classes(s_ptr, scratch_ptr, base, tq, count, row, n, chunk, BLOCK)
+                for d0 in range(b_lo, b_hi, DQ):                         # DQ draws at a time, all at once
+                    xq, dq, dnq = _noised_tile(sq, cq, tq < count, seed, noise_ptr, d0, b_hi, row, n, n_rows, epsilon, DQ,
+                                               GIVEN_NOISE)              # (DQ, TINY)
+                    atq = ((dq.to(tl.int64) * n_rows + row) * n_chunks + chunk) * KTH   # (DQ,) into (S, B, chunks, KTH)
+                    for t in range(KTH):
+                        vq, bq = tl.max(xq, 1, return_indices=True)      # (DQ,) one reduction for all the draws
+                        tl.store(cval_ptr + atq + t, vq, mask=dnq)
+                        pq = tl.load(scratch_ptr + base + bq, mask=dnq, other=0).to(tl.int32)
+                        tl.store(cidx_ptr + atq + t, chunk * BLOCK + pq, mask=dnq)
+                        xq = tl.where(tq[None, :] == bq[:, None], -float("inf"), xq)
+            elif count <= SMALL:                                         # a quarter tile holds them: a quarter of the work
                 ts = tl.arange(0, SMALL)                                 # (names of its own: the tiles differ in shape)
                 cs, ss = _live_classes(s_ptr, scratch_ptr, base, ts, count, row, n, chunk, BLOCK)
                 for d0 in range(b_lo, b_hi, DS):                         # DS draws at a time, all at once
@@ -316,7 +329,7 @@ def _selection_plan(B: int, n: int, n_samples: int,
     if cap == 0:
         cap = min(BLOCK // 4, 1024) if BLOCK >= PRUNE_MIN else -1
     CAP = triton.next_power_of_2(cap) if 0 < cap < BLOCK else 0
-    small = max(CAP // 4, 1)
+    small, tiny = max(CAP // 4, 1), max(CAP // 16, 1)                     # the narrower tiles: a quarter, a sixteenth
     if CAP:                                                               # one program per chunk: it compacts once
         draws = n_samples
     else:
@@ -325,7 +338,7 @@ def _selection_plan(B: int, n: int, n_samples: int,
     tile_draws = lambda width: min(triton.next_power_of_2(n_samples), max(1, TILE // width))   # (draws, width) <= TILE
     return dict(BLOCK=BLOCK, chunks=chunks, CAP=CAP, DRAWS=draws, groups=triton.cdiv(n_samples, draws),
                 warps=warps, maxnreg=64 if warps == 16 else None,   # 16 warps: two programs an SM (64 K registers)
-                SMALL=small, DS=tile_draws(small), DC=tile_draws(max(CAP, 1)))
+                SMALL=small, DS=tile_draws(small), DC=tile_draws(max(CAP, 1)), TINY=tiny, DQ=tile_draws(tiny))
 
 
 def _select(s: torch.Tensor,                # (B, n) scores, contiguous
@@ -351,6 +364,7 @@ def _select(s: torch.Tensor,                # (B, n) scores, contiguous
     _launch(_perturbed_candidates_kernel, (B, p["chunks"], p["groups"]), s, z, seed, top, scratch, cval, cidx, B, n,
             p["chunks"], epsilon, RANDN_BOUND, KTH=k, N_SAMPLES=n_samples, DRAWS=p["DRAWS"], GIVEN_NOISE=noise is not None,
             PRUNE=p["CAP"] > 0, BLOCK=p["BLOCK"], CAP=max(p["CAP"], 1), SMALL=p["SMALL"], DS=p["DS"], DC=p["DC"],
+            TINY=p["TINY"], DQ=p["DQ"],
             num_warps=p["warps"], **({"maxnreg": p["maxnreg"]} if p["maxnreg"] and s.is_cuda else {}))
     mean = torch.empty(B, dtype=torch.float32, **kw)
     idx = torch.empty(n_samples, B, dtype=torch.int64, **kw)
