@@ -204,6 +204,8 @@ class Site:
                         cell, used = self.show_doc_output(page, name, cell, own[0] if own else None)
                         placed.update(own[:1] if used else [])
                         anchors += own[1:] if used else own
+                    else:                                       # a method (`Class.method`): its output, no anchor
+                        cell, _ = self.show_doc_output(page, name, cell, None)
                 if SHOW_DOC_ONLY.fullmatch(source.strip()):
                     metadata = cell.get("metadata", {})         # as on nbdev's pages: the output, not the call
                     cell = {**cell, "metadata": {**metadata, "tags": [*metadata.get("tags", []), "remove-input"]}}

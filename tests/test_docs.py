@@ -52,6 +52,17 @@ def test_process_drops_hidden_cells_strips_directives_and_places_anchors():
     assert site.placed["demo"] == {"f", "g"}
 
 
+def test_a_methods_show_doc_output_loses_its_leading_rule():
+    # docutils allows no transition at the start of an output: a method's show_doc output needs the same treatment
+    site = topk_docs.Site()
+    shown = {"output_type": "execute_result", "execution_count": None, "metadata": {}, "data": {
+        "text/plain": "m()", "text/markdown": "---\n\n[source](https://x/f.py#L9){target=\"_blank\"}\n\n### C.m\n\n*Doc.*"}}
+    nb = json.loads(site.process("demo", notebook(("code", "show_doc(C.m)", [shown]))))
+    markdown = nb["cells"][0]["outputs"][0]["data"]["text/markdown"]
+    assert not markdown.lstrip().startswith("---") and '<h3 class="showdoc-name">C.m</h3>' in markdown
+    assert '<a href="https://x/f.py#L9">source</a>' in markdown and "remove-input" in nb["cells"][0]["metadata"]["tags"]
+
+
 def test_front_page_gets_the_site_toctree():
     site = topk_docs.Site()
     nb = json.loads(site.process("index", notebook(("markdown", "# topk_nb", []))))
