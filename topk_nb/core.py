@@ -591,7 +591,7 @@ def _forward(self, scores: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
             loss = self.per_sample_soft(s, _check_probabilities(t, s))
             total = loss.new_tensor(float(len(loss)))                      # mean over the samples
         elif t.dtype == torch.int64 and self.label_smoothing == 0 and (fused := self.kernel_loss(s, t, weight)) is not None:
-            loss, total, ok = fused                                        # the kernels masked, weighed and reduced
+            loss, total, ok = fused                                        # masked, weighted and reduced in the kernels
             check_labels(ok, t, s.shape[1], self.ignore_index)
             check_finite(s, "scores", self.check_finite)
         elif self.weight is None and self.label_smoothing == 0 and all_kept(t, s.shape, self.ignore_index):
