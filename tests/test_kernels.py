@@ -310,32 +310,38 @@ import topk_nb.kernels as K
 ptrs = lambda names, kinds: dict(zip(names, kinds))
 fwd = ptrs(["s_ptr", "y_ptr", "loss_ptr", "lsig_ptr", "rho_ptr", "ckpt_ptr"], ["*fp32", "*i64"] + ["*fp64"] * 4)
 fwd.update(n="i32", n_blocks="i32", inv_ktau_bits="i64", alpha_tau_bits="i64", tau_bits="i64")
-bwd = ptrs(["s_ptr", "y_ptr", "go_ptr", "lsig_ptr", "rho_ptr", "ckpt_ptr", "scratch_ptr", "g_ptr"],
-           ["*fp32", "*i64", "*fp32"] + ["*fp64"] * 4 + ["*fp32"])
-bwd.update(n="i32", n_blocks="i32", inv_ktau_bits="i64")
+bwd = ptrs(["s_ptr", "y_ptr", "go_ptr", "w_ptr", "den_ptr", "lsig_ptr", "rho_ptr", "ckpt_ptr", "scratch_ptr", "g_ptr"],
+           ["*fp32", "*i64", "*fp32", "*fp32", "*fp32"] + ["*fp64"] * 4 + ["*fp32"])
+bwd.update(n="i32", n_blocks="i32", inv_ktau_bits="i64", ignore_index="i32")
+conv = {"REDUCTION": 1, "HAS_WEIGHT": True}        # a module's weighted mean: the conventions in the gradient kernels
 for k, fast in ((1, True), (3, True), (3, False)):
-    for fn, sig in ((K._svm_forward_kernel, fwd), (K._svm_backward_kernel, bwd)):
-        sig = {**sig, "K": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "FAST": "constexpr"}
+    for fn, sig, extra in ((K._svm_forward_kernel, fwd, {}), (K._svm_backward_kernel, bwd, conv)):
+        sig = {**sig, "K": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "FAST": "constexpr",
+               **{name: "constexpr" for name in extra}}
         if not fast:
-            sig = {name: ("*fp64" if name in ("s_ptr", "go_ptr", "g_ptr") else kind) for name, kind in sig.items()}
-        const = {"K": k, "BLOCK_N": 64, "BLOCK_K": triton.next_power_of_2(k + 1), "FAST": fast}
+            sig = {name: ("*fp64" if name in ("s_ptr", "go_ptr", "g_ptr", "den_ptr") else kind) for name, kind in sig.items()}
+        const = {"K": k, "BLOCK_N": 64, "BLOCK_K": triton.next_power_of_2(k + 1), "FAST": fast, **extra}
         assert triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32)).asm["cubin"]
 tile = ptrs(["s_ptr", "y_ptr", "tc_ptr", "te_ptr", "tm_ptr"], ["*fp32", "*i64", "*fp32", "*i32", "*fp32"])
 tile.update(n="i32", n_tiles="i32", tile="i32", d_scale="fp32")
 row = ptrs(["tc_ptr", "te_ptr", "tm_ptr", "loss_ptr", "rho_ptr", "sc_ptr", "se_ptr", "dm_ptr"],
            ["*fp32", "*i32", "*fp32", "*fp32", "*fp64", "*fp32", "*i32", "*fp32"])
 row.update(n_tiles="i32", alpha_tau_bits="i64", tau_bits="i64")
-gtile = ptrs(["s_ptr", "y_ptr", "go_ptr", "rho_ptr", "sc_ptr", "se_ptr", "dm_ptr", "g_ptr", "tc_ptr", "te_ptr", "hd_ptr", "hi_ptr",
-              "hn_ptr"],
-             ["*fp32", "*i64", "*fp32", "*fp64", "*fp32", "*i32", "*fp32", "*fp32", "*fp32", "*i32", "*fp32", "*i64", "*i32"])
-gtile.update(n="i32", n_tiles="i32", tile="i32", d_scale="fp32")
-grow = ptrs(["rho_ptr", "go_ptr", "sc_ptr", "se_ptr", "g_ptr", "tc_ptr", "te_ptr", "hd_ptr", "hi_ptr", "hn_ptr", "fd_ptr", "fi_ptr"],
-            ["*fp64", "*fp32", "*fp32", "*i32", "*fp32", "*fp32", "*i32", "*fp32", "*i64", "*i32", "*fp32", "*i64"])
-grow.update(n="i32", n_tiles="i32")
+gtile = ptrs(["s_ptr", "y_ptr", "go_ptr", "w_ptr", "den_ptr", "rho_ptr", "sc_ptr", "se_ptr", "dm_ptr", "g_ptr", "tc_ptr", "te_ptr",
+              "hd_ptr", "hi_ptr", "hn_ptr"],
+             ["*fp32", "*i64", "*fp32", "*fp32", "*fp32", "*fp64", "*fp32", "*i32", "*fp32", "*fp32", "*fp32", "*i32", "*fp32",
+              "*i64", "*i32"])
+gtile.update(n="i32", n_tiles="i32", tile="i32", d_scale="fp32", ignore_index="i32")
+grow = ptrs(["rho_ptr", "y_ptr", "go_ptr", "w_ptr", "den_ptr", "sc_ptr", "se_ptr", "g_ptr", "tc_ptr", "te_ptr", "hd_ptr", "hi_ptr",
+             "hn_ptr", "fd_ptr", "fi_ptr"],
+            ["*fp64", "*i64", "*fp32", "*fp32", "*fp32", "*fp32", "*i32", "*fp32", "*fp32", "*i32", "*fp32", "*i64", "*i32",
+             "*fp32", "*i64"])
+grow.update(n="i32", n_tiles="i32", ignore_index="i32")
 for k in (1, 3, 9):                                # 9: the forward's class loop is a loop above k = 8
     lanes, hmax = {"K": k, "L": 32, "LOG_L": 5, "R": 8}, triton.next_power_of_2(3 * k + 2)
     for fn, sig, const in ((K._svm32_tile_kernel, tile, lanes), (K._svm32_row_kernel, row, {"K": k}),
-                           (K._svm32_grad_tile_kernel, gtile, {**lanes, "HMAX": hmax}), (K._svm32_grad_row_kernel, grow, {"K": k, "HMAX": hmax})):
+                           (K._svm32_grad_tile_kernel, gtile, {**lanes, "HMAX": hmax, **conv}),
+                           (K._svm32_grad_row_kernel, grow, {"K": k, "HMAX": hmax, **conv})):
         sig = {**sig, **{name: "constexpr" for name in const}}
         assert triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32)).asm["cubin"]
 cand = ptrs(["s_ptr", "noise_ptr", "seed_ptr", "top_ptr", "scratch_ptr", "cval_ptr", "cidx_ptr"],
@@ -344,8 +350,12 @@ cand.update(n_rows="i32", n="i32", n_chunks="i32", epsilon="fp32", bound="fp32")
 merge = ptrs(["cval_ptr", "cidx_ptr", "s_ptr", "y_ptr", "margin_ptr", "mean_ptr", "idx_ptr", "loss_ptr"],
              ["*fp32", "*i64", "*fp64", "*i64", "*fp64", "*fp32", "*i64", "*fp64"])
 merge.update(n_rows="i32", n="i32", n_cand="i32", alpha_bits="i64", scale_bits="i64")
-grad = ptrs(["idx_ptr", "go_ptr", "loss_ptr", "y_ptr", "g_ptr"], ["*i64", "*fp64", "*fp64", "*i64", "*fp64"])
-grad.update(n_rows="i32", n="i32", scale_bits="i64")
+grad = ptrs(["idx_ptr", "go_ptr", "loss_ptr", "y_ptr", "w_ptr", "den_ptr", "g_ptr"],
+            ["*i64", "*fp64", "*fp64", "*i64", "*fp32", "*fp64", "*fp64"])
+grad.update(n_rows="i32", n="i32", scale_bits="i64", ignore_index="i32")
+finish = ptrs(["loss_ptr", "mean_ptr", "s_ptr", "margin_ptr", "y_ptr", "w_ptr", "wl_ptr", "out_ptr", "den_ptr", "ok_ptr"],
+              ["*fp32", "*fp32", "*fp32", "*fp64", "*i64", "*fp32", "*fp32", "*fp32", "*fp32", "*i1"])
+finish.update(n_rows="i32", n="i32", ignore_index="i32", alpha_bits="i64", scale_bits="i64")
 kernels_and_constants = [(K._perturbed_merge_kernel, merge, {"KTH": 5, "N_SAMPLES": 3, "S_PAD": 4, "SORTED": sorted_,
                                                              "HINGE": True, "HAS_MARGIN": True, "BLOCK": 1024})
                          for sorted_ in (True, False)]
@@ -357,7 +367,12 @@ kernels_and_constants += [(K._chunk_top_kernel, ptrs(["s_ptr", "top_ptr"], ["*fp
                            {"KTH": 5, "BLOCK": 1024}),
                           (K._row_top_kernel, ptrs(["top_ptr", "t_ptr"], ["*fp32", "*fp32"]) | dict(n_cand="i32"),
                            {"KTH": 5, "BLOCK": 64})]
-kernels_and_constants += [(K._perturbed_grad_kernel, grad, {"N_SAMPLES": 3, "HINGE": hinge, "BLOCK": 1024}) for hinge in (False, True)]
+kernels_and_constants += [(K._perturbed_grad_kernel, grad, {"N_SAMPLES": 3, "HINGE": hinge, "REDUCTION": reduction,
+                                                            "HAS_WEIGHT": reduction == 1, "BLOCK": 1024})
+                          for hinge, reduction in ((False, -1), (True, -1), (True, 1))]
+kernels_and_constants += [(K._finish_kernel, finish, {"REDUCTION": reduction, "HAS_WEIGHT": reduction == 1, "HINGE": hinge,
+                                                      "HAS_MARGIN": hinge, "BLOCK": 256})
+                          for reduction in (0, 1, 2) for hinge in (False, True)]
 for fn, sig, const in kernels_and_constants:
     sig = {**sig, **{name: "constexpr" for name in const}}
     assert triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32)).asm["cubin"]
@@ -373,3 +388,100 @@ def test_svm_kernels_compile_for_a_gpu():
     out = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0 and "compiled" in out.stdout, out.stderr[-2000:]
 
+
+
+# --- the loss modules' conventions inside the kernels ------------------------------------------------------------
+
+from topk_nb.losses import get_loss  # noqa: E402
+
+
+def _by_hand(rows, y, weight, ignore_index, reduction):
+    "nn.CrossEntropyLoss's conventions applied to each row's loss (float64): weighted, 0 where ignored, weighted mean."
+    keep = y != ignore_index
+    w = (torch.ones(rows.shape[0], dtype=torch.float64) if weight is None
+         else weight.double()[torch.where(keep, y, 0)])
+    w = torch.where(keep, w, 0.0)
+    wl = torch.where(keep, rows * w, 0.0)
+    return {"none": wl, "sum": wl.sum(), "mean": wl.sum() / w.sum()}[reduction]
+
+
+_CONVENTIONS = {"plain": {}, "weight, ignored rows": {"weight": True, "ignore": -100}, "ignore_index a class": {"ignore": 5}}
+
+
+def _labels_and_kwargs(case, n, g):
+    y = torch.randint(0, n, (6,), generator=g)
+    kw, spec = {}, _CONVENTIONS[case]
+    if spec.get("weight"):
+        kw["weight"] = torch.rand(n, generator=g) + 0.5
+    if "ignore" in spec:
+        y[[1, 4]] = spec["ignore"]
+        kw["ignore_index"] = spec["ignore"]
+    return y, kw
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("case", list(_CONVENTIONS))
+def test_smooth_svm_module_applies_the_conventions_in_the_kernels(dtype, reduction, case):
+    "The module on the kernels' path (float32: the extended-float kernels; float64: the scans) equals the float64 tree loss with the conventions applied by hand, value and gradient."
+    g = torch.Generator().manual_seed(7)
+    s = 2 * torch.randn(6, 30, generator=g, dtype=dtype)
+    y, kw = _labels_and_kwargs(case, 30, g)
+    crit = get_loss("smooth_svm", k=3, tau=0.5, reduction=reduction, check_finite=False, **kw)
+    x = s.clone().to(DEV).requires_grad_()
+    with force_sync_free(), kernels.force_triton():
+        assert crit.kernel_loss(x.detach(), y.to(DEV), None) is not None          # the kernels' path
+        out = crit(x, y.to(DEV))
+        out.sum().backward()
+    x64 = s.double().clone().requires_grad_()
+    rows = tree_svm_loss(x64, torch.where(y == kw.get("ignore_index", -100), 0, y), 3, 0.5, 1.0)
+    ref = _by_hand(rows, y, kw.get("weight"), kw.get("ignore_index", -100), reduction)
+    ref.sum().backward()
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-10, atol=1e-12)
+    assert out.dtype == dtype and out.shape == ref.shape
+    torch.testing.assert_close(out.cpu().double(), ref.detach(), **tol)
+    torch.testing.assert_close(x.grad.cpu().double(), x64.grad, **tol)
+
+
+@pytest.mark.parametrize("name", ["noised_bal", "noised_imbal"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("case", list(_CONVENTIONS))
+def test_noised_modules_apply_the_conventions_in_the_kernels(name, reduction, case):
+    "The noised modules on the kernels' path: the hinge of the same draws with the conventions applied by hand, and eq. (12) scaled by each row's weight (over the mean's denominator)."
+    g = torch.Generator().manual_seed(11)
+    s = torch.randn(6, 30, generator=g, dtype=torch.float64)
+    y, kw = _labels_and_kwargs(case, 30, g)
+    counts = torch.randint(1, 50, (30,), generator=g)
+    extra = dict(class_counts=counts, scale=2.0) if name == "noised_imbal" else {}
+    crit = get_loss(name, k=3, epsilon=0.4, n_samples=5, reduction=reduction, check_finite=False,
+                    generator=torch.Generator().manual_seed(1), **extra, **kw)
+    x = s.clone().to(DEV).requires_grad_()
+    with force_sync_free(), kernels.force_triton():
+        out = crit(x, y.to(DEV))
+        out.sum().backward()
+    mean, idx = (t.cpu() for t in kernels.perturbed_kth_triton(s.to(DEV), 4, 0.4, 5, generator=torch.Generator().manual_seed(1)))
+    yc = torch.where(y == kw.get("ignore_index", -100), 0, y)
+    margin, scale = (margins_from_counts(counts)[yc], 2.0) if name == "noised_imbal" else (1.0, 1.0)
+    x64 = s.clone().requires_grad_()
+    hinge = margin + mean.double() - x64.gather(1, yc[:, None])[:, 0]      # the draws held: a function of s_y alone
+    ref = _by_hand(scale * F.relu(hinge), y, kw.get("weight"), kw.get("ignore_index", -100), reduction)
+    ref.sum().backward()
+    torch.testing.assert_close(out.cpu(), ref.detach(), rtol=1e-10, atol=1e-12)
+    go = -x64.grad.gather(1, yc[:, None])                                   # dL/d(row's hinge) per row, from s_y's gradient
+    expected = go * (F.one_hot(idx, 30).double().mean(0) - F.one_hot(yc, 30).double())   # eq. (12) and -s_y, per row
+    torch.testing.assert_close(x.grad.cpu(), expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["smooth_svm", "noised_bal"])
+def test_module_kernels_refuse_labels_that_are_no_class(name):
+    "A label neither a class nor ignore_index: a one-line error on the host path, the device-side assert on the sync-free path (raised at once on a CPU tensor)."
+    crit = get_loss(name, k=3, check_finite=False)
+    s, y = torch.randn(4, 20, device=DEV), torch.tensor([0, 20, 3, -100], device=DEV)
+    if DEV.type == "cpu":
+        with kernels.force_triton(), pytest.raises(ValueError, match=r"class indices in \[0, 19\], got values in \[0, 20\]"):
+            crit(s, y)
+    with force_sync_free(), kernels.force_triton():
+        assert crit.kernel_loss(s, y, None) is not None
+        if DEV.type == "cpu":
+            with pytest.raises(RuntimeError, match=r"class indices in \[0, 19\]"):
+                crit(s, y)

@@ -26,12 +26,13 @@ from .losses import LOSSES, get_loss
 from .models import get_model
 
 # %% auto #0
-__all__ = ['SYNCING_OPS', 'SASS_CLASSES', 'F64_CHAIN', 'H100', 'KERNEL_MODELS', 'COST_STEPS', 'BUDGETS', 'time_interleaved',
-           'bench_scores', 'bench_loss', 'largest_tensor', 'peak_memory', 'loss_speed', 'esp_speed', 'epoch_times',
-           'OpCall', 'op_calls', 'aten_ops', 'syncing_ops', 'op_table', 'SassInstr', 'KernelSass', 'parse_sass',
-           'kernel_sass', 'sass_class', 'f64_transcendentals', 'SourceLoop', 'source_loops', 'SourceBranch',
-           'source_branches', 'sass_loops', 'dynamic_counts', 'estimate_time', 'ce_triton', 'KernelModel', 'StepModel',
-           'live_classes', 'kernel_cost', 'cost_table', 'Budget', 'within_budget', 'print_cost_table']
+__all__ = ['SYNCING_OPS', 'SASS_CLASSES', 'F64_CHAIN', 'H100', 'MODULE_MEAN', 'KERNEL_MODELS', 'COST_STEPS', 'BUDGETS',
+           'time_interleaved', 'bench_scores', 'bench_loss', 'largest_tensor', 'peak_memory', 'loss_speed', 'esp_speed',
+           'epoch_times', 'OpCall', 'op_calls', 'aten_ops', 'syncing_ops', 'op_table', 'SassInstr', 'KernelSass',
+           'parse_sass', 'kernel_sass', 'sass_class', 'f64_transcendentals', 'SourceLoop', 'source_loops',
+           'SourceBranch', 'source_branches', 'sass_loops', 'dynamic_counts', 'estimate_time', 'ce_triton',
+           'KernelModel', 'StepModel', 'live_classes', 'kernel_cost', 'cost_table', 'Budget', 'within_budget',
+           'print_cost_table']
 
 # %% ../nbs/14_bench.ipynb #f6ddc67b
 def time_interleaved(fns: Sequence[Callable[[], object]], device="cpu", rounds: int = 5, block: int = 3,
@@ -307,6 +308,7 @@ def syncing_ops(counter: Counter  # from `aten_ops`
 def op_table(names: Sequence[str] | None = None,  # registry losses; all by default
              batch: int = 256, n: int = 1000, k: int = 5, seed: int = 0,
              path: str = "sync-free",  # 'sync-free' (PyTorch code a GPU runs), 'cuda' (with the fused kernels of chapter 16, through Triton's interpreter on a CPU) or 'host' (CPU eager)
+             conventions: dict | None = None,  # nn.CrossEntropyLoss's keywords (weight, ignore_index) for every loss, F.cross_entropy too
              ) -> list[dict]:
     "Forward+backward aten op counts of F.cross_entropy and registry losses (check_finite=False): all, kernel launches (aten kernels plus Triton), float64, host-syncing with their callers."
     if path not in ("sync-free", "cuda", "host"):
@@ -316,7 +318,9 @@ def op_table(names: Sequence[str] | None = None,  # registry losses; all by defa
         raise RuntimeError("path='cuda' counts the fused kernels on CPU tensors: it needs Triton and TRITON_INTERPRET=1 "
                            "(set before the first import of torch; topk_nb sets it on machines without CUDA)")
     scores, target = bench_scores(batch, n, seed=seed)
-    fns = {"F.cross_entropy": F.cross_entropy, **{name: bench_loss(name, n, k, check_finite=False) for name in names or LOSSES}}
+    conv = conventions or {}
+    fns = {"F.cross_entropy": lambda s, t: F.cross_entropy(s, t, **conv),
+           **{name: bench_loss(name, n, k, check_finite=False, **conv) for name in names or LOSSES}}
     rows = []
     for name, fn in fns.items():
         step, calls = fwd_bwd(fn, scores, target), []
@@ -910,6 +914,10 @@ def _candidates_model(K, pruned: bool) -> KernelModel:
                   ("if count <= SMALL", lambda sh: float(small(sh)))))                    # ... else a quarter                    # ... and a quarter of it
 
 
+MODULE_MEAN = dict(REDUCTION=1, HAS_WEIGHT=False)   # the conventions' constants of the gradient and finishing kernels
+                                                    # as the tables use them: a loss module's mean, without class weights
+
+
 def _svm32_models(K) -> dict:
     "The float32 smooth SVM kernels (extended floats), as `svm32_plan` launches them, on rows without a head (the backward's Horner recurrence alone)."
     plan = lambda sh: K.svm32_plan(sh["B"], sh["n"])                       # (L, R, tile, tiles)
@@ -923,14 +931,18 @@ def _svm32_models(K) -> dict:
     row = ptr(["tc_ptr", "te_ptr", "tm_ptr", "loss_ptr", "rho_ptr", "sc_ptr", "se_ptr", "dm_ptr"],
               ["*fp32", "*i32", "*fp32", "*fp32", "*fp64", "*fp32", "*i32", "*fp32"])
     row.update(n_tiles="i32", alpha_tau_bits="i64", tau_bits="i64", K="constexpr")
-    gtile = ptr(["s_ptr", "y_ptr", "go_ptr", "rho_ptr", "sc_ptr", "se_ptr", "dm_ptr", "g_ptr", "tc_ptr", "te_ptr", "hd_ptr",
-                 "hi_ptr", "hn_ptr"], ["*fp32", "*i64", "*fp32", "*fp64", "*fp32", "*i32", "*fp32", "*fp32", "*fp32",
-                                       "*i32", "*fp32", "*i64", "*i32"])
-    gtile.update(n="i32", n_tiles="i32", tile="i32", d_scale="fp32", K="constexpr", L="constexpr", LOG_L="constexpr",
-                 R="constexpr", HMAX="constexpr")
-    grow = ptr(["rho_ptr", "go_ptr", "sc_ptr", "se_ptr", "g_ptr", "tc_ptr", "te_ptr", "hd_ptr", "hi_ptr", "hn_ptr", "fd_ptr", "fi_ptr"],
-               ["*fp64", "*fp32", "*fp32", "*i32", "*fp32", "*fp32", "*i32", "*fp32", "*i64", "*i32", "*fp32", "*i64"])
-    grow.update(n="i32", n_tiles="i32", K="constexpr", HMAX="constexpr")
+    gtile = ptr(["s_ptr", "y_ptr", "go_ptr", "w_ptr", "den_ptr", "rho_ptr", "sc_ptr", "se_ptr", "dm_ptr", "g_ptr", "tc_ptr",
+                 "te_ptr", "hd_ptr", "hi_ptr", "hn_ptr"],
+                ["*fp32", "*i64", "*fp32", "*fp32", "*fp32", "*fp64", "*fp32", "*i32", "*fp32", "*fp32", "*fp32", "*i32",
+                 "*fp32", "*i64", "*i32"])
+    gtile.update(n="i32", n_tiles="i32", tile="i32", d_scale="fp32", ignore_index="i32", K="constexpr", L="constexpr",
+                 LOG_L="constexpr", R="constexpr", HMAX="constexpr", REDUCTION="constexpr", HAS_WEIGHT="constexpr")
+    grow = ptr(["rho_ptr", "y_ptr", "go_ptr", "w_ptr", "den_ptr", "sc_ptr", "se_ptr", "g_ptr", "tc_ptr", "te_ptr", "hd_ptr",
+                "hi_ptr", "hn_ptr", "fd_ptr", "fi_ptr"],
+               ["*fp64", "*i64", "*fp32", "*fp32", "*fp32", "*fp32", "*i32", "*fp32", "*fp32", "*i32", "*fp32", "*i64",
+                "*i32", "*fp32", "*i64"])
+    grow.update(n="i32", n_tiles="i32", ignore_index="i32", K="constexpr", HMAX="constexpr", REDUCTION="constexpr",
+                HAS_WEIGHT="constexpr")
     once = lambda sh: 1
     # An unrolled loop (static_range) inside a loop of the program has no SASS loop of its own; the outer loop's SASS
     # loop can be attributed to it (its lines are the body's), so both carry the passes of the outer loop. The forward
@@ -951,14 +963,14 @@ def _svm32_models(K) -> dict:
             lambda sh: poly(sh) + sh["B"] * (4 + 8 + (sh["k"] + 1) * 8),
             num_warps=lambda sh: 1),
         "smooth_svm32_grad_tile": KernelModel(
-            K._svm32_grad_tile_kernel, gtile, lambda sh: {**lanes(sh), "HMAX": hmax(sh)},
+            K._svm32_grad_tile_kernel, gtile, lambda sh: {**lanes(sh), "HMAX": hmax(sh), **MODULE_MEAN},
             (("for t0 in range(0, tile, L * R)", lambda sh: 0), ("for r in range(R)", lambda sh: plan(sh)[1]),  # a row with
              ("for lev in range(LOG_L)", lambda sh: 0),                                                      # a head
              ("for t0 in range(0, tile, L * R)", steps), ("for r in tl.static_range(R)", steps)),       # a row without
             lambda sh: 2 * sh["B"] * sh["n"] * 4,                           # the scores, the gradient
             num_warps=lambda sh: plan(sh)[0] // 32, programs=lambda sh: sh["B"] * plan(sh)[3], elements=lambda sh: plan(sh)[2]),
         "smooth_svm32_grad_row": KernelModel(
-            K._svm32_grad_row_kernel, grow, lambda sh: dict(K=sh["k"], HMAX=hmax(sh)),
+            K._svm32_grad_row_kernel, grow, lambda sh: dict(K=sh["k"], HMAX=hmax(sh), **MODULE_MEAN),
             (("for p in range(n_tiles)", lambda sh: plan(sh)[3]), ("for p in range(1, n_tiles)", lambda sh: 0),
              ("for gi in range(hc)", lambda sh: 0)),
             lambda sh: sh["B"] * plan(sh)[3] * 4 + sh["B"] * 8,                # the tiles' head counts
@@ -972,9 +984,10 @@ def _kernel_models() -> dict:
     from topk_nb import bench as ce                 # the package's kernels (importable), also when this chapter runs
     svm_fwd = dict(zip(["s_ptr", "y_ptr", "loss_ptr", "lsig_ptr", "rho_ptr", "ckpt_ptr"], ["*fp32", "*i64"] + ["*fp64"] * 4))
     svm_fwd.update(n="i32", n_blocks="i32", inv_ktau_bits="i64", alpha_tau_bits="i64", tau_bits="i64")   # doubles' bits
-    svm_bwd = dict(zip(["s_ptr", "y_ptr", "go_ptr", "lsig_ptr", "rho_ptr", "ckpt_ptr", "scratch_ptr", "g_ptr"],
-                       ["*fp32", "*i64", "*fp32"] + ["*fp64"] * 4 + ["*fp32"]))
-    svm_bwd.update(n="i32", n_blocks="i32", inv_ktau_bits="i64")
+    svm_bwd = dict(zip(["s_ptr", "y_ptr", "go_ptr", "w_ptr", "den_ptr", "lsig_ptr", "rho_ptr", "ckpt_ptr", "scratch_ptr", "g_ptr"],
+                       ["*fp32", "*i64", "*fp32", "*fp32", "*fp32"] + ["*fp64"] * 4 + ["*fp32"]))
+    svm_bwd.update(n="i32", n_blocks="i32", inv_ktau_bits="i64", ignore_index="i32", REDUCTION="constexpr",
+                   HAS_WEIGHT="constexpr")
     blocks = lambda sh: dict(K=sh["k"], BLOCK_N=_svm_shape(sh)[0], BLOCK_K=_svm_shape(sh)[2], FAST=True)   # float32 scores
     const = {"K": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "FAST": "constexpr"}
     return {
@@ -1000,7 +1013,7 @@ def _kernel_models() -> dict:
                  idx_ptr="*i64", loss_ptr="*fp32", n_rows="i32", n="i32", n_cand="i32", alpha_bits="i64",
                  scale_bits="i64", KTH="constexpr", N_SAMPLES="constexpr", S_PAD="constexpr", SORTED="constexpr",
                  HINGE="constexpr", HAS_MARGIN="constexpr", BLOCK="constexpr"),
-            lambda sh: dict(KTH=sh["k"] + 1, N_SAMPLES=10, S_PAD=16, SORTED=_plan(sh)["chunks"] == 1, HINGE=True,
+            lambda sh: dict(KTH=sh["k"] + 1, N_SAMPLES=10, S_PAD=16, SORTED=_plan(sh)["chunks"] == 1, HINGE=False,   # a module's: the hinge in `finish`
                             HAS_MARGIN=False, BLOCK=_pow2(_plan(sh)["chunks"] * (sh["k"] + 1))),
             (("for b in range(N_SAMPLES)", lambda sh: 10),         # one chunk: the draws' K-th candidates added in order
              ("for b in range(N_SAMPLES)", lambda sh: 10),         # several: each draw's K-th of the candidates
@@ -1009,9 +1022,10 @@ def _kernel_models() -> dict:
             num_warps=lambda sh: min(16, max(1, _pow2(_plan(sh)["chunks"] * (sh["k"] + 1)) // 256))),
         "perturbed_grad": KernelModel(
             K._perturbed_grad_kernel,
-            dict(idx_ptr="*i64", go_ptr="*fp32", loss_ptr="*fp32", y_ptr="*i64", g_ptr="*fp32", n_rows="i32", n="i32",
-                 scale_bits="i64", N_SAMPLES="constexpr", HINGE="constexpr", BLOCK="constexpr"),
-            lambda sh: dict(N_SAMPLES=10, HINGE=True, BLOCK=min(1024, _pow2(sh["n"]))),
+            dict(idx_ptr="*i64", go_ptr="*fp32", loss_ptr="*fp32", y_ptr="*i64", w_ptr="*fp32", den_ptr="*fp32", g_ptr="*fp32",
+                 n_rows="i32", n="i32", scale_bits="i64", ignore_index="i32", N_SAMPLES="constexpr", HINGE="constexpr",
+                 REDUCTION="constexpr", HAS_WEIGHT="constexpr", BLOCK="constexpr"),
+            lambda sh: dict(N_SAMPLES=10, HINGE=True, **MODULE_MEAN, BLOCK=min(1024, _pow2(sh["n"]))),
             (("for b in range(N_SAMPLES)", lambda sh: 10),),
             lambda sh: sh["B"] * (sh["n"] * 4 + 10 * 8 + 16),                 # the gradient, written once; indices
             programs=lambda sh: sh["B"] * -(-sh["n"] // min(1024, _pow2(sh["n"]))),
@@ -1021,12 +1035,23 @@ def _kernel_models() -> dict:
             (("for blk in range(0, n_blocks)", lambda sh: _svm_shape(sh)[1]), ("for j in range(1, K + 1)", lambda sh: sh["k"])),
             lambda sh: sh["B"] * (sh["n"] * 4 + _svm_shape(sh)[1] * _svm_shape(sh)[2] * 8 + 8 + 40)),  # + checkpoints
         "smooth_svm_backward": KernelModel(
-            K._svm_backward_kernel, {**svm_bwd, **const}, blocks,
+            K._svm_backward_kernel, {**svm_bwd, **const}, lambda sh: {**blocks(sh), **MODULE_MEAN},
             (("for bb in range(0, n_blocks)", lambda sh: _svm_shape(sh)[1]), ("for j in range(1, K)", lambda sh: sh["k"] - 1),
              ("for j in range(1, K)", lambda sh: sh["k"] - 1)),
             lambda sh: sh["B"] * (3 * sh["n"] * 4 + _svm_shape(sh)[1] * _svm_shape(sh)[2] * 8   # scores twice, gradient
                                   + sh["k"] * _svm_shape(sh)[0] * 8)),                           # + one block's prefixes
         **_svm32_models(K),
+        **{name: KernelModel(                                # one program: the rows in blocks of up to 1024
+            K._finish_kernel,
+            dict(loss_ptr="*fp32", mean_ptr="*fp32", s_ptr="*fp32", margin_ptr="*fp64", y_ptr="*i64", w_ptr="*fp32",
+                 wl_ptr="*fp32", out_ptr="*fp32", den_ptr="*fp32", ok_ptr="*i1", n_rows="i32", n="i32", ignore_index="i32",
+                 alpha_bits="i64", scale_bits="i64", REDUCTION="constexpr", HAS_WEIGHT="constexpr", HINGE="constexpr",
+                 HAS_MARGIN="constexpr", BLOCK="constexpr"),
+            lambda sh, hinge=hinge: dict(**MODULE_MEAN, HINGE=hinge, HAS_MARGIN=False, BLOCK=min(1024, _pow2(sh["B"]))),
+            (("for start in range(0, n_rows, BLOCK)", lambda sh: -(-sh["B"] // min(1024, _pow2(sh["B"])))),),
+            lambda sh, hinge=hinge: sh["B"] * (8 + 4 + 4 + (8 if hinge else 0)),   # labels, loss (or mean and s_y), rows out
+            programs=lambda sh: 1, elements=lambda sh: sh["B"])
+           for name, hinge in (("finish", False), ("finish, hinge", True))},
         "ce_forward": KernelModel(
             ce._ce_forward_kernel, dict(s_ptr="*fp32", y_ptr="*i64", loss_ptr="*fp32", lse_ptr="*fp32", n="i32",
                                      BLOCK="constexpr"),
@@ -1046,20 +1071,22 @@ KERNEL_MODELS = _kernel_models()
 _NOISED_SHAPES = (*(dict(B=256, n=n, k=5) for n in (100, 1000, 8192, 100_000, 1_000_000)),
                   dict(B=256, n=1000, k=20), dict(B=256, n=100_000, k=20), dict(B=4096, n=1000, k=5))
 from .kernels import PRUNE_MIN
-_NOISED_LAUNCHES = 22  # op_table(path='cuda') of the registry's noised_bal: 3 Triton kernels, the seed, the mean, the module's
-                       # checks and reductions (n < PRUNE_MIN; pruning adds the two threshold kernels)
+_NOISED_LAUNCHES = 8   # op_table(path='cuda') of the registry's noised_bal: 4 Triton kernels (candidates, merge, finish,
+                       # gradient), the seed, the labels' assert, the step's sum and its gradient (n < PRUNE_MIN; pruning
+                       # adds the two threshold kernels)
 _SVM_SHAPES = tuple(dict(B=256, n=n, k=k) for n in (1000, 100_000) for k in (5, 20))
 COST_STEPS = {
     "F.cross_entropy": StepModel(("ce_forward", "ce_backward"), 6, ()),
-    "noised_bal": StepModel(("perturbed_candidates", "perturbed_merge", "perturbed_grad"), _NOISED_LAUNCHES,
+    "noised_bal": StepModel(("perturbed_candidates", "perturbed_merge", "finish, hinge", "perturbed_grad"), _NOISED_LAUNCHES,
                             tuple(sh for sh in _NOISED_SHAPES if sh["n"] < PRUNE_MIN)),
-    "noised_bal, pruned": StepModel(("chunk_top", "row_top", "perturbed_candidates", "perturbed_merge", "perturbed_grad"),
+    "noised_bal, pruned": StepModel(("chunk_top", "row_top", "perturbed_candidates", "perturbed_merge", "finish, hinge",
+                                     "perturbed_grad"),
                                     _NOISED_LAUNCHES + 2, tuple(sh for sh in _NOISED_SHAPES if sh["n"] >= PRUNE_MIN)),
-    "noised_bal, unpruned": StepModel(("perturbed_candidates, unpruned", "perturbed_merge", "perturbed_grad"),
+    "noised_bal, unpruned": StepModel(("perturbed_candidates, unpruned", "perturbed_merge", "finish, hinge", "perturbed_grad"),
                                       _NOISED_LAUNCHES, tuple(sh for sh in _NOISED_SHAPES if sh["n"] >= PRUNE_MIN)),
-    "smooth_svm": StepModel(("smooth_svm32_tile", "smooth_svm32_row", "smooth_svm32_grad_tile", "smooth_svm32_grad_row"),
-                            22, _SVM_SHAPES),
-    "smooth_svm, k > SVM32_MAX_K": StepModel(("smooth_svm_forward", "smooth_svm_backward"), 20,
+    "smooth_svm": StepModel(("smooth_svm32_tile", "smooth_svm32_row", "finish", "smooth_svm32_grad_tile",
+                             "smooth_svm32_grad_row"), 8, _SVM_SHAPES),   # 5 Triton, the labels' assert, the step's sum, its gradient
+    "smooth_svm, k > SVM32_MAX_K": StepModel(("smooth_svm_forward", "finish", "smooth_svm_backward"), 6,
                                               tuple(dict(B=256, n=n, k=100) for n in (1000, 100_000))),
 }
 

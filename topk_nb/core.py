@@ -26,7 +26,7 @@ __all__ = ['FLOAT_DTYPES', 'REDUCTIONS', 'CONVENTIONS', 'PEER_SPELLINGS', 'sync_
            'check_reduction', 'reduce_loss', 'scores_without_target', 'target_rank', 'topk_correct', 'topk_accuracy',
            'macro_topk_accuracy', 'brute_esp', 'brute_log_esp', 'log_binom', 'workspace', 'time_fn', 'median_time',
            'fwd_bwd', 'twice_differentiable', 'selected_hinge', 'flatten_classes', 'check_weight', 'LossModule',
-           'loss_dtype', 'check_loss_finite', 'all_kept']
+           'loss_dtype', 'check_loss_finite', 'all_kept', 'check_labels']
 
 # %% ../nbs/00_core.ipynb #576df6fa
 _SYNC_FREE = threading.local()
@@ -485,6 +485,10 @@ class LossModule(nn.Module):
         "The loss of each row of `scores` (N, n) for class indices `labels` (N,): (N,). Subclasses define it."
         raise NotImplementedError
 
+    def kernel_loss(self, scores: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor | None):
+        "The loss of `scores` (N, n) for int64 `labels` (N,) by fused kernels that apply the conventions themselves: (the loss, reduced or (N,), the mean's denominator, whether every label is a class or ignore_index), or None where no kernel takes these scores (here: never; the losses with kernels define it)."
+        return None
+
 # %% ../nbs/00_core.ipynb #3042e908
 def _support(probs: torch.Tensor, max_support: int | None) -> int:
     "How many classes of each row to sum over: the largest support (host path) or a bound known without read-back."
@@ -566,15 +570,30 @@ def all_kept(t: torch.Tensor,   # (N,) class indices
     return lo.item() >= 0 and hi.item() < n
 
 
+def check_labels(ok: torch.Tensor,    # () bool: a kernel's flag that every label is a class or ignore_index
+                 t: torch.Tensor,     # (N,) the labels
+                 n: int,              # the number of classes
+                 ignore_index: int) -> None:
+    "Act on a kernel's flag: asserted on the device on the sync-free path, as `check_target` asserts, else read back and, if down, raise naming the labels' range."
+    if sync_free(ok):
+        torch._assert_async(ok, f"target must hold class indices in [0, {n - 1}]")
+    elif not ok.item():
+        check_target(torch.where(t != ignore_index, t, 0), n, len(t))     # raises, naming the range
+
+
 def _forward(self, scores: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     "The loss of `scores` (B, n) or (B, n, d_1, ...) for `target` class indices (B, d_1, ...) or probabilities (the scores' shape), with nn.CrossEntropyLoss's conventions."
     s, t, shape = flatten_classes(scores, target)                     # floating scores, matching target shapes
-    weight, out_dtype = check_weight(self.weight, s.shape[1]), loss_dtype(scores)
+    weight, out_dtype, fused = check_weight(self.weight, s.shape[1]), loss_dtype(scores), None
     with torch.autocast(s.device.type, enabled=False):
         s = s if s.dtype in (torch.float32, torch.float64) else s.float()   # (N, n), half computed in float32
         if t.is_floating_point():
             loss = self.per_sample_soft(s, _check_probabilities(t, s))
             total = loss.new_tensor(float(len(loss)))                      # mean over the samples
+        elif t.dtype == torch.int64 and self.label_smoothing == 0 and (fused := self.kernel_loss(s, t, weight)) is not None:
+            loss, total, ok = fused                                        # masked, weighted and reduced in the kernels
+            check_labels(ok, t, s.shape[1], self.ignore_index)
+            check_finite(s, "scores", self.check_finite)
         elif self.weight is None and self.label_smoothing == 0 and all_kept(t, s.shape, self.ignore_index):
             with thread_flag(_KEPT):                                       # the range is read once, here
                 loss, total = self.per_sample(s, t), len(t)                # nothing to mask or weigh: no extra pass
@@ -590,7 +609,8 @@ def _forward(self, scores: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
                 loss = torch.where(keep, self.per_sample(s, labels), 0.0)        # ignored rows count 0, even NaN
                 loss = loss if self.weight is None else loss * w
             total = w.sum()
-    if self.reduction == "mean": loss = loss.sum() / total
+    if fused is not None: loss = loss.reshape(shape) if self.reduction == "none" else loss
+    elif self.reduction == "mean": loss = loss.sum() / total
     elif self.reduction == "sum": loss = loss.sum()
     else: loss = loss.reshape(shape)
     count = total if self.reduction == "mean" else None                  # a mean over no sample is NaN, as in nn.CrossEntropyLoss

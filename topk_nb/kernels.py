@@ -27,10 +27,10 @@ except ImportError:                            # pragma: no cover - CPU-only tor
 _OPS = "topk_nb" if __name__.startswith("topk_nb") else "topk_nb_chapter"
 
 # %% auto #0
-__all__ = ['MAX_ROW', 'MAX_KTH', 'RANDN_BOUND', 'PRUNE_MIN', 'TARGET_PROGRAMS', 'TILE', 'SVM_MAX_K', 'SVM32_MAX_K',
-           'force_triton', 'triton_ok', 'count_launches', 'f64_bits', 'kth_max_row', 'perturbed_kth_triton',
-           'triton_sampled_topk_value', 'triton_noised_hinge', 'svm_triton_ok', 'svm_blocks', 'smooth_svm_triton',
-           'svm32_plan']
+__all__ = ['MAX_ROW', 'MAX_KTH', 'ROWS', 'REDUCTION_CODES', 'RANDN_BOUND', 'PRUNE_MIN', 'TARGET_PROGRAMS', 'TILE', 'SVM_MAX_K',
+           'SVM32_MAX_K', 'force_triton', 'triton_ok', 'count_launches', 'f64_bits', 'kth_max_row',
+           'perturbed_kth_triton', 'triton_sampled_topk_value', 'triton_noised_hinge', 'noised_hinge_fused',
+           'svm_triton_ok', 'svm_blocks', 'smooth_svm_triton', 'smooth_svm_fused', 'svm32_plan']
 
 # %% ../nbs/16_kernels.ipynb #c63387a8
 _FORCE = threading.local()
@@ -98,6 +98,134 @@ if HAS_TRITON:
     def _f64(bits):
         "The float64 whose bits `f64_bits` passed (an int32 argument when the bits fit, as for 0.0)."
         return bits.to(tl.int64).to(tl.float64, bitcast=True)
+
+# %% ../nbs/16_kernels.ipynb #24a2f1ed
+ROWS = -1                 # the functional losses' per-row loss: no weights, no ignore_index, no finishing kernel
+REDUCTION_CODES = {"none": 0, "mean": 1, "sum": 2}   # a module's reduction, as the operators take it
+
+
+if HAS_TRITON:
+    @triton.jit
+    def _class_label(y_ptr, row, n):
+        "The row's label where it is a class, else 0: a label to read the scores at."
+        y = tl.load(y_ptr + row)
+        return tl.where((y >= 0) & (y < n), y, 0)
+
+    @triton.jit
+    def _row_go(y_ptr, go_ptr, w_ptr, den_ptr, row, n, ignore_index, REDUCTION: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+        "dL / d(the row's loss) under the conventions: the upstream gradient (the row's, or the reduced loss's) times the class weight, over the mean's denominator; 0 where the label is ignored or no class. And the label as `_class_label` reads it."
+        y = tl.load(y_ptr + row)
+        cls = (y >= 0) & (y < n)
+        keep = cls & (y != ignore_index)
+        yc = tl.where(cls, y, 0)
+        if REDUCTION <= 0:                                               # per row: the row's own gradient
+            go = tl.load(go_ptr + row)
+        else:                                                            # reduced: the one number's
+            go = tl.load(go_ptr)
+        if HAS_WEIGHT:
+            go = go * tl.load(w_ptr + yc).to(go.dtype)
+        if REDUCTION == 1:                                               # the mean: over the sum of the weights
+            go = go / tl.load(den_ptr).to(go.dtype)
+        return tl.where(keep, go, 0.0), yc
+
+    @triton.jit
+    def _finish_kernel(loss_ptr, mean_ptr, s_ptr, margin_ptr, y_ptr, w_ptr, wl_ptr, out_ptr, den_ptr, ok_ptr, n_rows, n,
+                       ignore_index, alpha_bits, scale_bits, REDUCTION: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+                       HINGE: tl.constexpr, HAS_MARGIN: tl.constexpr, BLOCK: tl.constexpr):
+        "One program: each row's loss weighted (0 where ignored, NaN where the label is no class), the mean or the sum, the sum of the weights, and whether every label is a class or ignored. With HINGE the loss is scale (margin + mean - s_y)_+ of the merge kernel's mean, the margin per class (HAS_MARGIN) or alpha."
+        lanes = tl.arange(0, BLOCK)
+        num = tl.zeros([BLOCK], tl.float64)
+        den = tl.zeros([BLOCK], tl.float64)
+        bad = tl.zeros([BLOCK], tl.int32)
+        for start in range(0, n_rows, BLOCK):                            # rows in order: the same sums every run
+            rows = start + lanes
+            inside = rows < n_rows
+            y = tl.load(y_ptr + rows, mask=inside, other=0)
+            keep = inside & (y != ignore_index)
+            cls = (y >= 0) & (y < n)
+            yc = tl.where(cls, y, 0)
+            if HINGE:                                                    # as the merge kernel computes it, in the scores' dtype
+                s_y = tl.load(s_ptr + rows.to(tl.int64) * n + yc, mask=inside, other=0.0)
+                if HAS_MARGIN:
+                    margin = tl.load(margin_ptr + yc).to(s_y.dtype)
+                else:
+                    margin = _f64(alpha_bits).to(s_y.dtype)
+                mean = tl.load(mean_ptr + rows, mask=inside, other=0.0)
+                loss = _f64(scale_bits).to(s_y.dtype) * tl.maximum(margin + mean.to(s_y.dtype) - s_y, 0.0)
+            else:
+                loss = tl.load(loss_ptr + rows, mask=inside, other=0.0)
+            if HAS_WEIGHT:
+                w = tl.load(w_ptr + yc).to(loss.dtype)
+            else:
+                w = tl.full([BLOCK], 1.0, loss.dtype)
+            wl = tl.where(keep, tl.where(cls, loss * w, float("nan")), 0.0)   # ignored rows count 0, even NaN
+            tl.store(wl_ptr + rows, wl, mask=inside)
+            num += wl.to(tl.float64)
+            den += tl.where(keep & cls, w, 0.0).to(tl.float64)
+            bad += (keep & ~cls).to(tl.int32)
+        total, count = tl.sum(num, 0), tl.sum(den, 0)
+        if REDUCTION == 1:                                               # divided in the loss's dtype: no float64 division
+            tl.store(out_ptr, total.to(out_ptr.dtype.element_ty) / count.to(out_ptr.dtype.element_ty))   # 0 / 0: NaN
+        if REDUCTION == 2:
+            tl.store(out_ptr, total)
+        tl.store(den_ptr, count)
+        tl.store(ok_ptr, tl.sum(bad, 0) == 0)
+
+
+def _finish(loss: Optional[torch.Tensor],   # (B,) each row's loss, or None: the noised hinge, from `mean`
+            target: torch.Tensor,           # (B,) int64 labels, as given
+            weight: Optional[torch.Tensor], # (n,) class weights on the device, or None
+            n: int, ignore_index: int,
+            reduction: int,                 # a value of REDUCTION_CODES
+            mean: Optional[torch.Tensor] = None,    # the hinge: (B,) the merge kernel's mean
+            s: Optional[torch.Tensor] = None,       # the hinge: (B, n) the scores
+            margin: Optional[torch.Tensor] = None,  # the hinge: (n,) a margin per class, or None: `alpha`
+            alpha: float = 1.0, scale: float = 1.0,
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    "Launch `_finish_kernel`: the loss as the module returns it ((B,) for 'none', else ()), the weighted rows (B,) ((0,) for 'none': the loss is they), the denominator () and the labels' flag () bool."
+    B, dtype, dev = target.shape[0], (s if loss is None else loss).dtype, target.device
+    wl = torch.empty(B, dtype=dtype, device=dev)
+    out = wl if reduction == 0 else torch.empty((), dtype=dtype, device=dev)
+    den, ok = torch.empty((), dtype=dtype, device=dev), torch.empty((), dtype=torch.bool, device=dev)
+    block = min(1024, triton.next_power_of_2(max(B, 1)))
+    some = loss if loss is not None else mean                          # a pointer for the arguments a variant never reads
+    _launch(_finish_kernel, (1,), some, some if mean is None else mean, some if s is None else s,
+            some if margin is None else margin, target, some if weight is None else weight, wl, out, den, ok, B, n,
+            ignore_index, f64_bits(alpha), f64_bits(scale), REDUCTION=reduction, HAS_WEIGHT=weight is not None,
+            HINGE=loss is None, HAS_MARGIN=margin is not None, BLOCK=block, num_warps=4)
+    return out, (wl if reduction else wl.new_empty(0)), den, ok
+
+
+def _conventions(loss: torch.Tensor,             # (B,) each row's loss
+                 target: torch.Tensor,           # (B,) int64 labels, as given
+                 weight: Optional[torch.Tensor], # (n,) class weights on the device, or None
+                 n: int, ignore_index: int,
+                 reduction: int,                 # ROWS or a value of REDUCTION_CODES
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    "What `_finish` returns for the rows' `loss`; with ROWS, the rows themselves (and placeholders: nothing launched)."
+    if reduction == ROWS:
+        return loss, loss.new_empty(0), loss.new_empty(()), torch.empty((), dtype=torch.bool, device=loss.device)
+    return _finish(loss, target, weight, n, ignore_index, reduction)
+
+
+def _conventions_fake(s: torch.Tensor, reduction: int) -> tuple[torch.Tensor, ...]:
+    "The shapes and dtypes `_conventions` returns for scores `s`, for the operators' fake implementations."
+    B = s.shape[0]
+    return (s.new_empty((B,) if reduction <= 0 else ()), s.new_empty((B,) if reduction > 0 else (0,)), s.new_empty(()),
+            s.new_empty((), dtype=torch.bool))
+
+
+def _row_grads(grad: torch.Tensor,             # the gradient of the operator's loss: (B,) or ()
+               target: torch.Tensor, weight: Optional[torch.Tensor], den: torch.Tensor,
+               n: int, ignore_index: int, reduction: int) -> torch.Tensor:
+    "`_row_go` by PyTorch operators, differentiable in `grad`: dL / d(each row's loss) (B,), for a second derivative."
+    keep = (target >= 0) & (target < n) & (target != ignore_index)
+    go = grad if reduction <= 0 else grad.expand(target.shape[0])
+    if weight is not None:
+        go = go * weight.to(go)[torch.where(keep, target, 0)]
+    if reduction == 1:
+        go = go / den
+    return torch.where(keep, go, 0.0)
 
 # %% ../nbs/16_kernels.ipynb #38b03ee8
 RANDN_BOUND = 5.68        # |z| <= sqrt(-2 ln 1e-7) = 5.6777 (Box-Muller of u1 >= 1e-7), with a margin of 4e-4
@@ -418,37 +546,45 @@ def perturbed_kth_triton(scores: torch.Tensor,   # (..., n) scores
 # %% ../nbs/16_kernels.ipynb #103ba18c
 if HAS_TRITON:
     @triton.jit
-    def _perturbed_grad_kernel(idx_ptr, go_ptr, loss_ptr, y_ptr, g_ptr, n_rows, n, scale_bits,
-                               N_SAMPLES: tl.constexpr, HINGE: tl.constexpr, BLOCK: tl.constexpr):
-        "Program (row, block): the block of the row's gradient, go/S at each draw's index (eq. 12); with HINGE, go scale [loss > 0] and -go at y."
+    def _perturbed_grad_kernel(idx_ptr, go_ptr, loss_ptr, y_ptr, w_ptr, den_ptr, g_ptr, n_rows, n, scale_bits, ignore_index,
+                               N_SAMPLES: tl.constexpr, HINGE: tl.constexpr, REDUCTION: tl.constexpr,
+                               HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr):
+        "Program (row, block): the block of the row's gradient, go/S at each draw's index (eq. 12); with HINGE, go (under the conventions, `_row_go`) scale [loss > 0] and -go at y."
         row = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        go = tl.load(go_ptr + row).to(g_ptr.dtype.element_ty)
         if HINGE:                                                        # through scale (.)_+ : zero where the hinge is
+            go, y = _row_go(y_ptr, go_ptr, w_ptr, den_ptr, row, n, ignore_index, REDUCTION, HAS_WEIGHT)
+            go = go.to(g_ptr.dtype.element_ty)
             go = tl.where(tl.load(loss_ptr + row) > 0, go * _f64(scale_bits).to(go.dtype), 0.0)
+        else:
+            go = tl.load(go_ptr + row).to(g_ptr.dtype.element_ty)
         share = go / N_SAMPLES
         acc = tl.zeros([BLOCK], dtype=g_ptr.dtype.element_ty)
         for b in range(N_SAMPLES):                                       # the draws' indices, one addition each
             acc += tl.where(offs == tl.load(idx_ptr + b * n_rows + row), share, 0.0)
         if HINGE:
-            acc = tl.where(offs == tl.load(y_ptr + row), acc - go, acc)  # the gradient of -s_y
+            acc = tl.where(offs == y, acc - go, acc)                     # the gradient of -s_y
         tl.store(g_ptr + row * n + offs, acc, mask=offs < n)
 
 
 def _grad_launch(idx: torch.Tensor,       # (S, B) each draw's index
-                 go: torch.Tensor,        # (B,) the output's gradient
+                 go: torch.Tensor,        # the output's gradient: (B,), or () of a reduced hinge
                  shape, dtype,            # the scores' (B, n) and dtype
-                 loss: Optional[torch.Tensor] = None,    # (B,) the hinge loss: with it, the hinge's backward
-                 target: Optional[torch.Tensor] = None,  # (B,) classes, with `loss`
+                 loss: Optional[torch.Tensor] = None,    # (B,) the hinge loss (weighted rows): with it, the hinge's backward
+                 target: Optional[torch.Tensor] = None,  # (B,) labels, with `loss`
                  scale: float = 1.0,
+                 weight: Optional[torch.Tensor] = None,  # (n,) class weights, or None
+                 den: Optional[torch.Tensor] = None,     # () the mean's denominator, for reduction 'mean'
+                 ignore_index: int = -1, reduction: int = ROWS,   # the hinge's conventions (`_row_go`)
                  ) -> torch.Tensor:
     "The gradient (B, n), each element written once by `_perturbed_grad_kernel`."
     (B, n), S = shape, idx.shape[0]
     block = min(1024, triton.next_power_of_2(n))
     g = torch.empty(shape, dtype=dtype, device=go.device)
     _launch(_perturbed_grad_kernel, (B, triton.cdiv(n, block)), idx, go.contiguous(),
-            go if loss is None else loss, go if target is None else target, g, B, n, f64_bits(scale),
-            N_SAMPLES=S, HINGE=loss is not None, BLOCK=block, num_warps=4)
+            go if loss is None else loss, go if target is None else target, go if weight is None else weight,
+            go if den is None else den, g, B, n, f64_bits(scale), ignore_index,
+            N_SAMPLES=S, HINGE=loss is not None, REDUCTION=reduction, HAS_WEIGHT=weight is not None, BLOCK=block, num_warps=4)
     return g
 
 
@@ -456,15 +592,18 @@ def _grad_launch(idx: torch.Tensor,       # (S, B) each draw's index
 def _perturbed_grad_op(idx: torch.Tensor,              # (S, B) each draw's index
                        go: torch.Tensor,               # (B,) the output's gradient
                        loss: Optional[torch.Tensor],   # (B,) the hinge loss, or None: the value's backward
-                       target: Optional[torch.Tensor], # (B,) classes, with `loss`
+                       target: Optional[torch.Tensor], # (B,) labels, with `loss`
+                       weight: Optional[torch.Tensor], # (n,) class weights, or None
+                       den: Optional[torch.Tensor],    # () the mean's denominator, or None
                        n: int, dtype: torch.dtype, scale: float,
+                       ignore_index: int, reduction: int,   # the hinge's conventions: ROWS for none
                        ) -> torch.Tensor:
     "The gradient kernel as an operator, so that compiled graphs call it too: (B, n) in `dtype`."
-    return _grad_launch(idx, go, (idx.shape[1], n), dtype, loss, target, scale)
+    return _grad_launch(idx, go, (idx.shape[1], n), dtype, loss, target, scale, weight, den, ignore_index, reduction)
 
 
 @_perturbed_grad_op.register_fake
-def _perturbed_grad_fake(idx, go, loss, target, n, dtype, scale):
+def _perturbed_grad_fake(idx, go, loss, target, weight, den, n, dtype, scale, ignore_index, reduction):
     return go.new_empty(idx.shape[1], n, dtype=dtype)
 
 
@@ -481,7 +620,8 @@ def _kth_grad(ctx, grad, unused):
     if grad is None:                                                              # the value took no part
         return None, None, None, None, None, None, None, None
     (idx,) = ctx.saved_tensors                                                    # (S, B)
-    return _perturbed_grad_op(idx, grad, None, None, ctx.shape[1], ctx.dtype, 1.0), None, None, None, None, None, None, None
+    return (_perturbed_grad_op(idx, grad, None, None, None, None, ctx.shape[1], ctx.dtype, 1.0, -1, ROWS),
+            None, None, None, None, None, None, None)
 
 
 _perturbed_kth_op.register_autograd(_kth_grad, setup_context=_kth_setup_context)
@@ -495,37 +635,46 @@ def triton_sampled_topk_value(scores: torch.Tensor, k: int, epsilon: float, n_sa
 # %% ../nbs/16_kernels.ipynb #aeab89b2
 @torch.library.custom_op(f"{_OPS}::noised_hinge", mutates_args=())
 def _noised_hinge_op(s: torch.Tensor,                 # (B, n) scores, contiguous
-                     target: torch.Tensor,            # (B,) classes, int64
-                     margin: Optional[torch.Tensor],  # (B,) per-row margins, or None: `alpha` for every row
+                     target: torch.Tensor,            # (B,) labels, int64
+                     margin: Optional[torch.Tensor],  # margins: (B,) one per row with ROWS, else (n,) one per class; or None: `alpha`
                      seed: torch.Tensor,              # (1,) int64 on the scores' device
+                     weight: Optional[torch.Tensor],  # (n,) class weights on the device, or None
                      k: int, epsilon: float, n_samples: int,
                      alpha: float,                    # the margin when `margin` is None
                      scale: float,                    # the factor of the hinge
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    "scale (margin + mean_b top_K(s + eps Z_b) - s_y)_+ per row, in the scores' dtype, and each draw's index (S, B)."
-    _, idx, loss = _select(s, seed, None, k, epsilon, n_samples, 0, 0, target, margin, alpha, scale)
-    return loss, idx
+                     ignore_index: int,               # the label of the samples that count for nothing
+                     reduction: int,                  # ROWS (the per-row hinge, nothing else) or a value of REDUCTION_CODES
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    "scale (margin + mean_b top_K(s + eps Z_b) - s_y)_+: with ROWS per row by the merge kernel, else through `_finish`; (loss, weighted rows, denominator, labels' flag as `_conventions` gives them, each draw's index (S, B))."
+    if reduction == ROWS:
+        _, idx, loss = _select(s, seed, None, k, epsilon, n_samples, 0, 0, target, margin, alpha, scale)
+        return (*_conventions(loss, target, weight, s.shape[1], ignore_index, ROWS), idx)
+    mean, idx, _ = _select(s, seed, None, k, epsilon, n_samples, 0, 0)
+    return (*_finish(None, target, weight, s.shape[1], ignore_index, reduction, mean, s, margin, alpha, scale), idx)
 
 
 @_noised_hinge_op.register_fake
-def _noised_hinge_fake(s, target, margin, seed, k, epsilon, n_samples, alpha, scale):
-    return s.new_empty(s.shape[0]), s.new_empty(n_samples, s.shape[0], dtype=torch.int64)
+def _noised_hinge_fake(s, target, margin, seed, weight, k, epsilon, n_samples, alpha, scale, ignore_index, reduction):
+    return (*_conventions_fake(s, reduction), s.new_empty(n_samples, s.shape[0], dtype=torch.int64))
 
 
 def _hinge_setup_context(ctx, inputs, output):
-    "Keep the indices, the loss (where it is positive the hinge passes the gradient) and the classes."
-    ctx.save_for_backward(output[1], output[0], inputs[1])
-    ctx.mark_non_differentiable(output[1])
+    "Keep the indices, the rows' loss (where it is positive the hinge passes the gradient), the labels, the weights and the denominator."
+    out, wl, den, _, idx = output
+    ctx.save_for_backward(idx, out if inputs[11] <= 0 else wl, inputs[1], inputs[4], den)
+    ctx.mark_non_differentiable(wl, den, output[3], idx)
     ctx.set_materialize_grads(False)
-    ctx.shape, ctx.dtype, ctx.scale = inputs[0].shape, inputs[0].dtype, inputs[8]
+    ctx.shape, ctx.dtype, ctx.scale, ctx.ignore_index, ctx.reduction = inputs[0].shape, inputs[0].dtype, *inputs[9:12]
 
 
-def _hinge_grad(ctx, grad, unused):
-    "Eq. (12) through scale (.)_+ and -s_y: one kernel writes the whole gradient."
+def _hinge_grad(ctx, grad, *unused):
+    "Eq. (12) through scale (.)_+, -s_y and the conventions: one kernel writes the whole gradient."
     if grad is None:
-        return (None,) * 9
-    idx, loss, target = ctx.saved_tensors
-    return (_perturbed_grad_op(idx, grad, loss, target, ctx.shape[1], ctx.dtype, ctx.scale),) + (None,) * 8
+        return (None,) * 12
+    idx, loss, target, weight, den = ctx.saved_tensors
+    g = _perturbed_grad_op(idx, grad, loss, target, weight, den, ctx.shape[1], ctx.dtype, ctx.scale, ctx.ignore_index,
+                           ctx.reduction)
+    return (g,) + (None,) * 11
 
 
 _noised_hinge_op.register_autograd(_hinge_grad, setup_context=_hinge_setup_context)
@@ -554,8 +703,28 @@ def triton_noised_hinge(scores: torch.Tensor,           # (B, n) scores, float32
     else:
         m, alpha = None, check_real(margin, "margin")
     s = scores.contiguous()
-    loss, _ = _noised_hinge_op(s, target.contiguous(), m, _device_seed(generator, s.device), k, epsilon, S, alpha, scale)
-    return loss
+    seed = _device_seed(generator, s.device)
+    return _noised_hinge_op(s, target.contiguous(), m, seed, None, k, epsilon, S, alpha, scale, -1, ROWS)[0]
+
+
+def noised_hinge_fused(scores: torch.Tensor,           # (B, n) scores, float32 or float64
+                       target: torch.Tensor,           # (B,) int64 labels: classes, or ignore_index
+                       k: int,                         # the K of top_K (the noised losses' k + 1), checked by the caller
+                       epsilon: float, n_samples: int, # noise scale (> 0) and draws, checked by the caller
+                       margins: torch.Tensor | None,   # (n,) a margin per class (not differentiated), or None: `alpha`
+                       alpha: float, scale: float,     # the margin without `margins`; the factor of the hinge
+                       generator: torch.Generator | None,
+                       weight: torch.Tensor | None,    # (n,) a weight per class, or None
+                       ignore_index: int,              # the label of the samples that count for nothing
+                       reduction: str,                 # 'mean', 'sum' or 'none'
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    "A loss module's noised hinge with nn.CrossEntropyLoss's conventions in the kernels: the loss (reduced, or (B,) weighted rows), the mean's denominator () and whether every label is a class or ignored () (the caller asserts it)."
+    s, dev = scores.contiguous(), scores.device
+    m = None if margins is None else margins.detach().to(device=dev)
+    w = None if weight is None else weight.to(device=dev)
+    out, _, den, ok, _ = _noised_hinge_op(s, target.contiguous(), m, _device_seed(generator, dev), w, k, epsilon, n_samples,
+                                          alpha, scale, ignore_index, REDUCTION_CODES[reduction])
+    return out, den, ok
 
 # %% ../nbs/16_kernels.ipynb #b0b16e9c
 SVM_MAX_K = 100           # the largest k the smooth SVM kernels take (the degrees are unrolled into k scans)
@@ -657,7 +826,7 @@ if HAS_TRITON:
         row = tl.program_id(0).to(tl.int64)                              # int64: row n passes 2^31
         inv_ktau, alpha_tau, tau = _f64(inv_ktau_bits), _f64(alpha_tau_bits), _f64(tau_bits)
         rk, lanes = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_N)          # degrees (BLOCK_K,), classes (BLOCK_N,)
-        y = tl.load(y_ptr + row)
+        y = _class_label(y_ptr, row, n)                                   # a label that is no class reads class 0
         carry = tl.where(rk == 0, 0.0, float("-inf")).to(tl.float64)     # (BLOCK_K,) log sigma_j before the block
         for blk in range(0, n_blocks):
             offs = blk * BLOCK_N + lanes
@@ -683,16 +852,17 @@ if HAS_TRITON:
 # %% ../nbs/16_kernels.ipynb #2e02a397
 if HAS_TRITON:
     @triton.jit
-    def _svm_backward_kernel(s_ptr, y_ptr, go_ptr, lsig_ptr, rho_ptr, ckpt_ptr, scratch_ptr, g_ptr, n, n_blocks, inv_ktau_bits,
+    def _svm_backward_kernel(s_ptr, y_ptr, go_ptr, w_ptr, den_ptr, lsig_ptr, rho_ptr, ckpt_ptr, scratch_ptr, g_ptr, n, n_blocks,
+                             inv_ktau_bits, ignore_index, REDUCTION: tl.constexpr, HAS_WEIGHT: tl.constexpr,
                              K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FAST: tl.constexpr):
         "Program `row`: dL/ds by leave-one-out prefixes (recomputed from the checkpoint) and suffixes, blocks last to first."
         row = tl.program_id(0).to(tl.int64)                              # int64: row n passes 2^31
         inv_ktau = _f64(inv_ktau_bits)
         rk, lanes = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_N)
         rev = BLOCK_N - 1 - lanes                                         # lane r holds class rev[r] of the block
-        y = tl.load(y_ptr + row)
+        go, y = _row_go(y_ptr, go_ptr, w_ptr, den_ptr, row, n, ignore_index, REDUCTION, HAS_WEIGHT)   # dL/d(row's loss)
         lk1, lk = tl.load(lsig_ptr + 2 * row), tl.load(lsig_ptr + 2 * row + 1)
-        w = tl.load(rho_ptr + row) * tl.load(go_ptr + row).to(tl.float64) / K    # dL/ds_i = w (pi_k,i - pi_k-1,i)
+        w = tl.load(rho_ptr + row) * go.to(tl.float64) / K    # dL/ds_i = w (pi_k,i - pi_k-1,i)
         scr = scratch_ptr + row * K * BLOCK_N                             # (K, BLOCK_N) this row's prefixes A_0..A_{K-1}
         sc = tl.where(rk == 0, 0.0, float("-inf")).to(tl.float64)        # (BLOCK_K,) log sigma_j after the block
         for bb in range(0, n_blocks):
@@ -747,68 +917,84 @@ def _svm_state(s: torch.Tensor,  # (B, n) scores
 # %% ../nbs/16_kernels.ipynb #3b3831cc
 @torch.library.custom_op(f"{_OPS}::smooth_svm_forward", mutates_args=())
 def _svm_forward_op(s: torch.Tensor,       # (B, n) float32 or float64 scores, contiguous
-                    target: torch.Tensor,  # (B,) int64 class indices, contiguous
+                    target: torch.Tensor,  # (B,) int64 labels, contiguous
+                    weight: Optional[torch.Tensor],   # (n,) class weights on the device, or None
                     k: int, tau: float, alpha: float,
                     block_n: int,          # classes per block (0: the default of `svm_blocks`)
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    "The forward kernel as an operator: (loss (B,), log sigma (B, 2), rho (B,), checkpoints); one launch, and `torch.compile` calls it as it is."
+                    ignore_index: int,     # the label of the samples that count for nothing
+                    reduction: int,        # ROWS (the per-row loss, nothing else) or a value of REDUCTION_CODES
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    "The forward kernel, then `_finish` (none with ROWS), as an operator: (loss, weighted rows, denominator, labels' flag, log sigma (B, 2), rho (B,), checkpoints); `torch.compile` calls it as it is."
     (B, n), (BN, nb, BK) = s.shape, svm_blocks(s.shape[1], k, block_n or None)
     loss, lsig, rho, ckpt = _svm_state(s, k, block_n)
     _launch(_svm_forward_kernel, (B,), s, target, loss, lsig, rho, ckpt, n, nb, f64_bits(1.0 / (k * tau)), f64_bits(alpha / tau), f64_bits(tau),
             K=k, BLOCK_N=BN, BLOCK_K=BK, FAST=s.dtype == torch.float32)
-    return loss, lsig, rho, ckpt
+    return (*_conventions(loss, target, weight, n, ignore_index, reduction), lsig, rho, ckpt)
 
 
 @_svm_forward_op.register_fake
-def _svm_forward_fake(s, target, k, tau, alpha, block_n):
-    return _svm_state(s, k, block_n)
+def _svm_forward_fake(s, target, weight, k, tau, alpha, block_n, ignore_index, reduction):
+    return (*_conventions_fake(s, reduction), *_svm_state(s, k, block_n)[1:])
 
 # %% ../nbs/16_kernels.ipynb #70e9befa
 @torch.library.custom_op(f"{_OPS}::smooth_svm_backward", mutates_args=())
-def _svm_backward_op(s: torch.Tensor, target: torch.Tensor,
-                     grad: torch.Tensor,   # (B,) dL/d loss
+def _svm_backward_op(s: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
+                     grad: torch.Tensor,   # dL/d loss: (B,) per row, or () of the reduced loss
+                     den: torch.Tensor,    # () the mean's denominator, from the forward operator
                      lsig: torch.Tensor, rho: torch.Tensor, ckpt: torch.Tensor,   # from the forward operator
-                     k: int, tau: float, block_n: int) -> torch.Tensor:
-    "The backward kernel as an operator: dL/ds (B, n) in the scores' dtype; one launch and a float64 scratch of (B, k, BLOCK_N)."
+                     k: int, tau: float, block_n: int, ignore_index: int, reduction: int) -> torch.Tensor:
+    "The backward kernel as an operator: dL/ds (B, n) in the scores' dtype, the conventions applied by `_row_go`; one launch and a float64 scratch of (B, k, BLOCK_N)."
     (B, n), (BN, nb, BK) = s.shape, svm_blocks(s.shape[1], k, block_n or None)
     scratch = torch.empty(B, k, BN, dtype=torch.float64, device=s.device)   # each row's prefixes of one block
     out = torch.empty_like(s)
-    _launch(_svm_backward_kernel, (B,), s, target, grad.contiguous(), lsig, rho, ckpt, scratch, out, n, nb,
-            f64_bits(1.0 / (k * tau)), K=k, BLOCK_N=BN, BLOCK_K=BK, FAST=s.dtype == torch.float32)
+    _launch(_svm_backward_kernel, (B,), s, target, grad.contiguous(), grad if weight is None else weight, den, lsig, rho, ckpt,
+            scratch, out, n, nb, f64_bits(1.0 / (k * tau)), ignore_index, REDUCTION=reduction, HAS_WEIGHT=weight is not None,
+            K=k, BLOCK_N=BN, BLOCK_K=BK, FAST=s.dtype == torch.float32)
     return out
 
 
 @_svm_backward_op.register_fake
-def _svm_backward_fake(s, target, grad, lsig, rho, ckpt, k, tau, block_n):
+def _svm_backward_fake(s, target, weight, grad, den, lsig, rho, ckpt, k, tau, block_n, ignore_index, reduction):
     return torch.empty_like(s)
 
 # %% ../nbs/16_kernels.ipynb #b192b8a1
 def _svm_setup_context(ctx, inputs, output):
-    "Keep what a backward operator reads: the scores, the labels and the forward's outputs but the loss; k, tau, alpha and the layout (block_n or tile)."
-    s, target, k, tau, alpha, layout = inputs
-    ctx.save_for_backward(s, target, *output[1:])
+    "Keep what a backward operator reads: the scores, the labels, the weights, the denominator and the forward's state; k, tau, alpha, the layout (block_n or tile), ignore_index and the reduction."
+    s, target, weight, k, tau, alpha, layout, ignore_index, reduction = inputs
+    ctx.save_for_backward(s, target, weight, output[2], *output[4:])
     ctx.mark_non_differentiable(*output[1:])
     ctx.set_materialize_grads(False)          # no zero tensors for the gradients of the outputs above
-    ctx.k, ctx.tau, ctx.alpha, ctx.layout = k, tau, alpha, layout
+    ctx.k, ctx.tau, ctx.alpha, ctx.layout, ctx.ignore_index, ctx.reduction = k, tau, alpha, layout, ignore_index, reduction
 
 
-def _svm_grad_by(backward_op: Callable # backward_op(s, target, grad, *saved outputs, k, tau, layout) -> dL/ds
+def _svm_grad_by(backward_op: Callable # backward_op(s, target, weight, grad, den, *state, k, tau, layout, ignore_index, reduction) -> dL/ds
                  ) -> Callable:
     "The autograd formula of a smooth SVM forward operator: dL/ds by its backward operator; the other outputs carry no gradient."
     def grad_fn(ctx, grad, *unused):
-        rest = (None,) * 5                    # target, k, tau, alpha, layout
+        rest = (None,) * 8                    # target, weight, k, tau, alpha, layout, ignore_index, reduction
         if grad is None:                      # the loss itself took no part in what is differentiated
             return (None, *rest)
-        s, target, *saved = ctx.saved_tensors
+        s, target, weight, den, *saved = ctx.saved_tensors
         if torch.is_grad_enabled():           # create_graph=True: the exact log-space tree, by autograd (chapter 00)
-            return (twice_differentiable(tree_svm_loss, s, grad, target, ctx.k, ctx.tau, ctx.alpha), *rest)
-        return (backward_op(s, target, grad, *saved, ctx.k, ctx.tau, ctx.layout), *rest)
+            n = s.shape[1]
+            go = _row_grads(grad, target, weight, den, n, ctx.ignore_index, ctx.reduction)
+            y = torch.where((target >= 0) & (target < n), target, 0)
+            return (twice_differentiable(tree_svm_loss, s, go, y, ctx.k, ctx.tau, ctx.alpha), *rest)
+        return (backward_op(s, target, weight, grad, den, *saved, ctx.k, ctx.tau, ctx.layout, ctx.ignore_index, ctx.reduction),
+                *rest)
     return grad_fn
 
 
 _svm_forward_op.register_autograd(_svm_grad_by(_svm_backward_op), setup_context=_svm_setup_context)
 
 # %% ../nbs/16_kernels.ipynb #38b9b185
+def _svm_operator(scores: torch.Tensor, k: int, block_n: int | None, tile: int | None) -> tuple[Callable, int]:
+    "The forward operator a call takes and its layout: float32 scores with k <= SVM32_MAX_K the extended-float kernels (its tile, 0: the default), the rest (or a given block_n) the log-space scans (its block_n, 0: the default)."
+    if block_n is None and scores.dtype == torch.float32 and k <= SVM32_MAX_K:
+        return _svm32_forward_op, tile or 0
+    return _svm_forward_op, block_n or 0
+
+
 def smooth_svm_triton(scores: torch.Tensor,          # (B, n) float32 or float64 scores
                       target: torch.Tensor,          # (B,) class indices
                       k: int,                        # the k of top-k, 1 <= k <= n - 1
@@ -821,9 +1007,26 @@ def smooth_svm_triton(scores: torch.Tensor,          # (B, n) float32 or float64
     n = scores.shape[-1]
     k = check_int(k, "k", 1, min(SVM_MAX_K, n - 1))
     tau, alpha = check_real(tau, "tau", 0.0, lo_open=True), check_real(alpha, "alpha", 0.0)
-    if block_n is None and scores.dtype == torch.float32 and k <= SVM32_MAX_K:
-        return _svm32_forward_op(scores.contiguous(), target.contiguous(), k, tau, alpha, tile or 0)[0]
-    return _svm_forward_op(scores.contiguous(), target.contiguous(), k, tau, alpha, block_n or 0)[0]
+    op, layout = _svm_operator(scores, k, block_n, tile)
+    return op(scores.contiguous(), target.contiguous(), None, k, tau, alpha, layout, -1, ROWS)[0]
+
+
+def smooth_svm_fused(scores: torch.Tensor,           # (B, n) float32 or float64 scores
+                     target: torch.Tensor,           # (B,) int64 labels: classes, or ignore_index
+                     k: int, tau: float, alpha: float,
+                     weight: torch.Tensor | None,    # (n,) a weight per class, or None
+                     ignore_index: int,              # the label of the samples that count for nothing
+                     reduction: str,                 # 'mean', 'sum' or 'none'
+                     block_n: int | None = None, tile: int | None = None,
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    "A loss module's smooth SVM with nn.CrossEntropyLoss's conventions in the kernels: the loss (reduced, or (B,) weighted rows), the mean's denominator () and whether every label is a class or ignored () (the caller asserts it)."
+    n = scores.shape[-1]
+    k = check_int(k, "k", 1, min(SVM_MAX_K, n - 1))
+    op, layout = _svm_operator(scores, k, block_n, tile)
+    w = None if weight is None else weight.to(device=scores.device)
+    out, _, den, ok, *_ = op(scores.contiguous(), target.contiguous(), w, k, tau, alpha, layout, ignore_index,
+                             REDUCTION_CODES[reduction])
+    return out, den, ok
 
 # %% ../nbs/16_kernels.ipynb #419904b7
 SVM32_MAX_K = 32          # the largest k of the float32 kernels (their code grows with k^2); larger k takes the scans
@@ -985,7 +1188,7 @@ if HAS_TRITON:
         "Program (row, p): prod (1 + e_i z) over the classes of tile p but the label, truncated at K, e_i = 2^{(s_i - s_y) d_scale}; and the tile's largest log2 e_i."
         row, p = tl.program_id(0).to(tl.int64), tl.program_id(1)       # int64: row n passes 2^31
         lanes = tl.arange(0, L)                                          # (L,) threads
-        y = tl.load(y_ptr + row)
+        y = _class_label(y_ptr, row, n)                                   # a label that is no class reads class 0
         sy = tl.load(s_ptr + row * n + y).to(tl.float32)
         C, E = _poly_one(L, K)                                           # K + 1 mantissas and exponents (L,)
         bad = tl.zeros([L], tl.int1)
@@ -1087,15 +1290,16 @@ if HAS_TRITON:
         return C, E, cnt + tl.sum(hm, 0)
 
     @triton.jit
-    def _svm32_grad_tile_kernel(s_ptr, y_ptr, go_ptr, rho_ptr, sc_ptr, se_ptr, dm_ptr, g_ptr, tc_ptr, te_ptr, hd_ptr, hi_ptr,
-                                hn_ptr, n, n_tiles, tile, d_scale,
-                                K: tl.constexpr, L: tl.constexpr, LOG_L: tl.constexpr, R: tl.constexpr, HMAX: tl.constexpr):
+    def _svm32_grad_tile_kernel(s_ptr, y_ptr, go_ptr, w_ptr, den_ptr, rho_ptr, sc_ptr, se_ptr, dm_ptr, g_ptr, tc_ptr, te_ptr,
+                                hd_ptr, hi_ptr, hn_ptr, n, n_tiles, tile, d_scale, ignore_index,
+                                K: tl.constexpr, L: tl.constexpr, LOG_L: tl.constexpr, R: tl.constexpr, HMAX: tl.constexpr,
+                                REDUCTION: tl.constexpr, HAS_WEIGHT: tl.constexpr):
         "Program (row, p): dL/ds of the tile's tail by Horner; if the row has a head, the tile's tail polynomial and its head classes listed."
         row, p = tl.program_id(0).to(tl.int64), tl.program_id(1)
         lanes = tl.arange(0, L)                                          # (L,) threads
-        y = tl.load(y_ptr + row)
+        go, y = _row_go(y_ptr, go_ptr, w_ptr, den_ptr, row, n, ignore_index, REDUCTION, HAS_WEIGHT)   # dL/d(row's loss)
         sy = tl.load(s_ptr + row * n + y).to(tl.float32)
-        w = (tl.load(rho_ptr + row) * tl.load(go_ptr + row).to(tl.float64) / K).to(tl.float32)   # dL/ds_i = w (pi_k - pi_k-1)
+        w = (tl.load(rho_ptr + row) * go.to(tl.float64) / K).to(tl.float32)   # dL/ds_i = w (pi_k - pi_k-1)
         lrho, Rr = _svm32_row_consts(sc_ptr, se_ptr, row, K)
         start = p * tile
         if tl.load(dm_ptr + row) + lrho > _LOG2_THETA:                   # the row's largest t_i > theta: it has a head
@@ -1124,8 +1328,9 @@ if HAS_TRITON:
 # %% ../nbs/16_kernels.ipynb #7114870e
 if HAS_TRITON:
     @triton.jit
-    def _svm32_grad_row_kernel(rho_ptr, go_ptr, sc_ptr, se_ptr, g_ptr, tc_ptr, te_ptr, hd_ptr, hi_ptr, hn_ptr, fd_ptr, fi_ptr,
-                               n, n_tiles, K: tl.constexpr, HMAX: tl.constexpr):
+    def _svm32_grad_row_kernel(rho_ptr, y_ptr, go_ptr, w_ptr, den_ptr, sc_ptr, se_ptr, g_ptr, tc_ptr, te_ptr, hd_ptr, hi_ptr,
+                               hn_ptr, fd_ptr, fi_ptr, n, n_tiles, ignore_index, K: tl.constexpr, HMAX: tl.constexpr,
+                               REDUCTION: tl.constexpr, HAS_WEIGHT: tl.constexpr):
         "Program row: dL/ds of the head classes, exactly: sigma(others without i) = sigma(tail) sigma(head without i)."
         row = tl.program_id(0).to(tl.int64)
         h = tl.arange(0, HMAX)                                           # (HMAX,) head classes, one per thread
@@ -1165,7 +1370,8 @@ if HAS_TRITON:
             else:
                 c2, e2 = _poly_coef(TC, TE, HC, HE, K - 2)                   # sigma_{K-2}(others without h)
                 pk1 = (mh * c2 / cK1) * _pow2(qh + e2 - eK1)                 # pi_{K-1,h}
-            w = (tl.load(rho_ptr + row) * tl.load(go_ptr + row).to(tl.float64) / K).to(tl.float32)
+            go, _ = _row_go(y_ptr, go_ptr, w_ptr, den_ptr, row, n, ignore_index, REDUCTION, HAS_WEIGHT)
+            w = (tl.load(rho_ptr + row) * go.to(tl.float64) / K).to(tl.float32)
             g = tl.where(over, float("nan"), w * (pk - pk1))
             tl.store(g_ptr + row * n + ih, g, mask=hv)
 
@@ -1196,11 +1402,15 @@ def _svm32_state(s: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
 
 @torch.library.custom_op(f"{_OPS}::smooth_svm32_forward", mutates_args=())
 def _svm32_forward_op(s: torch.Tensor,       # (B, n) float32 scores, contiguous
-                      target: torch.Tensor,  # (B,) int64 class indices, contiguous
+                      target: torch.Tensor,  # (B,) int64 labels, contiguous
+                      weight: Optional[torch.Tensor],   # (n,) class weights on the device, or None
                       k: int, tau: float, alpha: float,
                       tile: int,             # classes per tile (0: the default of `svm32_plan`)
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    "The float32 forward as an operator: (loss (B,), rho (B,), sigma mantissas, exponents (B, k + 1), largest log2 e_i (B,)); two launches."
+                      ignore_index: int,     # the label of the samples that count for nothing
+                      reduction: int,        # ROWS (the per-row loss, nothing else) or a value of REDUCTION_CODES
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                 torch.Tensor, torch.Tensor]:
+    "The float32 forward as an operator: (loss, weighted rows, denominator, labels' flag as `_conventions` gives them, rho (B,), sigma mantissas, exponents (B, k + 1), largest log2 e_i (B,)); two launches, three with `_finish`."
     (B, n), dev = s.shape, s.device
     L, R, T, P = svm32_plan(B, n, tile or None)
     tc = torch.empty(B, P, k + 1, dtype=torch.float32, device=dev)     # each tile's polynomial
@@ -1210,20 +1420,21 @@ def _svm32_forward_op(s: torch.Tensor,       # (B, n) float32 scores, contiguous
             K=k, L=L, LOG_L=L.bit_length() - 1, R=R, num_warps=L // 32)
     loss, rho, sc, se, dm = _svm32_state(s, k)
     _launch(_svm32_row_kernel, (B,), tc, te, tm, loss, rho, sc, se, dm, P, f64_bits(alpha / tau), f64_bits(tau), K=k, num_warps=1)
-    return loss, rho, sc, se, dm
+    return (*_conventions(loss, target, weight, n, ignore_index, reduction), rho, sc, se, dm)
 
 
 @_svm32_forward_op.register_fake
-def _svm32_forward_fake(s, target, k, tau, alpha, tile):
-    return _svm32_state(s, k)
+def _svm32_forward_fake(s, target, weight, k, tau, alpha, tile, ignore_index, reduction):
+    return (*_conventions_fake(s, reduction), *_svm32_state(s, k)[1:])
 
 
 @torch.library.custom_op(f"{_OPS}::smooth_svm32_backward", mutates_args=())
-def _svm32_backward_op(s: torch.Tensor, target: torch.Tensor,
-                       grad: torch.Tensor,                  # (B,) dL/d loss
+def _svm32_backward_op(s: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
+                       grad: torch.Tensor,                  # dL/d loss: (B,) per row, or () of the reduced loss
+                       den: torch.Tensor,                   # () the mean's denominator, from the forward operator
                        rho: torch.Tensor, sc: torch.Tensor, se: torch.Tensor, dm: torch.Tensor,   # from the forward operator
-                       k: int, tau: float, tile: int) -> torch.Tensor:
-    "The float32 backward as an operator: dL/ds (B, n); two launches."
+                       k: int, tau: float, tile: int, ignore_index: int, reduction: int) -> torch.Tensor:
+    "The float32 backward as an operator: dL/ds (B, n), the conventions applied by `_row_go`; two launches."
     (B, n), dev = s.shape, s.device
     L, R, T, P = svm32_plan(B, n, tile or None)
     hmax = triton.next_power_of_2(3 * k + 2)                           # fewer than 3k head classes per row
@@ -1233,18 +1444,18 @@ def _svm32_backward_op(s: torch.Tensor, target: torch.Tensor,
     hd = torch.empty(B, P, hmax, dtype=torch.float32, device=dev)      # each tile's head: log2 e_i and classes
     hi = torch.empty(B, P, hmax, dtype=torch.int64, device=dev)
     hn = torch.empty(B, P, dtype=torch.int32, device=dev)
-    g = grad.contiguous()
-    _launch(_svm32_grad_tile_kernel, (B, P), s, target, g, rho, sc, se, dm, out, tc, te, hd, hi, hn, n, P, T,
-            _LOG2E / (k * tau), K=k, L=L, LOG_L=L.bit_length() - 1, R=R, HMAX=hmax, num_warps=L // 32)
+    g, w, conv = grad.contiguous(), grad if weight is None else weight, dict(REDUCTION=reduction, HAS_WEIGHT=weight is not None)
+    _launch(_svm32_grad_tile_kernel, (B, P), s, target, g, w, den, rho, sc, se, dm, out, tc, te, hd, hi, hn, n, P, T,
+            _LOG2E / (k * tau), ignore_index, K=k, L=L, LOG_L=L.bit_length() - 1, R=R, HMAX=hmax, num_warps=L // 32, **conv)
     fd = torch.empty(B, hmax, dtype=torch.float32, device=dev)         # the row's head list
     fi = torch.empty(B, hmax, dtype=torch.int64, device=dev)
-    _launch(_svm32_grad_row_kernel, (B,), rho, g, sc, se, out, tc, te, hd, hi, hn, fd, fi, n, P, K=k, HMAX=hmax,
-            num_warps=max(1, hmax // 32))
+    _launch(_svm32_grad_row_kernel, (B,), rho, target, g, w, den, sc, se, out, tc, te, hd, hi, hn, fd, fi, n, P, ignore_index,
+            K=k, HMAX=hmax, num_warps=max(1, hmax // 32), **conv)
     return out
 
 
 @_svm32_backward_op.register_fake
-def _svm32_backward_fake(s, target, grad, rho, sc, se, dm, k, tau, tile):
+def _svm32_backward_fake(s, target, weight, grad, den, rho, sc, se, dm, k, tau, tile, ignore_index, reduction):
     return torch.empty_like(s)
 
 

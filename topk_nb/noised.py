@@ -155,9 +155,16 @@ class NoisedBal(_NoisedModule):
         return noised_bal(scores, labels, self.k, self.epsilon, self.n_samples, self.alpha, "none",
                                self.generator, noise, self.check_finite)
 
+    def kernel_loss(self, scores, labels, weight):
+        "Where the fused kernels take the hinge, the loss with the conventions in them (chapter 16); else None."
+        from topk_nb.kernels import noised_hinge_fused
+        if not (self.epsilon > 0 and 1 <= self.k < scores.shape[1] and _fused(scores, self.k + 1, None)):
+            return None
+        return noised_hinge_fused(scores, labels, self.k + 1, self.epsilon, self.n_samples, None, self.alpha, 1.0,
+                                  self.generator, weight, self.ignore_index, self.reduction)
+
     def extra_repr(self):
         return f"k={self.k}, epsilon={self.epsilon}, n_samples={self.n_samples}, alpha={self.alpha}"
-
 
 # %% ../nbs/05_noised.ipynb #f4bb2543
 class NoisedImbal(_NoisedModule):
@@ -184,6 +191,17 @@ class NoisedImbal(_NoisedModule):
         return noised_imbal(scores, labels, self.class_counts, self.k, self.epsilon, self.n_samples, self.max_m,
                                  self.scale, "none", self.generator, noise, self.check_finite)
 
+    def kernel_loss(self, scores, labels, weight):
+        "Where the fused kernels take the hinge, the loss with the conventions in them, the margins per class read by the kernel (chapter 16); else None."
+        from topk_nb.kernels import noised_hinge_fused
+        if not (self.epsilon > 0 and 1 <= self.k < scores.shape[1] and _fused(scores, self.k + 1, None)):
+            return None
+        margins = margins_from_counts(self.class_counts, self.max_m)          # (n,) float64, on the counts' device
+        if margins.numel() != scores.shape[1]:
+            return None                                                        # the per-sample path names the mismatch
+        return noised_hinge_fused(scores, labels, self.k + 1, self.epsilon, self.n_samples, margins, 0.0, self.scale,
+                                  self.generator, weight, self.ignore_index, self.reduction)
+
     def extra_repr(self):
         return (f"n_classes={self.class_counts.numel()}, k={self.k}, epsilon={self.epsilon}, "
                 f"n_samples={self.n_samples}, max_m={self.max_m}, scale={self.scale}")
@@ -193,7 +211,6 @@ NoisedBalTopK = NoisedBal    # the earlier name, kept
 
 
 NoisedImbalTopK = NoisedImbal    # the earlier name, kept
-
 
 # %% ../nbs/05_noised.ipynb #8a4bbe98
 def _pytopk_noise(module: nn.Module, like: torch.Tensor) -> torch.Tensor:

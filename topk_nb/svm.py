@@ -17,7 +17,7 @@ from .core import (LossModule, check_int, check_loss_input, check_real, check_re
                           twice_differentiable)
 from .esp_backward import (head_size, power_backward, power_forward, power_inputs, power_log_sigma,
                                   power_tolerances, tree_svm_loss)
-from .kernels import smooth_svm_triton, svm_triton_ok
+from .kernels import smooth_svm_fused, smooth_svm_triton, svm_triton_ok
 
 # %% auto #0
 __all__ = ['SVM_ROUTES', 'smooth_topk_svm', 'SmoothTopkSVM', 'topk_hinge', 'subset_sums_bruteforce', 'smooth_topk_svm_bruteforce',
@@ -262,6 +262,14 @@ class SmoothSVM(LossModule):
 
     def per_sample(self, scores, labels):
         return smooth_svm(scores, labels, self.k, self.tau, self.alpha, "none", self.hard_switch, self.check_finite)
+
+    def kernel_loss(self, scores, labels, weight):
+        "On the fused kernels' path (`svm_route` 'kernels'), the loss with the conventions in the kernels (chapter 16); else None."
+        tau = check_real(self.tau, "tau", 0.0)
+        if tau == 0 or not svm_triton_ok(scores, self.k):
+            return None
+        return smooth_svm_fused(scores, labels, self.k, tau, check_real(self.alpha, "alpha", 0.0), weight,
+                                self.ignore_index, self.reduction)
 
     def extra_repr(self) -> str:
         return f"k={self.k}, tau={self.tau}, alpha={self.alpha}, reduction={self.reduction!r}"
