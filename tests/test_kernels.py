@@ -286,7 +286,7 @@ def test_smooth_svm_takes_the_kernels_without_syncs(reduction):
         launches = kernels.count_launches(step)
         ops = aten_ops(step)
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-7)
-    assert launches == 4 and not syncing_ops(ops)                 # float32: the extended-float kernels, two each way
+    assert launches == 3 and not syncing_ops(ops)                 # float32, a row of one tile: one kernel forward, two backward
     assert sum(ops.values()) + launches <= 30                     # the CUDA path's op budget per forward+backward
 
 
@@ -322,8 +322,9 @@ for k, fast in ((1, True), (3, True), (3, False)):
             sig = {name: ("*fp64" if name in ("s_ptr", "go_ptr", "g_ptr", "den_ptr") else kind) for name, kind in sig.items()}
         const = {"K": k, "BLOCK_N": 64, "BLOCK_K": triton.next_power_of_2(k + 1), "FAST": fast, **extra}
         assert triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32)).asm["cubin"]
-tile = ptrs(["s_ptr", "y_ptr", "tc_ptr", "te_ptr", "tm_ptr"], ["*fp32", "*i64", "*fp32", "*i32", "*fp32"])
-tile.update(n="i32", n_tiles="i32", tile="i32", d_scale="fp32")
+tile = ptrs(["s_ptr", "y_ptr", "tc_ptr", "te_ptr", "tm_ptr", "tf_ptr", "loss_ptr", "rho_ptr", "sc_ptr", "se_ptr", "dm_ptr"],
+            ["*fp32", "*i64", "*fp32", "*i32", "*fp32", "*i32", "*fp32", "*fp64", "*fp32", "*i32", "*fp32"])
+tile.update(n="i32", n_tiles="i32", tile="i32", d_scale="fp32", alpha_tau_bits="i64", tau_bits="i64")
 row = ptrs(["tc_ptr", "te_ptr", "tm_ptr", "loss_ptr", "rho_ptr", "sc_ptr", "se_ptr", "dm_ptr"],
            ["*fp32", "*i32", "*fp32", "*fp32", "*fp64", "*fp32", "*i32", "*fp32"])
 row.update(n_tiles="i32", alpha_tau_bits="i64", tau_bits="i64")
@@ -339,7 +340,8 @@ grow = ptrs(["rho_ptr", "y_ptr", "go_ptr", "w_ptr", "den_ptr", "sc_ptr", "se_ptr
 grow.update(n="i32", n_tiles="i32", ignore_index="i32")
 for k in (1, 3, 9):                                # 9: the forward's class loop is a loop above k = 8
     lanes, hmax = {"K": k, "L": 32, "LOG_L": 5, "R": 8}, triton.next_power_of_2(3 * k + 2)
-    for fn, sig, const in ((K._svm32_tile_kernel, tile, lanes), (K._svm32_row_kernel, row, {"K": k}),
+    for fn, sig, const in ((K._svm32_tile_kernel, tile, {**lanes, "ONE_TILE": False}),
+                           (K._svm32_tile_kernel, tile, {**lanes, "ONE_TILE": True}), (K._svm32_row_kernel, row, {"K": k}),
                            (K._svm32_grad_tile_kernel, gtile, {**lanes, "HMAX": hmax, **conv}),
                            (K._svm32_grad_row_kernel, grow, {"K": k, "HMAX": hmax, **conv})):
         sig = {**sig, **{name: "constexpr" for name in const}}
@@ -485,3 +487,84 @@ def test_module_kernels_refuse_labels_that_are_no_class(name):
         if DEV.type == "cpu":
             with pytest.raises(RuntimeError, match=r"class indices in \[0, 19\]"):
                 crit(s, y)
+
+
+@pytest.mark.parametrize("k, tau, late", [(5, 1.0, None), (12, 1.0, None), (5, 1.0, 40.0), (5, 1e-2, None)])
+def test_svm32_fast_passes_within_targets_of_float64(k, tau, late):
+    "Rows of 8 passes of 8 classes per thread, on fixed exponents or class by class: typical rows (all passes fixed), a class far above the rest in a late pass (that pass exact), rows of small tau whose spread refuses most passes; the loss and gradient against the float64 tree either way."
+    n, tile = 2000, 2048                                               # one warp (n <= 2048): 32 threads x 8 x 8 passes
+    g = torch.Generator().manual_seed(k)
+    s = 3 * torch.randn(2, n, generator=g)
+    y = torch.tensor([3, 1500])
+    if late is not None:
+        s[:, 1800] = s.amax(1) + late                                  # pass 8 of thread 8: e far above its ratios
+    x = s.to(DEV).requires_grad_()
+    with kernels.force_triton():
+        *_, fast = kernels.svm32_tiles(x.detach(), y.to(DEV), k, tau, tile)
+        loss = kernels.smooth_svm_triton(x, y.to(DEV), k, tau, tile=tile)
+        grad, = torch.autograd.grad(loss.sum(), x)
+    fast, loss, grad = fast.cpu(), loss.detach().cpu(), grad.cpu()
+    passes = tile // (32 * 8)
+    if tau == 1.0 and late is None:
+        assert (fast == passes).all(), fast                            # every pass, the first ones (some sigma_j = 0) too
+    elif late is not None:
+        assert (fast == passes - 1).all(), fast                        # the late class's pass alone is exact
+    else:
+        assert (fast <= passes // 2).all(), fast                       # spread rows: mostly exact
+    ref_in = s.double().requires_grad_()
+    ref = tree_svm_loss(ref_in, y, k, tau, 1.0)
+    ref_grad, = torch.autograd.grad(ref.sum(), ref_in)
+    assert torch.isfinite(loss).all() and torch.isfinite(grad).all()
+    assert ((loss.double() - ref).abs() <= 1e-4 * ref.abs()).all()
+    assert ((grad.double() - ref_grad).abs().amax(1) <= 1e-4 * ref_grad.abs().amax(1)).all()
+
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from topk_nb.kernels import _load_poly, _poly_fixed_ok, _poly_mul, _poly_mul_fixed  # noqa: E402
+
+
+@triton.jit
+def _both_products(ac, ae, bc, be, fc, fe, xc, xe, ok_ptr, K: tl.constexpr):
+    "The plain and the aligned product of two stored polynomials, and whether the plain one may be taken."
+    AC, AE = _load_poly(ac, ae, 0, K)
+    BC, BE = _load_poly(bc, be, 0, K)
+    g, ok = _poly_fixed_ok(AC, AE, BC, BE, K)
+    FC, FE = _poly_mul_fixed(AC, AE, BC, BE, g, K)
+    XC, XE = _poly_mul(AC, AE, BC, BE, K)
+    for j in tl.static_range(K + 1):
+        tl.store(fc + j, FC[j])
+        tl.store(fe + j, FE[j])
+        tl.store(xc + j, XC[j])
+        tl.store(xe + j, XE[j])
+    tl.store(ok_ptr, ok.to(tl.int32))
+
+
+def _poly64(x, K):
+    "sigma_0..sigma_K of exp(x) in float64."
+    sig = torch.zeros(K + 1, dtype=torch.float64)
+    sig[0] = 1.0
+    for e in x.double().exp():
+        sig[1:] = sig[1:] + e * sig[:-1].clone()
+    return sig
+
+
+@pytest.mark.parametrize("far", [False, True])
+def test_plain_polynomial_product_matches_float64_or_refuses(far):
+    "The lanes' and tiles' product by plain multiply-adds: taken for polynomials of the usual spread and equal to the float64 product to float32 rounding; refused where three classes stand 150 above the rest (the aligned product stays exact)."
+    K, g = 8, torch.Generator().manual_seed(11)
+    x1 = torch.randn(40, generator=g)
+    if far:
+        x1[:3] = 150.0
+    A, B = _poly64(x1, K), _poly64(torch.randn(40, generator=g), K)
+    exact = torch.stack([sum(A[a] * B[j - a] for a in range(j + 1)) for j in range(K + 1)])
+    ext = lambda sig: (lambda m, e: ((2 * m).float().to(DEV), (e - 1).int().to(DEV)))(*torch.frexp(sig))
+    out = [torch.empty(K + 1, device=DEV), torch.empty(K + 1, dtype=torch.int32, device=DEV),
+           torch.empty(K + 1, device=DEV), torch.empty(K + 1, dtype=torch.int32, device=DEV)]
+    ok = torch.empty(1, dtype=torch.int32, device=DEV)
+    _both_products[(1,)](*ext(A), *ext(B), *out, ok, K=K)
+    value = lambda c, e: c.cpu().double() * torch.pow(2.0, e.cpu().double())
+    assert bool(ok.item()) is not far
+    assert ((value(*out[2:]) - exact).abs() / exact).max() < 1e-6       # the aligned product: always
+    if not far:
+        assert ((value(*out[:2]) - exact).abs() / exact).max() < 1e-6

@@ -30,7 +30,7 @@ _OPS = "topk_nb" if __name__.startswith("topk_nb") else "topk_nb_chapter"
 __all__ = ['MAX_ROW', 'MAX_KTH', 'ROWS', 'REDUCTION_CODES', 'RANDN_BOUND', 'PRUNE_MIN', 'TARGET_PROGRAMS', 'TILE', 'SVM_MAX_K',
            'SVM32_MAX_K', 'force_triton', 'triton_ok', 'count_launches', 'f64_bits', 'kth_max_row',
            'perturbed_kth_triton', 'triton_sampled_topk_value', 'triton_noised_hinge', 'noised_hinge_fused',
-           'svm_triton_ok', 'svm_blocks', 'smooth_svm_triton', 'smooth_svm_fused', 'svm32_plan']
+           'svm_triton_ok', 'svm_blocks', 'smooth_svm_triton', 'smooth_svm_fused', 'svm32_plan', 'svm32_tiles']
 
 # %% ../nbs/16_kernels.ipynb #c63387a8
 _FORCE = threading.local()
@@ -1050,6 +1050,11 @@ if HAS_TRITON:
         return ((tl.maximum(d, -127) + 127) << 23).to(tl.float32, bitcast=True)
 
     @triton.jit
+    def _pow2_sat(d):
+        "2^d as float32 for an int32 d, saturated: 0 below -126, 2^127 above 127 (never inf, so that 0 times it is 0)."
+        return ((tl.minimum(tl.maximum(d, -127), 127) + 127) << 23).to(tl.float32, bitcast=True)
+
+    @triton.jit
     def _xadd(ca, ea, cb, eb):
         "ca 2^ea + cb 2^eb as (c, e) with e the larger exponent (not renormalised)."
         e = tl.maximum(ea, eb)
@@ -1130,15 +1135,55 @@ if HAS_TRITON:
         return RC, RE
 
     @triton.jit
-    def _poly_swap_mul(C, E, lev, K: tl.constexpr, L: tl.constexpr):
-        "One butterfly step of the lanes' product: lane l multiplies its polynomial by lane (l xor 2^lev)'s; after log2 L steps every lane holds the product of all."
+    def _poly_fixed_ok(AC, AE, BC, BE, K: tl.constexpr):
+        "A slope g common to two polynomials, and whether every nonzero coefficient of both, degree a, lies within 2^56 of 2^(a g) either way: then `_poly_mul_fixed` may multiply them."
+        g = (AE[K] + BE[K]) // (2 * K)                                   # the chord of log2 sigma_a, on average
+        ok = (AC[0] == 0.0) | (tl.abs(AE[0]) <= 56)
+        ok = ok & ((BC[0] == 0.0) | (tl.abs(BE[0]) <= 56))
+        for a in tl.static_range(1, K + 1):
+            ok = ok & ((AC[a] == 0.0) | (tl.abs(AE[a] - a * g) <= 56)) & ((BC[a] == 0.0) | (tl.abs(BE[a] - a * g) <= 56))
+        return g, ok
+
+    @triton.jit
+    def _poly_mul_fixed(AC, AE, BC, BE, g, K: tl.constexpr):
+        "The product truncated at degree K by plain multiply-adds (`_poly_fixed_ok` holds): with A'_a = A_a 2^(-a g), B'_a likewise, in [2^-56, 2^57) or 0, degree j is 2^(j g) sum_a A'_a B'_{j-a}, each term below 2^114; renormalised."
+        AS = ()
+        BS = ()
+        for a in tl.static_range(K + 1):
+            AS = AS + (AC[a] * _pow2_sat(AE[a] - a * g),)
+            BS = BS + (BC[a] * _pow2_sat(BE[a] - a * g),)
+        RC = ()
+        RE = ()
+        for i in tl.static_range(K + 1):                                 # degrees downwards, as `_poly_mul`
+            c = AS[0] * BS[K - i]
+            for a in tl.static_range(1, K - i + 1):
+                c += AS[a] * BS[K - i - a]
+            c, e = _xnorm(c, (K - i) * g)
+            RC = (c,) + RC
+            RE = (e,) + RE
+        return RC, RE
+
+    @triton.jit
+    def _poly_swap(C, E, lev, L: tl.constexpr, K: tl.constexpr):
+        "The polynomial of lane (l xor 2^lev), for each lane l."
         other = tl.arange(0, L) ^ (1 << lev)
         BC = ()
         BE = ()
         for j in tl.static_range(K + 1):
             BC = BC + (tl.gather(C[j], other, 0),)
             BE = BE + (tl.gather(E[j], other, 0),)
-        return _poly_mul(C, E, BC, BE, K)
+        return BC, BE
+
+    @triton.jit
+    def _poly_swap_mul(C, E, lev, K: tl.constexpr, L: tl.constexpr):
+        "One butterfly step of the lanes' product: lane l multiplies its polynomial by lane (l xor 2^lev)'s, by plain multiply-adds when every lane may; after log2 L steps every lane holds the product of all."
+        BC, BE = _poly_swap(C, E, lev, L, K)
+        g, ok = _poly_fixed_ok(C, E, BC, BE, K)
+        if tl.min(ok.to(tl.int32), 0) == 1:
+            RC, RE = _poly_mul_fixed(C, E, BC, BE, g, K)
+        else:
+            RC, RE = _poly_mul(C, E, BC, BE, K)
+        return RC, RE
 
     @triton.jit
     def _store_poly(c_ptr, e_ptr, base, C, E, K: tl.constexpr, L: tl.constexpr):
@@ -1166,6 +1211,9 @@ if HAS_TRITON:
 
 # %% ../nbs/16_kernels.ipynb #3db6ebe7
 if HAS_TRITON:
+    _FAST_GAP = tl.constexpr(10)           # a fast pass needs every sigma_j / sigma_{j-1} >= 2^-10 of the pass's largest e_i
+    _FAST_SPREAD = tl.constexpr(12.0)      # ... and, while some sigma_j (j <= k) is zero, its log2 e_i within 12 of each other
+
     @triton.jit
     def _svm32_load(s_ptr, row, n, offs, end):
         "The scores of classes offs (L,) in float32; 0 past the row or the tile (end)."
@@ -1183,9 +1231,34 @@ if HAS_TRITON:
         return C, E, bad, dmax
 
     @triton.jit
-    def _svm32_tile_kernel(s_ptr, y_ptr, tc_ptr, te_ptr, tm_ptr, n, n_tiles, tile, d_scale,
-                           K: tl.constexpr, L: tl.constexpr, LOG_L: tl.constexpr, R: tl.constexpr):
-        "Program (row, p): prod (1 + e_i z) over the classes of tile p but the label, truncated at K, e_i = 2^{(s_i - s_y) d_scale}; and the tile's largest log2 e_i."
+    def _svm32_fast_ok(E, qi, spread, has, K: tl.constexpr):
+        "Per thread: may a pass whose largest e_i is below 2^(qi + 1) run on fixed exponents? sigma_j / sigma_{j-1} >= 2^(qi + 2 - _FAST_GAP) wherever both are nonzero, and if some sigma_j is zero, the pass's log2 e_i within _FAST_SPREAD (true of a thread with no class in the pass)."
+        gap = E[1] - E[0]
+        for j in tl.static_range(2, K + 1):
+            gap = tl.minimum(gap, tl.where(E[j] == _XZERO, 1 << 30, E[j] - E[j - 1]))   # zeros: a suffix, skipped
+        gap = tl.where(E[1] == _XZERO, 1 << 30, gap)
+        return ~has | ((gap >= qi + 2 - _FAST_GAP) & ((E[K] != _XZERO) | (spread <= _FAST_SPREAD)))
+
+    @triton.jit
+    def _svm32_fast_pass(C, E, D, qi, K: tl.constexpr, R: tl.constexpr):
+        "R classes (log2 e_i in D, -inf where none) into the lanes' polynomials on exponents fixed for the pass: sigma_j += e sigma_{j-1} as c_j += (x c_{j-1}) F_j, x = e / 2^qi, F_j = 2^(E_{j-1} + qi - E_j), a zero sigma_j taking E_{j-1} + qi; those exponents."
+        EV = (E[0],)
+        for j in tl.static_range(1, K + 1):
+            EV = EV + (tl.where(E[j] == _XZERO, EV[j - 1] + qi, E[j]),)   # a zero: about the size of its first term
+        F = ()
+        for j in tl.static_range(1, K + 1):
+            F = F + (_pow2_sat(EV[j - 1] + qi - EV[j]),)                 # <= 2^(_FAST_GAP - 2); 1 past the last nonzero
+        for r in tl.static_range(R):
+            x = tl.exp2(D[r] - qi.to(tl.float32))                          # (L,) in [0, 2)
+            for j in tl.static_range(K, 0, -1):                           # degrees downwards: c_{j-1} is the old one
+                C = _tset(C, j, C[j] + (x * C[j - 1]) * F[j - 1])
+        return C, EV
+
+    @triton.jit
+    def _svm32_tile_kernel(s_ptr, y_ptr, tc_ptr, te_ptr, tm_ptr, tf_ptr, loss_ptr, rho_ptr, sc_ptr, se_ptr, dm_ptr,
+                           n, n_tiles, tile, d_scale, alpha_tau_bits, tau_bits,
+                           K: tl.constexpr, L: tl.constexpr, LOG_L: tl.constexpr, R: tl.constexpr, ONE_TILE: tl.constexpr):
+        "Program (row, p): prod (1 + e_i z) over the classes of tile p but the label, truncated at K, e_i = 2^{(s_i - s_y) d_scale}; the tile's largest log2 e_i; its passes on fixed exponents. ONE_TILE (a row is one tile): the row kernel's outputs instead of the tile's polynomial."
         row, p = tl.program_id(0).to(tl.int64), tl.program_id(1)       # int64: row n passes 2^31
         lanes = tl.arange(0, L)                                          # (L,) threads
         y = _class_label(y_ptr, row, n)                                   # a label that is no class reads class 0
@@ -1195,24 +1268,66 @@ if HAS_TRITON:
         dmax = tl.full([L], -float("inf"), tl.float32)                  # (L,) each thread's largest log2 e_i
         start = p * tile
         end = start + tile
-        U: tl.constexpr = R if K <= _UNROLL_K else _UNROLL_U             # classes per thread unrolled a trip
-        nxt = _svm32_load(s_ptr, row, n, start + lanes, end)            # scores are loaded one class ahead
-        for t0 in range(0, tile, L * R):                                 # R classes per thread, then renormalise
-            for r in range(0, R, U):                                     # one trip up to k = _UNROLL_K
-                for u in tl.static_range(U):
-                    offs = start + t0 + (r + u) * L + lanes              # (L,) classes
-                    s = nxt
-                    nxt = _svm32_load(s_ptr, row, n, offs + L, end)      # the next class's (none past the tile)
-                    C, E, bad, dmax = _svm32_class(C, E, bad, dmax, s, offs, n, end, y, sy, d_scale, K)
+        fast_passes = 0
+        U: tl.constexpr = R if K <= _UNROLL_K else _UNROLL_U             # classes per thread unrolled a trip (exact passes)
+        for t0 in range(0, tile, L * R):                                 # passes of R classes per thread
+            D = ()                                                       # the pass's log2 e_i (L,), -inf where no class
+            for i in tl.static_range(R):
+                offs = start + t0 + i * L + lanes
+                d = (_svm32_load(s_ptr, row, n, offs, end) - sy) * d_scale
+                valid = (offs < n) & (offs < end) & (offs != y)
+                bad = bad | (valid & (tl.abs(d) >= _XRANGE))
+                D = D + (tl.where(valid, tl.minimum(tl.maximum(d, -_XRANGE), _XRANGE), -float("inf")),)
+            qmax = D[0]
+            qmin = tl.where(D[0] > -float("inf"), D[0], float("inf"))
+            for i in tl.static_range(1, R):
+                qmax = tl.maximum(qmax, D[i])
+                qmin = tl.minimum(qmin, tl.where(D[i] > -float("inf"), D[i], float("inf")))
+            dmax = tl.maximum(dmax, qmax)
+            has = qmax > -float("inf")
+            qi = tl.where(has, tl.floor(qmax), 0.0).to(tl.int32)         # (L,) e_i < 2^(qi + 1)
+            ok = _svm32_fast_ok(E, qi, qmax - qmin, has, K)
+            fast = tl.min(ok.to(tl.int32), 0)                            # every thread may: a fast pass
+            if fast == 1:
+                C, E = _svm32_fast_pass(C, E, D, qi, K, R)
+            else:                                                        # extended-float steps, class by class
+                for r in range(0, R, U):
+                    for u in tl.static_range(U):
+                        offs = start + t0 + (r + u) * L + lanes          # (L,) classes (loaded again: cached)
+                        s = _svm32_load(s_ptr, row, n, offs, end)
+                        C, E, bad, dmax = _svm32_class(C, E, bad, dmax, s, offs, n, end, y, sy, d_scale, K)
             C, E = _poly_norm(C, E, K)
+            fast_passes += fast
         C = _tset(C, 0, tl.where(bad, float("nan"), C[0]))               # out of range: NaN, never a wrong number
         for lev in range(LOG_L):                                         # the lanes' product, every lane ends with it
-            C, E = _poly_swap_mul(C, E, lev, K, L)
-        tl.store(tm_ptr + row * n_tiles + p, tl.max(dmax, 0))
-        _store_poly(tc_ptr, te_ptr, (row * n_tiles + p) * (K + 1), C, E, K, L)
+            BC, BE = _poly_swap(C, E, lev, L, K)                         # as `_poly_swap_mul`, here for the cost model
+            g, ok = _poly_fixed_ok(C, E, BC, BE, K)
+            if tl.min(ok.to(tl.int32), 0) == 1:
+                C, E = _poly_mul_fixed(C, E, BC, BE, g, K)
+            else:
+                C, E = _poly_mul(C, E, BC, BE, K)
+        tl.store(tf_ptr + row * n_tiles + p, fast_passes)
+        if ONE_TILE:                                                     # the row's sigma, loss and rho, as the row kernel
+            tl.store(dm_ptr + row, tl.max(dmax, 0))
+            _store_poly(sc_ptr, se_ptr, row * (K + 1), C, E, K, L)
+            loss, rho = _svm32_loss(C[K], E[K], C[K - 1], E[K - 1], alpha_tau_bits, tau_bits)   # (L,) alike
+            tl.store(loss_ptr + row + lanes, loss, mask=lanes == 0)
+            tl.store(rho_ptr + row + lanes, rho, mask=lanes == 0)
+        else:
+            tl.store(tm_ptr + row * n_tiles + p, tl.max(dmax, 0))
+            _store_poly(tc_ptr, te_ptr, (row * n_tiles + p) * (K + 1), C, E, K, L)
 
 # %% ../nbs/16_kernels.ipynb #a24adabb
 if HAS_TRITON:
+    @triton.jit
+    def _svm32_loss(cK, eK, cK1, eK1, alpha_tau_bits, tau_bits):
+        "From sigma_K = cK 2^eK and sigma_{K-1} = cK1 2^eK1: the loss tau softplus(z) and rho = sigmoid(z), z = alpha / tau + log(sigma_K / sigma_{K-1}), in float64."
+        alpha_tau, tau = _f64(alpha_tau_bits), _f64(tau_bits)
+        z = alpha_tau + (eK - eK1).to(tl.float64) * 0.6931471805599453 + tl.log(cK / cK1).to(tl.float64)
+        u = tl.exp(-tl.abs(z).to(tl.float32)).to(tl.float64)
+        log1p_u = tl.where(u < 1e-4, u * (1.0 - u * (0.5 - u / 3.0)), tl.log((1.0 + u).to(tl.float32)).to(tl.float64))
+        return tau * (tl.maximum(z, 0.0) + log1p_u), tl.where(z >= 0, 1.0, u) / (1.0 + u)
+
     @triton.jit
     def _svm32_row_kernel(tc_ptr, te_ptr, tm_ptr, loss_ptr, rho_ptr, sc_ptr, se_ptr, dm_ptr, n_tiles, alpha_tau_bits, tau_bits,
                           K: tl.constexpr):
@@ -1222,18 +1337,19 @@ if HAS_TRITON:
         dmax = tl.load(tm_ptr + row * n_tiles)
         for p in range(1, n_tiles):                                      # the tiles' product, in tile order
             BC, BE = _load_poly(tc_ptr, te_ptr, (row * n_tiles + p) * (K + 1), K)
-            C, E = _poly_mul(C, E, BC, BE, K)
+            g, ok = _poly_fixed_ok(C, E, BC, BE, K)
+            if ok:                                                       # plain multiply-adds where they may
+                C, E = _poly_mul_fixed(C, E, BC, BE, g, K)
+            else:
+                C, E = _poly_mul(C, E, BC, BE, K)
             dmax = tl.maximum(dmax, tl.load(tm_ptr + row * n_tiles + p))
         tl.store(dm_ptr + row, dmax)
         for j in tl.static_range(K + 1):
             tl.store(sc_ptr + row * (K + 1) + j, C[j])
             tl.store(se_ptr + row * (K + 1) + j, E[j])
-        alpha_tau, tau = _f64(alpha_tau_bits), _f64(tau_bits)
-        z = alpha_tau + (E[K] - E[K - 1]).to(tl.float64) * 0.6931471805599453 + tl.log(C[K] / C[K - 1]).to(tl.float64)
-        u = tl.exp(-tl.abs(z).to(tl.float32)).to(tl.float64)
-        log1p_u = tl.where(u < 1e-4, u * (1.0 - u * (0.5 - u / 3.0)), tl.log((1.0 + u).to(tl.float32)).to(tl.float64))
-        tl.store(loss_ptr + row, tau * (tl.maximum(z, 0.0) + log1p_u))
-        tl.store(rho_ptr + row, tl.where(z >= 0, 1.0, u) / (1.0 + u))
+        loss, rho = _svm32_loss(C[K], E[K], C[K - 1], E[K - 1], alpha_tau_bits, tau_bits)
+        tl.store(loss_ptr + row, loss)
+        tl.store(rho_ptr + row, rho)
 
 # %% ../nbs/16_kernels.ipynb #af6c4bcb
 if HAS_TRITON:
@@ -1381,13 +1497,14 @@ _LOG2E = 1.4426950408889634
 
 def svm32_plan(B: int,                  # rows
                n: int,                  # classes per row
-               tile: int | None = None, # classes per tile; by default about 512 programs in all, from 256 to 32768 classes each
+               tile: int | None = None, # classes per tile; by default about 512 programs in all (256 for rows of one warp), from 256 to 32768 classes each
                ) -> tuple[int, int, int, int]:
     "(threads L, classes per thread between renormalisations R, tile, tiles per row) of the float32 smooth SVM kernels."
     warps = 1 if n <= 2048 else 4
     lanes, r = 32 * warps, 8
-    if tile is None:
-        tile = min(max(triton.next_power_of_2(triton.cdiv(n, triton.cdiv(512, B))), lanes * r), 32768)
+    if tile is None:                    # rows of one warp: from B = 256 on one tile each, no row kernel (bench chapter)
+        programs = 512 if warps > 1 else 256
+        tile = min(max(triton.next_power_of_2(triton.cdiv(n, triton.cdiv(programs, B))), lanes * r), 32768)
     tile = triton.cdiv(check_int(tile, "tile", 1), lanes * r) * lanes * r
     return lanes, r, tile, triton.cdiv(n, tile)
 
@@ -1400,6 +1517,31 @@ def _svm32_state(s: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
             torch.empty(B, dtype=torch.float32, device=s.device))
 
 
+def _svm32_tiles(s: torch.Tensor, target: torch.Tensor, k: int, tau: float, alpha: float, tile: int,
+                 row: tuple | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    "Launch the tile kernel; row: the row kernel's outputs (loss, rho, sigma mantissas and exponents, largest log2 e_i) when a row is one tile and the tile kernel writes them."
+    (B, n), dev = s.shape, s.device
+    L, R, T, P = svm32_plan(B, n, tile or None)
+    one = row is not None and P == 1
+    tc = torch.empty(B, P, k + 1, dtype=torch.float32, device=dev) if not one else s.new_empty(0)   # each tile's polynomial
+    te = torch.empty(B, P, k + 1, dtype=torch.int32, device=dev) if not one else tc.new_empty(0, dtype=torch.int32)
+    tm = torch.empty(B, P, dtype=torch.float32, device=dev)            # each tile's largest log2 e_i
+    tf = torch.empty(B, P, dtype=torch.int32, device=dev)              # each tile's passes on fixed exponents
+    loss, rho, sc, se, dm = row if one else (tm,) * 5                  # unused pointers where the row kernel follows
+    _launch(_svm32_tile_kernel, (B, P), s, target, tc, te, tm, tf, loss, rho, sc, se, dm, n, P, T, _LOG2E / (k * tau),
+            f64_bits(alpha / tau), f64_bits(tau), K=k, L=L, LOG_L=L.bit_length() - 1, R=R, ONE_TILE=one, num_warps=L // 32)
+    return tc, te, tm, tf
+
+
+def svm32_tiles(s: torch.Tensor,       # (B, n) float32 scores, contiguous
+                target: torch.Tensor,  # (B,) int64 labels, contiguous
+                k: int, tau: float,
+                tile: int = 0,         # classes per tile (0: the default of `svm32_plan`)
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    "The forward's tile kernel alone: each tile's polynomial as mantissas and exponents (B, P, k + 1), its largest log2 e_i (B, P) and its passes on fixed exponents (B, P)."
+    return _svm32_tiles(s, target, k, tau, 1.0, tile, None)
+
+
 @torch.library.custom_op(f"{_OPS}::smooth_svm32_forward", mutates_args=())
 def _svm32_forward_op(s: torch.Tensor,       # (B, n) float32 scores, contiguous
                       target: torch.Tensor,  # (B,) int64 labels, contiguous
@@ -1410,16 +1552,14 @@ def _svm32_forward_op(s: torch.Tensor,       # (B, n) float32 scores, contiguous
                       reduction: int,        # ROWS (the per-row loss, nothing else) or a value of REDUCTION_CODES
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                  torch.Tensor, torch.Tensor]:
-    "The float32 forward as an operator: (loss, weighted rows, denominator, labels' flag as `_conventions` gives them, rho (B,), sigma mantissas, exponents (B, k + 1), largest log2 e_i (B,)); two launches, three with `_finish`."
-    (B, n), dev = s.shape, s.device
-    L, R, T, P = svm32_plan(B, n, tile or None)
-    tc = torch.empty(B, P, k + 1, dtype=torch.float32, device=dev)     # each tile's polynomial
-    te = torch.empty(B, P, k + 1, dtype=torch.int32, device=dev)
-    tm = torch.empty(B, P, dtype=torch.float32, device=dev)            # each tile's largest log2 e_i
-    _launch(_svm32_tile_kernel, (B, P), s, target, tc, te, tm, n, P, T, _LOG2E / (k * tau),
-            K=k, L=L, LOG_L=L.bit_length() - 1, R=R, num_warps=L // 32)
-    loss, rho, sc, se, dm = _svm32_state(s, k)
-    _launch(_svm32_row_kernel, (B,), tc, te, tm, loss, rho, sc, se, dm, P, f64_bits(alpha / tau), f64_bits(tau), K=k, num_warps=1)
+    "The float32 forward as an operator: (loss, weighted rows, denominator, labels' flag as `_conventions` gives them, rho (B,), sigma mantissas, exponents (B, k + 1), largest log2 e_i (B,)); two launches (one where a row is one tile), one more with `_finish`."
+    (B, n), state = s.shape, _svm32_state(s, k)
+    loss, rho, sc, se, dm = state
+    tc, te, tm, _ = _svm32_tiles(s, target, k, tau, alpha, tile, state)   # a row of one tile: its loss too
+    P = tm.shape[1]
+    if P > 1:                                                          # the tiles' product, the loss
+        _launch(_svm32_row_kernel, (B,), tc, te, tm, loss, rho, sc, se, dm, P, f64_bits(alpha / tau), f64_bits(tau),
+                K=k, num_warps=1)
     return (*_conventions(loss, target, weight, n, ignore_index, reduction), rho, sc, se, dm)
 
 
