@@ -129,3 +129,35 @@ def test_compile_section_counts_the_kernels_a_compiled_step_runs():
                                      backend="eager")
     launches = {name: entry["kernel_launches"] for name, entry in out["losses"].items()}
     assert out["status"] == "ok" and launches == {"ce": 0, "smooth_svm": 4, "noised_bal": 4}, out   # float32 SVM, rows of one tile: one forward, two backward, the finishing kernel; noised: candidates, merge, finishing, gradient
+
+
+def test_triton_variants_are_the_launches_each_section_needs():
+    "The dry preset's launches, recorded and not run: the float32 smooth SVM's kernels at the preset's k, the noised losses' kernels, each first needed by a section of the check."
+    kernels = pytest.importorskip("topk_nb.kernels")
+    if not kernels.HAS_TRITON:
+        pytest.skip("triton is not installed")
+    variants = gpucheck.triton_variants(gpucheck.PRESETS["dry"])
+    names = {key[1] for key in variants}
+    assert {"_svm32_tile_kernel", "_svm32_grad_tile_kernel", "_perturbed_candidates_kernel", "_perturbed_grad_kernel"} <= names
+    assert set(variants.values()) <= set(gpucheck.SECTIONS)
+    assert {dict(key[3])["K"] for key in variants if key[1] == "_svm32_tile_kernel"} == {3}
+    assert all(dict(key[2])["s_ptr"] == "*fp32" for key in variants if key[1] == "_svm32_tile_kernel")
+
+
+def test_compile_estimate_times_each_variant_for_sm90():
+    kernels = pytest.importorskip("topk_nb.kernels")
+    if not kernels.HAS_TRITON:
+        pytest.skip("triton is not installed")
+    est = gpucheck.compile_estimate(gpucheck.PRESETS["dry"], names=["smooth_svm"])
+    assert est["names"] == ["smooth_svm"] and set(est["sections"]) == {"correctness"}   # the first section compiles them all
+    s = est["sections"]["correctness"]
+    assert s["variants"] >= 3 and s["here_s"] > 0
+    assert s["gpu_host_s"] == pytest.approx(s["here_s"] * gpucheck.GPU_HOST_COMPILE[0])
+    assert est["total_s"] == pytest.approx(est["triton_s"] + gpucheck.INDUCTOR_SECONDS[0])
+
+
+def test_recorded_launches_needs_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        with gpucheck.recorded_launches({}):
+            pass

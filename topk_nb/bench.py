@@ -351,7 +351,7 @@ from .core import check_int
 
 # %% ../nbs/14_bench.ipynb #d47b3d54
 _WORKER = r'''
-import contextlib, io, json, sys, traceback
+import contextlib, io, json, sys, time, traceback
 import triton                                   # first: the kernels' module then leaves TRITON_INTERPRET unset
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -370,6 +370,7 @@ def kernel(req):
 for line in sys.stdin:
     req = json.loads(line)
     log = io.StringIO()
+    t0 = time.perf_counter()
     try:
         with contextlib.redirect_stdout(log):
             src = ASTSource(fn=kernel(req), signature=req["signature"], constexprs=req["constexprs"])
@@ -377,7 +378,7 @@ for line in sys.stdin:
                                                                                      **({"maxnreg": req["maxnreg"]} if req["maxnreg"] else {})})
         with open(req["out"], "wb") as f:
             f.write(out.asm["cubin"])
-        reply = {"ok": True, "log": log.getvalue()}
+        reply = {"ok": True, "log": log.getvalue(), "seconds": time.perf_counter() - t0}   # the compile, cubin included
     except Exception:
         reply = {"ok": False, "log": log.getvalue(), "error": traceback.format_exc()[-4000:]}
     print(json.dumps(reply), flush=True)
@@ -1177,8 +1178,8 @@ class Budget(NamedTuple):
 
 
 BUDGETS = {
-    "noised_bal, n < 2048, k = 5": Budget("noised_bal", lambda sh: sh["k"] == 5, 2.0,   # the target: <= 2x at every n
-                                          expected_over=True),                     # over under this model: see the table
+    "noised_bal, n < 2048, k = 5": Budget("noised_bal", lambda sh: sh["k"] == 5 and sh["B"] == 256, 2.0,   # the target:
+                                          expected_over=True),   # <= 2x at every n, B = 256 (B = 4096: a row of the table)
     "noised_bal, pruned, k = 5": Budget("noised_bal, pruned", lambda sh: sh["k"] == 5, 2.0, expected_over=True),
     "noised_bal, k = 20": Budget("noised_bal", lambda sh: sh["k"] == 20, 3.0, expected_over=True),
     "smooth_svm, n = 1000, k <= 20": Budget("smooth_svm", lambda sh: sh["n"] == 1000 and sh["k"] <= 20, 3.0),

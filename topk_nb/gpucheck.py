@@ -29,14 +29,15 @@ import torch.nn.functional as F
 
 from .bench import aten_ops, bench_loss, bench_scores, epoch_times, loss_speed, syncing_ops
 from .kernels import count_launches
-from .core import check_int, check_real, fwd_bwd
+from .core import check_int, check_real, force_sync_free, fwd_bwd
 from .losses import LOSSES
 
 # %% auto #0
-__all__ = ['PRESETS', 'SECTIONS', 'TOLERANCE', 'NO_CUDA', 'one_line', 'loss_and_grad', 'compare_to_reference', 'loss_variants',
-           'check_correctness', 'check_syncs', 'speed_table', 'epoch_overhead', 'kernel_times', 'check_compile',
-           'capture_step', 'check_cuda_graphs', 'environment', 'device_slug', 'run_section', 'section_calls',
-           'render_markdown', 'gpu_check', 'main']
+__all__ = ['PRESETS', 'SECTIONS', 'TOLERANCE', 'NO_CUDA', 'GPU_HOST_COMPILE', 'INDUCTOR_SECONDS', 'one_line', 'loss_and_grad',
+           'compare_to_reference', 'loss_variants', 'check_correctness', 'check_syncs', 'speed_table', 'epoch_overhead',
+           'kernel_times', 'check_compile', 'capture_step', 'check_cuda_graphs', 'environment', 'device_slug',
+           'run_section', 'section_calls', 'render_markdown', 'gpu_check', 'main', 'recorded_launches',
+           'triton_variants', 'compile_estimate']
 
 # %% ../nbs/15_gpucheck.ipynb #fbf51fd0
 PRESETS = {
@@ -593,3 +594,122 @@ def _from_shell() -> bool:
 
 if __name__ == "__main__" and _from_shell():
     sys.exit(main())
+
+# %% ../nbs/15_gpucheck.ipynb #970806a0
+_TRITON_TYPES = {torch.float32: "*fp32", torch.float64: "*fp64", torch.int64: "*i64", torch.int32: "*i32",
+                 torch.int16: "*i16", torch.bool: "*i1"}
+
+
+def _launch_variant(kernel, args: tuple, kwargs: dict) -> tuple:
+    "What Triton compiles a launch as: (module, kernel, signature, constants, options, specialisation); an int argument equal to 1 or a multiple of 16 is specialised, as the launcher does, and compiles apart."
+    sig, spec = {}, []
+    for name, a in zip(kernel.arg_names, args):
+        if isinstance(a, torch.Tensor):
+            sig[name] = _TRITON_TYPES[a.dtype]
+        elif isinstance(a, bool):
+            sig[name] = "i1"
+        elif isinstance(a, int):
+            sig[name] = "i32" if -2**31 <= a < 2**31 else "i64"
+            spec.append((name, 1 if a == 1 else 16 if a % 16 == 0 else 0))
+        elif isinstance(a, float):
+            sig[name] = "fp32"
+        else:
+            raise TypeError(f"argument {name} of {kernel.fn.__name__}: no Triton type for {type(a).__name__}")
+    const = {name: v for name, v in kwargs.items() if name in kernel.arg_names}
+    sig.update(dict.fromkeys(const, "constexpr"))
+    opts = (kwargs.get("num_warps", 4), kwargs.get("maxnreg"))
+    return (kernel.fn.__module__, kernel.fn.__name__, tuple(sig.items()), tuple(sorted(const.items())), opts, tuple(spec))
+
+
+@contextlib.contextmanager
+def recorded_launches(found: dict # filled: launch variant -> launches
+                      ):
+    "Inside: each Triton launch of `topk_nb.kernels` is recorded in `found` instead of run, its tensors set to zero (flags to True) so that the code around it goes on."
+    from topk_nb import kernels as K
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("recorded_launches routes CPU tensors to the kernels, which needs TRITON_INTERPRET=1 "
+                           "(topk_nb sets it where there is no CUDA device)")
+    real = K._launch
+
+    def record(kernel, grid, *args, **kwargs):
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                a.fill_(True if a.dtype == torch.bool else 0)
+        key = _launch_variant(kernel, args, kwargs)
+        found[key] = found.get(key, 0) + 1
+
+    K._launch = record
+    try:
+        with K.force_triton(), force_sync_free():
+            yield found
+    finally:
+        K._launch = real
+
+# %% ../nbs/15_gpucheck.ipynb #ccaf84c7
+def _section_shapes(preset: dict) -> dict[str, list[tuple[int, int, int]]]:
+    "(B, n, k) of the losses each section of the preset runs."
+    B, _, n, k = preset["step"]
+    k_kernels = 5 if 5 in preset["ks"] else preset["ks"][0]
+    return {"correctness": list(preset["cases"]), "syncs": [preset["cases"][0]],
+            "speed": [(preset["batch"], n_, k_) for n_ in preset["ns"] for k_ in preset["ks"] if k_ < n_],
+            "kernels": [(preset["batch"], n_, k_kernels) for n_ in preset["ns"]],
+            "compile": [(B, n, k)], "cuda_graphs": [(B, n, k)]}
+
+
+def triton_variants(preset: dict,                          # a value of PRESETS
+                    names: Sequence[str] | None = None,    # registry losses; all by default
+                    ) -> dict[tuple, set[str]]:
+    "The Triton kernels a CUDA run of the preset compiles, found by running each section's losses (forward and backward, float32) on CPU tensors with the launches recorded, not run: launch variant -> the sections that first need it."
+    first = {}
+    for section, shapes in _section_shapes(preset).items():
+        for B, n, k in dict.fromkeys(shapes):
+            scores, target = bench_scores(B, n)
+            for name in names or LOSSES:
+                calls = ([(fn, (torch.zeros(3, B, n),) if noisy else ()) for _, fn, _, noisy in loss_variants(name, n, k)]
+                         if section == "correctness" else [(bench_loss(name, n, k), ())])
+                for fn, noise in calls:
+                    found = {}
+                    with recorded_launches(found):
+                        x = scores.clone().requires_grad_()
+                        fn(x, target, *noise).backward()
+                    for key in found:
+                        first.setdefault(key, section)
+    return first
+
+# %% ../nbs/15_gpucheck.ipynb #4d72dc28
+GPU_HOST_COMPILE = (1.86, "the GPU record's first call of the float32 smooth SVM at n = 1000, k = 20 (88.5 s, compile "
+                          "and all; results/gpu/, kernel-times-svm32) over this machine's sm_90 compile of the same four "
+                          "kernels at that commit (47.5 s); at k = 5 the ratio is 11.8 / 9.2 = 1.28")
+INDUCTOR_SECONDS = (26.1, "the compile section of the GPU record's quick run (results/gpu/, f39ea19 fix-gpu-check-quick): "
+                          "inductor and Triton for every loss; the full preset compiles the same graphs at other sizes")
+
+
+def compile_estimate(preset: dict,                          # a value of PRESETS
+                     names: Sequence[str] | None = None,    # registry losses; those that launch Triton kernels by default
+                     ) -> dict:
+    "Seconds of Triton compilation a CUDA run of the preset needs, section by section: each variant compiled here for sm_90 (no cache), scaled to the GPU host by GPU_HOST_COMPILE; plus the compile section's inductor time."
+    from topk_nb.bench import _COMPILER
+    if names is None:                                       # the losses with kernels: a launch at a small shape
+        names = [name for name in LOSSES if triton_variants(dict(PRESETS["dry"]), [name])]
+    variants, seconds = triton_variants(preset, names), {}
+    for module, name, sig, const, (warps, maxnreg), _ in variants:
+        key = (module, name, sig, const, warps, maxnreg)
+        if key in seconds: continue
+        fn = getattr(sys.modules[module], name)
+        reply = _COMPILER.compile(dict(module=module, file=fn.fn.__code__.co_filename, name=name, signature=dict(sig),
+                                       constexprs=dict(const), num_warps=warps, arch=90, maxnreg=maxnreg,
+                                       out=os.path.join(_COMPILER.dir, f"estimate_{len(seconds)}.cubin")))
+        if not reply["ok"]:
+            raise RuntimeError(f"compiling {name} for sm_90 failed:\n{reply['error']}")
+        seconds[key] = reply["seconds"]
+    factor = GPU_HOST_COMPILE[0]
+    sections = {}
+    for (module, name, sig, const, (warps, maxnreg), _), section in variants.items():
+        s = sections.setdefault(section, {"variants": 0, "here_s": 0.0})
+        s["variants"] += 1                                   # a specialisation compiles apart, in about the same time
+        s["here_s"] += seconds[(module, name, sig, const, warps, maxnreg)]
+    for s in sections.values():
+        s["gpu_host_s"] = s["here_s"] * factor
+    triton_s = sum(s["gpu_host_s"] for s in sections.values())
+    return {"names": list(names), "sections": sections, "triton_s": triton_s, "inductor_s": INDUCTOR_SECONDS[0],
+            "total_s": triton_s + INDUCTOR_SECONDS[0]}
