@@ -104,3 +104,11 @@ def test_zero_temperature_runs_the_hard_hinge_through_the_registry(tmp_path):
     rows = {r["loss"]: r for r in rec["metrics"]["final"]}
     assert set(rows) == {"smooth_svm", "ce"} and rows["smooth_svm"]["tau"] == 0.0
     assert rows["smooth_svm"]["nonzero_share"] <= 2 / 100 and rows["ce"]["nonzero_share"] == 1.0
+
+
+def test_start_refuses_an_experiment_the_catalogue_does_not_know():
+    "A misspelt experiment name would go into the record unknown to the report: it stops at start, with the near name."
+    from topk_nb.notebook import start
+    with pytest.raises(ValueError, match="did you mean 'circles_tradeoffs'"):
+        start({"sigma": 20.0}, "circles_tradeoff")
+    assert start({"loss": "mine", "k": 2}).experiment is None          # no name: an ad-hoc notebook, as before

@@ -5,6 +5,7 @@
 # %% ../nbs/24_notebook.ipynb #a221f6f3
 from __future__ import annotations
 
+import difflib
 import json
 import sys
 import tempfile
@@ -139,7 +140,11 @@ def start(namespace: dict,  # the notebook's `globals()`, right after its parame
           experiment: str | None = None,  # its catalogue name, which the record carries (None: an ad-hoc notebook)
           threads: int | None = None,  # at most this many CPU threads for torch (None: torch's default)
           ) -> NotebookRun:
-    "Read, check and print the parameters of an experiment notebook (`namespace_parameters`; a ValueError names each bad one), cap torch's threads, start the clock; the `NotebookRun` the notebook's body uses."
+    "Read, check and print the parameters of an experiment notebook (a ValueError names each bad one, or an experiment the catalogue does not know), cap torch's threads, start the clock; the `NotebookRun` the notebook's body uses."
+    if experiment is not None and experiment not in EXPERIMENTS:     # a typo would record a name nothing knows
+        near = difflib.get_close_matches(experiment, EXPERIMENTS, 1)
+        raise ValueError(f"start: experiment must be a name of the catalogue (topk-nb list) or None for an ad-hoc "
+                         f"notebook, got {experiment!r}" + (f"; did you mean {near[0]!r}?" if near else ""))
     entry = EXPERIMENTS.get(experiment) if experiment is not None else None
     declared = notebook_parameters(entry.notebook_path()) if entry is not None and entry.notebook_path().is_file() else None
     record_path = namespace.get("record_path")
