@@ -186,20 +186,30 @@ class NoisedImbal(_NoisedModule):
         self.k, self.epsilon = check_int(k, "k", 1), check_real(epsilon, "epsilon", 0.0)
         self.n_samples, self.max_m = check_int(n_samples, "n_samples", 1), check_real(max_m, "max_m", 0.0)
         self.scale, self.generator = check_real(scale, "scale", 0.0, lo_open=True), generator
+        self.register_buffer("margins", margins_from_counts(self.class_counts, self.max_m), persistent=False)   # (n,)
+
+    def __setattr__(self, name, value):
+        "Setting `class_counts` or `max_m` takes effect (the margins the kernels read are made again from them), or is refused before it changes anything."
+        if name == "max_m":
+            value = check_real(value, "max_m", 0.0)
+        elif name == "class_counts" and "margins" in self._buffers:
+            margins_from_counts(value, self.max_m)                             # bad counts: refused here, nothing set
+        super().__setattr__(name, value)
+        if name in ("class_counts", "max_m") and "margins" in self._buffers:
+            super().__setattr__("margins", margins_from_counts(self.class_counts, self.max_m))
 
     def per_sample(self, scores, labels, noise=None):
         return noised_imbal(scores, labels, self.class_counts, self.k, self.epsilon, self.n_samples, self.max_m,
                                  self.scale, "none", self.generator, noise, self.check_finite)
 
     def kernel_loss(self, scores, labels, weight):
-        "Where the fused kernels take the hinge, the loss with the conventions in them, the margins per class read by the kernel (chapter 16); else None."
+        "Where the fused kernels take the hinge, the loss with the conventions in them, the margins per class (made when the counts or max_m are set) read by the kernel (chapter 16); else None."
         from topk_nb.kernels import noised_hinge_fused
         if not (self.epsilon > 0 and 1 <= self.k < scores.shape[1] and _fused(scores, self.k + 1, None)):
             return None
-        margins = margins_from_counts(self.class_counts, self.max_m)          # (n,) float64, on the counts' device
-        if margins.numel() != scores.shape[1]:
+        if self.margins.numel() != scores.shape[1]:                            # (n,) float64, made once, moved with the module
             return None                                                        # the per-sample path names the mismatch
-        return noised_hinge_fused(scores, labels, self.k + 1, self.epsilon, self.n_samples, margins, 0.0, self.scale,
+        return noised_hinge_fused(scores, labels, self.k + 1, self.epsilon, self.n_samples, self.margins, 0.0, self.scale,
                                   self.generator, weight, self.ignore_index, self.reduction)
 
     def extra_repr(self):
