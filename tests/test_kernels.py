@@ -342,7 +342,8 @@ for k in (1, 3, 9):                                # 9: the forward's class loop
     lanes, hmax = {"K": k, "L": 32, "LOG_L": 5, "R": 8}, triton.next_power_of_2(3 * k + 2)
     for fn, sig, const in ((K._svm32_tile_kernel, tile, {**lanes, "ONE_TILE": False}),
                            (K._svm32_tile_kernel, tile, {**lanes, "ONE_TILE": True}), (K._svm32_row_kernel, row, {"K": k}),
-                           (K._svm32_grad_tile_kernel, gtile, {**lanes, "HMAX": hmax, **conv}),
+                           *((K._svm32_grad_tile_kernel, gtile, {**lanes, "HMAX": hmax, **conv, "HEAD": head})
+                             for head in ((0, 1, 2) if k == 3 else (0,))),   # both paths; rows without a head; with one
                            (K._svm32_grad_row_kernel, grow, {"K": k, "HMAX": hmax, **conv})):
         sig = {**sig, **{name: "constexpr" for name in const}}
         assert triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32)).asm["cubin"]

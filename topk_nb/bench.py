@@ -940,7 +940,8 @@ def _svm32_models(K) -> dict:
                 ["*fp32", "*i64", "*fp32", "*fp32", "*fp32", "*fp64", "*fp32", "*i32", "*fp32", "*fp32", "*fp32", "*i32",
                  "*fp32", "*i64", "*i32"])
     gtile.update(n="i32", n_tiles="i32", tile="i32", d_scale="fp32", ignore_index="i32", K="constexpr", L="constexpr",
-                 LOG_L="constexpr", R="constexpr", HMAX="constexpr", REDUCTION="constexpr", HAS_WEIGHT="constexpr")
+                 LOG_L="constexpr", R="constexpr", HMAX="constexpr", REDUCTION="constexpr", HAS_WEIGHT="constexpr",
+                 HEAD="constexpr")
     grow = ptr(["rho_ptr", "y_ptr", "go_ptr", "w_ptr", "den_ptr", "sc_ptr", "se_ptr", "g_ptr", "tc_ptr", "te_ptr", "hd_ptr",
                 "hi_ptr", "hn_ptr", "fd_ptr", "fi_ptr"],
                ["*fp64", "*i64", "*fp32", "*fp32", "*fp32", "*fp32", "*i32", "*fp32", "*fp32", "*i32", "*fp32", "*i64",
@@ -958,6 +959,10 @@ def _svm32_models(K) -> dict:
     # tau that are refused. Their polynomials, products of many such classes, have the smooth log-concave coefficients
     # that let products take plain multiply-adds (`_poly_fixed_ok`), in the lanes' butterfly and in the row kernel.
     fast = lambda sh: 1.0
+    grad_loops = (("for t0 in range(0, tile, L * R)", lambda sh: 0), ("for r in range(R)", lambda sh: plan(sh)[1]),  # a row
+                  ("for lev in range(LOG_L)", lambda sh: 0),                                                 # with a head
+                  ("for t0 in range(0, tile, L * R)", steps), ("for r in tl.static_range(R)", steps))   # a row without
+    grad_branches = (("if has_head", lambda sh: 0.0), ("if has_head == 0", lambda sh: 1.0))    # rows without a head
     return {
         "smooth_svm32_tile": KernelModel(
             K._svm32_tile_kernel, tile, lambda sh: {**lanes(sh), "ONE_TILE": not tiled(sh)},
@@ -975,14 +980,17 @@ def _svm32_models(K) -> dict:
             lambda sh: poly(sh) + sh["B"] * (4 + 8 + (sh["k"] + 1) * 8),
             num_warps=lambda sh: 1, programs=lambda sh: sh["B"] if tiled(sh) else 0,
             branches=(("if ok", lambda sh: 1.0),)),                            # the tiles' products: plain multiply-adds
-        "smooth_svm32_grad_tile": KernelModel(
-            K._svm32_grad_tile_kernel, gtile, lambda sh: {**lanes(sh), "HMAX": hmax(sh), **MODULE_MEAN},
-            (("for t0 in range(0, tile, L * R)", lambda sh: 0), ("for r in range(R)", lambda sh: plan(sh)[1]),  # a row with
-             ("for lev in range(LOG_L)", lambda sh: 0),                                                      # a head
-             ("for t0 in range(0, tile, L * R)", steps), ("for r in tl.static_range(R)", steps)),       # a row without
-            lambda sh: 2 * sh["B"] * sh["n"] * 4,                           # the scores, the gradient
+        "smooth_svm32_grad_tile": KernelModel(                              # rows of one tile: both paths (HEAD 0);
+            K._svm32_grad_tile_kernel, gtile,                                   # else the rows without a head (HEAD 1)
+            lambda sh: {**lanes(sh), "HMAX": hmax(sh), **MODULE_MEAN, "HEAD": 1 if tiled(sh) else 0},
+            grad_loops, lambda sh: 2 * sh["B"] * sh["n"] * 4,                   # the scores, the gradient
             num_warps=lambda sh: plan(sh)[0] // 32, programs=lambda sh: sh["B"] * plan(sh)[3], elements=lambda sh: plan(sh)[2],
-            branches=(("if tl.load(dm_ptr + row) + lrho > _LOG2_THETA", lambda sh: 0.0),)),   # a row without a head
+            branches=grad_branches),
+        "smooth_svm32_grad_head": KernelModel(                              # rows of several tiles: those with a head
+            K._svm32_grad_tile_kernel, gtile, lambda sh: {**lanes(sh), "HMAX": hmax(sh), **MODULE_MEAN, "HEAD": 2},
+            grad_loops, lambda sh: sh["B"] * plan(sh)[3] * (sh["k"] + 1) * 16,  # the row's constants: none has a head
+            num_warps=lambda sh: plan(sh)[0] // 32, programs=lambda sh: sh["B"] * plan(sh)[3] if tiled(sh) else 0,
+            elements=lambda sh: plan(sh)[2], branches=grad_branches),
         "smooth_svm32_grad_row": KernelModel(
             K._svm32_grad_row_kernel, grow, lambda sh: dict(K=sh["k"], HMAX=hmax(sh), **MODULE_MEAN),
             (("for p in range(n_tiles)", lambda sh: plan(sh)[3]), ("for p in range(1, n_tiles)", lambda sh: 0),
@@ -1099,7 +1107,8 @@ COST_STEPS = {
     "noised_bal, unpruned": StepModel(("perturbed_candidates, unpruned", "perturbed_merge", "finish, hinge", "perturbed_grad"),
                                       _NOISED_LAUNCHES, tuple(sh for sh in _NOISED_SHAPES if sh["n"] >= PRUNE_MIN)),
     "smooth_svm": StepModel(("smooth_svm32_tile", "smooth_svm32_row", "finish", "smooth_svm32_grad_tile",
-                             "smooth_svm32_grad_row"), 8, _SVM_SHAPES),   # 5 Triton, the labels' assert, the step's sum, its gradient
+                             "smooth_svm32_grad_head", "smooth_svm32_grad_row"), 9, _SVM_SHAPES),   # 6 Triton (4 on rows of
+                                                                        # one tile), the labels' assert, the step's sum, its gradient
     "smooth_svm, k > SVM32_MAX_K": StepModel(("smooth_svm_forward", "finish", "smooth_svm_backward"), 6,
                                               tuple(dict(B=256, n=n, k=100) for n in (1000, 100_000))),
 }

@@ -1409,37 +1409,41 @@ if HAS_TRITON:
     def _svm32_grad_tile_kernel(s_ptr, y_ptr, go_ptr, w_ptr, den_ptr, rho_ptr, sc_ptr, se_ptr, dm_ptr, g_ptr, tc_ptr, te_ptr,
                                 hd_ptr, hi_ptr, hn_ptr, n, n_tiles, tile, d_scale, ignore_index,
                                 K: tl.constexpr, L: tl.constexpr, LOG_L: tl.constexpr, R: tl.constexpr, HMAX: tl.constexpr,
-                                REDUCTION: tl.constexpr, HAS_WEIGHT: tl.constexpr):
-        "Program (row, p): dL/ds of the tile's tail by Horner; if the row has a head, the tile's tail polynomial and its head classes listed."
+                                REDUCTION: tl.constexpr, HAS_WEIGHT: tl.constexpr, HEAD: tl.constexpr):
+        "Program (row, p): dL/ds of the tile's tail by Horner; if the row has a head, the tile's tail polynomial and its head classes listed. HEAD 0: every row; 1: the rows without a head, 2: those with one (two launches for rows of several tiles, so that the rare path's registers do not hold down the common one's programs per SM)."
         row, p = tl.program_id(0).to(tl.int64), tl.program_id(1)
         lanes = tl.arange(0, L)                                          # (L,) threads
         go, y = _row_go(y_ptr, go_ptr, w_ptr, den_ptr, row, n, ignore_index, REDUCTION, HAS_WEIGHT)   # dL/d(row's loss)
         sy = tl.load(s_ptr + row * n + y).to(tl.float32)
-        w = (tl.load(rho_ptr + row) * go.to(tl.float64) / K).to(tl.float32)   # dL/ds_i = w (pi_k - pi_k-1)
+        w = (tl.load(rho_ptr + row) * go.to(tl.float64)).to(tl.float32) * (1.0 / K)   # dL/ds_i = w (pi_k - pi_k-1);
+        # no float64 division: its slow path is a call, whose saved registers spill
         lrho, Rr = _svm32_row_consts(sc_ptr, se_ptr, row, K)
         start = p * tile
-        if tl.load(dm_ptr + row) + lrho > _LOG2_THETA:                   # the row's largest t_i > theta: it has a head
-            C, E = _poly_one(L, K)
-            cnt = 0
-            hbase = (row * n_tiles + p) * HMAX
-            for t0 in range(0, tile, L * R):
-                for r in range(R):                                       # a loop, not unrolled: the rare path
-                    offs = start + t0 + r * L + lanes                    # (L,) classes
-                    inside = (offs < n) & (offs < start + tile)
-                    C, E, cnt = _svm32_grad_head_class(C, E, cnt, s_ptr, g_ptr, hd_ptr, hi_ptr, hbase, row, n, y, sy, offs, inside,
-                                                       d_scale, lrho, Rr, w, K, L, HMAX)
-                C, E = _poly_norm(C, E, K)
-            for lev in range(LOG_L):                                     # the lanes' product, every lane ends with it
-                C, E = _poly_swap_mul(C, E, lev, K, L)
-            _store_poly(tc_ptr, te_ptr, (row * n_tiles + p) * (K + 1), C, E, K, L)
-            tl.store(hn_ptr + row * n_tiles + p, cnt)
-        else:                                                            # no head: Horner on every class, nothing else
-            for t0 in range(0, tile, L * R):
-                for r in tl.static_range(R):                             # unrolled: the R loads issued together
-                    offs = start + t0 + r * L + lanes
-                    inside = (offs < n) & (offs < start + tile)
-                    _svm32_grad_block(s_ptr, g_ptr, row, n, y, sy, offs, inside, d_scale, lrho, Rr, w, K, L)
-            tl.store(hn_ptr + row * n_tiles + p, 0)
+        has_head = tl.load(dm_ptr + row) + lrho > _LOG2_THETA            # the row's largest t_i > theta
+        if HEAD != 1:
+            if has_head:
+                C, E = _poly_one(L, K)
+                cnt = 0
+                hbase = (row * n_tiles + p) * HMAX
+                for t0 in range(0, tile, L * R):
+                    for r in range(R):                                       # a loop, not unrolled: the rare path
+                        offs = start + t0 + r * L + lanes                    # (L,) classes
+                        inside = (offs < n) & (offs < start + tile)
+                        C, E, cnt = _svm32_grad_head_class(C, E, cnt, s_ptr, g_ptr, hd_ptr, hi_ptr, hbase, row, n, y, sy, offs, inside,
+                                                           d_scale, lrho, Rr, w, K, L, HMAX)
+                    C, E = _poly_norm(C, E, K)
+                for lev in range(LOG_L):                                     # the lanes' product, every lane ends with it
+                    C, E = _poly_swap_mul(C, E, lev, K, L)
+                _store_poly(tc_ptr, te_ptr, (row * n_tiles + p) * (K + 1), C, E, K, L)
+                tl.store(hn_ptr + row * n_tiles + p, cnt)
+        if HEAD != 2:
+            if has_head == 0:                                            # no head: Horner on every class, nothing else
+                for t0 in range(0, tile, L * R):
+                    for r in tl.static_range(R):                             # unrolled: the R loads issued together
+                        offs = start + t0 + r * L + lanes
+                        inside = (offs < n) & (offs < start + tile)
+                        _svm32_grad_block(s_ptr, g_ptr, row, n, y, sy, offs, inside, d_scale, lrho, Rr, w, K, L)
+                tl.store(hn_ptr + row * n_tiles + p, 0)
 
 # %% ../nbs/16_kernels.ipynb #7114870e
 if HAS_TRITON:
@@ -1487,7 +1491,7 @@ if HAS_TRITON:
                 c2, e2 = _poly_coef(TC, TE, HC, HE, K - 2)                   # sigma_{K-2}(others without h)
                 pk1 = (mh * c2 / cK1) * _pow2(qh + e2 - eK1)                 # pi_{K-1,h}
             go, _ = _row_go(y_ptr, go_ptr, w_ptr, den_ptr, row, n, ignore_index, REDUCTION, HAS_WEIGHT)
-            w = (tl.load(rho_ptr + row) * go.to(tl.float64) / K).to(tl.float32)
+            w = (tl.load(rho_ptr + row) * go.to(tl.float64)).to(tl.float32) * (1.0 / K)
             g = tl.where(over, float("nan"), w * (pk - pk1))
             tl.store(g_ptr + row * n + ih, g, mask=hv)
 
@@ -1574,7 +1578,7 @@ def _svm32_backward_op(s: torch.Tensor, target: torch.Tensor, weight: Optional[t
                        den: torch.Tensor,                   # () the mean's denominator, from the forward operator
                        rho: torch.Tensor, sc: torch.Tensor, se: torch.Tensor, dm: torch.Tensor,   # from the forward operator
                        k: int, tau: float, tile: int, ignore_index: int, reduction: int) -> torch.Tensor:
-    "The float32 backward as an operator: dL/ds (B, n), the conventions applied by `_row_go`; two launches."
+    "The float32 backward as an operator: dL/ds (B, n), the conventions applied by `_row_go`; two launches (three where a row is several tiles)."
     (B, n), dev = s.shape, s.device
     L, R, T, P = svm32_plan(B, n, tile or None)
     hmax = triton.next_power_of_2(3 * k + 2)                           # fewer than 3k head classes per row
@@ -1585,8 +1589,10 @@ def _svm32_backward_op(s: torch.Tensor, target: torch.Tensor, weight: Optional[t
     hi = torch.empty(B, P, hmax, dtype=torch.int64, device=dev)
     hn = torch.empty(B, P, dtype=torch.int32, device=dev)
     g, w, conv = grad.contiguous(), grad if weight is None else weight, dict(REDUCTION=reduction, HAS_WEIGHT=weight is not None)
-    _launch(_svm32_grad_tile_kernel, (B, P), s, target, g, w, den, rho, sc, se, dm, out, tc, te, hd, hi, hn, n, P, T,
-            _LOG2E / (k * tau), ignore_index, K=k, L=L, LOG_L=L.bit_length() - 1, R=R, HMAX=hmax, num_warps=L // 32, **conv)
+    for head in ((0,) if P == 1 else (1, 2)):                          # rows of several tiles: the head apart
+        _launch(_svm32_grad_tile_kernel, (B, P), s, target, g, w, den, rho, sc, se, dm, out, tc, te, hd, hi, hn, n, P, T,
+                _LOG2E / (k * tau), ignore_index, K=k, L=L, LOG_L=L.bit_length() - 1, R=R, HMAX=hmax, HEAD=head,
+                num_warps=L // 32, **conv)
     fd = torch.empty(B, hmax, dtype=torch.float32, device=dev)         # the row's head list
     fi = torch.empty(B, hmax, dtype=torch.int64, device=dev)
     _launch(_svm32_grad_row_kernel, (B,), rho, target, g, w, den, sc, se, out, tc, te, hd, hi, hn, fd, fi, n, P, ignore_index,
