@@ -3,7 +3,7 @@
 Serves the site on a free localhost port, opens the front page, a chapter with equations and a figure, an
 API page and the experiment catalogue in Chromium (driven over the DevTools protocol), and fails if a page
 logs a console error or an uncaught exception, a request fails, an image does not load, MathJax typesets nothing, or TeX delimiters
-(`$$`, `\\(`, `\\[`) are left in the text outside code. Saves a full-page PNG screenshot of each page.
+(`$`, `\\(`, `\\[`) are left in the text outside code. Saves a full-page PNG screenshot of each page.
 
     python docs/check_site.py _docs --shots _docs_shots [--chromium /usr/bin/chromium]
 
@@ -32,13 +32,15 @@ import websocket
 PAGES = [                      # (page, what it is, must it show equations, must it show a figure)
     ("index.html", "front page", True, False),
     ("noised.html", "chapter with equations and a figure", True, True),
+    ("kernels.html", "chapter with displays inside paragraphs", True, False),
+    ("core.html", "chapter with equations in a table", True, False),
     ("reference/topk_nb.svm.html", "API page", False, False),
     ("experiments/index.html", "experiment catalogue", False, False),
 ]
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync",
          "--hide-scrollbars", "--window-size=1280,1000"]
-LEFT_OVER_TEX = ["$$", "\\(", "\\)", "\\[", "\\]", "\\begin{"]
+LEFT_OVER_TEX = ["$", "\\(", "\\)", "\\[", "\\]", "\\begin{"]   # "$": a dollar the parser did not take as math
 
 
 class QuietHandler(SimpleHTTPRequestHandler):

@@ -40,6 +40,7 @@ templates_path = []
 nb_execution_mode = "off"
 nb_merge_streams = True
 myst_enable_extensions = ["dollarmath", "amsmath", "colon_fence"]
+myst_dmath_double_inline = True   # a $$...$$ display inside a paragraph (the chapters' habit, as Jupyter renders it)
 suppress_warnings = ["mystnb.unknown_mime_type"]
 
 # API reference: signatures and docstrings of the exported code; nbdev's docments become parameter lists.
