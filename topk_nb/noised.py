@@ -187,6 +187,11 @@ class NoisedImbal(_NoisedModule):
         self.n_samples, self.max_m = check_int(n_samples, "n_samples", 1), check_real(max_m, "max_m", 0.0)
         self.scale, self.generator = check_real(scale, "scale", 0.0, lo_open=True), generator
         self.register_buffer("margins", margins_from_counts(self.class_counts, self.max_m), persistent=False)   # (n,)
+        self.register_load_state_dict_post_hook(NoisedImbal._counts_loaded)   # loaded counts: the margins follow too
+
+    @staticmethod
+    def _counts_loaded(module, incompatible_keys):
+        module.margins = margins_from_counts(module.class_counts, module.max_m)
 
     def __setattr__(self, name, value):
         "Setting `class_counts` or `max_m` takes effect (the margins the kernels read are made again from them), or is refused before it changes anything."
