@@ -658,8 +658,8 @@ def _section_shapes(preset: dict) -> dict[str, list[tuple[int, int, int]]]:
 
 def triton_variants(preset: dict,                          # a value of PRESETS
                     names: Sequence[str] | None = None,    # registry losses; all by default
-                    ) -> dict[tuple, set[str]]:
-    "The Triton kernels a CUDA run of the preset compiles, found by running each section's losses (forward and backward, float32) on CPU tensors with the launches recorded, not run: launch variant -> the sections that first need it."
+                    ) -> dict[tuple, str]:
+    "The Triton kernels a CUDA run of the preset compiles, found by running each section's losses (forward and backward, float32) on CPU tensors with the launches recorded, not run: launch variant -> the section that first needs it."
     first = {}
     for section, shapes in _section_shapes(preset).items():
         for B, n, k in dict.fromkeys(shapes):
@@ -690,10 +690,10 @@ def compile_estimate(preset: dict,                          # a value of PRESETS
     "Seconds of Triton compilation a CUDA run of the preset needs, section by section: each variant compiled here for sm_90 (no cache), scaled to the GPU host by GPU_HOST_COMPILE; plus the compile section's inductor time."
     from topk_nb.bench import _COMPILER
     if names is None:                                       # the losses with kernels: a launch at a small shape
-        names = [name for name in LOSSES if triton_variants(dict(PRESETS["dry"]), [name])]
+        names = [name for name in LOSSES if triton_variants(PRESETS["dry"], [name])]
     variants, seconds = triton_variants(preset, names), {}
     for module, name, sig, const, (warps, maxnreg), _ in variants:
-        key = (module, name, sig, const, warps, maxnreg)
+        key = (module, name, sig, const, (warps, maxnreg))                  # the variant less its specialisation
         if key in seconds: continue
         fn = getattr(sys.modules[module], name)
         reply = _COMPILER.compile(dict(module=module, file=fn.fn.__code__.co_filename, name=name, signature=dict(sig),
@@ -704,10 +704,10 @@ def compile_estimate(preset: dict,                          # a value of PRESETS
         seconds[key] = reply["seconds"]
     factor = GPU_HOST_COMPILE[0]
     sections = {}
-    for (module, name, sig, const, (warps, maxnreg), _), section in variants.items():
+    for variant, section in variants.items():
         s = sections.setdefault(section, {"variants": 0, "here_s": 0.0})
         s["variants"] += 1                                   # a specialisation compiles apart, in about the same time
-        s["here_s"] += seconds[(module, name, sig, const, warps, maxnreg)]
+        s["here_s"] += seconds[variant[:5]]
     for s in sections.values():
         s["gpu_host_s"] = s["here_s"] * factor
     triton_s = sum(s["gpu_host_s"] for s in sections.values())
