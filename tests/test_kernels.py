@@ -266,6 +266,67 @@ def test_svm32_kernels_give_nan_past_their_range():
     assert torch.isnan(x.grad[1]).all() and torch.isfinite(x.grad[[0, 2]]).all()
 
 
+@pytest.mark.parametrize("n, k, tau, scale, tile, equal", [
+    (300, 40, 1.0, 3.0, 64, False), (400, 100, 1.0, 1.0, None, False), (60, 40, 1.0, 1.0, None, False),
+    (120, 64, 1e-2, 1.0, None, False), (200, 33, 0.1, 0.0, None, True)])
+def test_large_k_kernels_within_targets_of_float64(n, k, tau, scale, tile, equal):
+    "k above SVM32_MAX_K on float32 scores (a polynomial a warp): tiles, k = 100, all-head rows (n near k: the scans take the backward), a small tau, equal scores."
+    assert k > kernels.SVM32_MAX_K
+    g = torch.Generator().manual_seed(n + k)
+    s = torch.zeros(2, n) if equal else scale * torch.randn(2, n, generator=g)
+    y = torch.randint(0, n, (2,), generator=g)
+    go = torch.rand(2, generator=g) + 0.5
+    x = s.to(DEV).requires_grad_()
+    loss = kernels.smooth_svm_triton(x, y.to(DEV), k, tau, tile=tile)
+    grad, = torch.autograd.grad((loss * go.to(DEV)).sum(), x)
+    loss, grad = loss.detach().cpu(), grad.cpu()
+    ref_in = s.double().requires_grad_()
+    ref = tree_svm_loss(ref_in, y, k, tau, 1.0)
+    ref_grad, = torch.autograd.grad((ref * go.double()).sum(), ref_in)
+    assert loss.dtype == torch.float32 and torch.isfinite(loss).all() and torch.isfinite(grad).all()
+    assert ((loss.double() - ref).abs() <= 1e-4 * ref.abs()).all()
+    assert ((grad.double() - ref_grad).abs().amax(1) <= 1e-4 * ref_grad.abs().amax(1)).all()
+
+
+def test_large_k_backward_takes_the_scans_on_rows_with_a_head_only():
+    "One row with a class far above the rest (t_i > 1/2) among rows without: the grad kernel marks that row alone, the scans give its gradient, Horner the others'; all match float64."
+    s = torch.randn(3, 200, generator=torch.Generator().manual_seed(3))
+    s[1, 5] += 300.0
+    y = torch.tensor([0, 0, 7])
+    x = s.to(DEV).requires_grad_()
+    loss = kernels.smooth_svm_triton(x, y.to(DEV), 40, 1.0)
+    grad, = torch.autograd.grad(loss.sum(), x)
+    loss, grad = loss.detach().cpu(), grad.cpu()
+    ref_in = s.double().requires_grad_()
+    ref = tree_svm_loss(ref_in, y, 40, 1.0, 1.0)
+    ref_grad, = torch.autograd.grad(ref.sum(), ref_in)
+    torch.testing.assert_close(loss.double(), ref, rtol=1e-5, atol=0)
+    assert ((grad.double() - ref_grad).abs().amax(1) <= 1e-4 * ref_grad.abs().amax(1)).all()
+    rho, sc, se, dm = (t.cpu() for t in kernels._svm32_forward_op(s.to(DEV), y.to(DEV), None, 40, 1.0, 1.0, 0, -1,
+                                                                kernels.ROWS)[4:])
+    lrho = (se[:, 39] - se[:, 40]).double() + torch.log2(sc[:, 39].double() / sc[:, 40].double())
+    assert (dm.double() + lrho > -1.0).tolist() == [False, True, False]
+
+
+def test_large_k_kernels_give_nan_past_their_range():
+    s = torch.randn(2, 60)
+    s[1, 7] = 1e9
+    loss = kernels.smooth_svm_triton(s.to(DEV), torch.tensor([0, 5], device=DEV), 40, 0.5).cpu()
+    assert torch.isnan(loss[1]) and torch.isfinite(loss[0])
+
+
+def test_large_k_fixed_exponent_passes_and_tiles():
+    "Normal scores at tau = 1: every pass of a tile takes the fixed exponents (four a chunk of 32), and the loss of a row cut into tiles is the loss of the row in one."
+    s = torch.randn(2, 700, generator=torch.Generator().manual_seed(4))
+    y = torch.tensor([3, 600])
+    passes = kernels.svm32_tiles(s.to(DEV), y.to(DEV), 100, 1.0, tile=224)[3].cpu()
+    assert passes.shape == (2, 4) and (passes == 4 * 224 // 32).all()
+    one = kernels.smooth_svm_triton(s.to(DEV), y.to(DEV), 100, 1.0, tile=704).cpu()
+    cut = kernels.smooth_svm_triton(s.to(DEV), y.to(DEV), 100, 1.0, tile=96).cpu()
+    torch.testing.assert_close(cut, one, rtol=1e-6, atol=0)
+    assert kernels.svmw_plan(256, 1000) == (256, 4) and kernels.svmw_plan(256, 100_000)[1] == 16
+
+
 def test_svm_kernels_differentiate_twice():
     g = torch.Generator().manual_seed(2)
     s = torch.randn(2, 7, generator=g, dtype=torch.float64).to(DEV).requires_grad_()
@@ -309,18 +370,18 @@ import triton
 import topk_nb.kernels as K
 ptrs = lambda names, kinds: dict(zip(names, kinds))
 fwd = ptrs(["s_ptr", "y_ptr", "loss_ptr", "lsig_ptr", "rho_ptr", "ckpt_ptr"], ["*fp32", "*i64"] + ["*fp64"] * 4)
-fwd.update(n="i32", n_blocks="i32", inv_ktau_bits="i64", alpha_tau_bits="i64", tau_bits="i64")
+fwd.update(n="i32", n_blocks="i32", inv_ktau_bits="i64", alpha_tau_bits="i64", tau_bits="i64", run_ptr="*i32", run_stride="i32")
 bwd = ptrs(["s_ptr", "y_ptr", "go_ptr", "w_ptr", "den_ptr", "lsig_ptr", "rho_ptr", "ckpt_ptr", "scratch_ptr", "g_ptr"],
            ["*fp32", "*i64", "*fp32", "*fp32", "*fp32"] + ["*fp64"] * 4 + ["*fp32"])
-bwd.update(n="i32", n_blocks="i32", inv_ktau_bits="i64", ignore_index="i32")
+bwd.update(n="i32", n_blocks="i32", inv_ktau_bits="i64", ignore_index="i32", run_ptr="*i32", run_stride="i32")
 conv = {"REDUCTION": 1, "HAS_WEIGHT": True}        # a module's weighted mean: the conventions in the gradient kernels
 for k, fast in ((1, True), (3, True), (3, False)):
     for fn, sig, extra in ((K._svm_forward_kernel, fwd, {}), (K._svm_backward_kernel, bwd, conv)):
-        sig = {**sig, "K": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "FAST": "constexpr",
+        sig = {**sig, "K": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "FAST": "constexpr", "ALL": "constexpr",
                **{name: "constexpr" for name in extra}}
         if not fast:
             sig = {name: ("*fp64" if name in ("s_ptr", "go_ptr", "g_ptr", "den_ptr") else kind) for name, kind in sig.items()}
-        const = {"K": k, "BLOCK_N": 64, "BLOCK_K": triton.next_power_of_2(k + 1), "FAST": fast, **extra}
+        const = {"K": k, "BLOCK_N": 64, "BLOCK_K": triton.next_power_of_2(k + 1), "FAST": fast, "ALL": fast, **extra}
         assert triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32)).asm["cubin"]
 tile = ptrs(["s_ptr", "y_ptr", "tc_ptr", "te_ptr", "tm_ptr", "tf_ptr", "loss_ptr", "rho_ptr", "sc_ptr", "se_ptr", "dm_ptr"],
             ["*fp32", "*i64", "*fp32", "*i32", "*fp32", "*i32", "*fp32", "*fp64", "*fp32", "*i32", "*fp32"])
@@ -345,6 +406,13 @@ for k in (1, 3, 9):                                # 9: the forward's class loop
                            *((K._svm32_grad_tile_kernel, gtile, {**lanes, "HMAX": hmax, **conv, "HEAD": head})
                              for head in ((0, 1, 2) if k == 3 else (0,))),   # both paths; rows without a head; with one
                            (K._svm32_grad_row_kernel, grow, {"K": k, "HMAX": hmax, **conv})):
+        sig = {**sig, **{name: "constexpr" for name in const}}
+        assert triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32)).asm["cubin"]
+for k in (33, 100):                                # a polynomial a warp: M = 2, 4 degrees a lane; Horner at k = 100
+    m = {"K": k, "M": -(-(k + 1) // 32)}
+    for fn, sig, const in ((K._svmw_tile_kernel, tile, {**m, "ONE_TILE": False}), (K._svmw_tile_kernel, tile, {**m, "ONE_TILE": True}),
+                           (K._svmw_row_kernel, row, m),
+                           (K._svm32_grad_tile_kernel, gtile, {"K": k, "L": 32, "LOG_L": 5, "R": 8, "HMAX": 1, **conv, "HEAD": 1})):
         sig = {**sig, **{name: "constexpr" for name in const}}
         assert triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32)).asm["cubin"]
 cand = ptrs(["s_ptr", "noise_ptr", "seed_ptr", "top_ptr", "scratch_ptr", "cval_ptr", "cidx_ptr"],

@@ -28,9 +28,10 @@ _OPS = "topk_nb" if __name__.startswith("topk_nb") else "topk_nb_chapter"
 
 # %% auto #0
 __all__ = ['MAX_ROW', 'MAX_KTH', 'ROWS', 'REDUCTION_CODES', 'RANDN_BOUND', 'PRUNE_MIN', 'TARGET_PROGRAMS', 'TILE', 'SVM_MAX_K',
-           'SVM32_MAX_K', 'force_triton', 'triton_ok', 'count_launches', 'f64_bits', 'kth_max_row',
+           'SVM32_MAX_K', 'SVMW_PROGRAMS', 'force_triton', 'triton_ok', 'count_launches', 'f64_bits', 'kth_max_row',
            'perturbed_kth_triton', 'triton_sampled_topk_value', 'triton_noised_hinge', 'noised_hinge_fused',
-           'svm_triton_ok', 'svm_blocks', 'smooth_svm_triton', 'smooth_svm_fused', 'svm32_plan', 'svm32_tiles']
+           'svm_triton_ok', 'svm_blocks', 'smooth_svm_triton', 'smooth_svm_fused', 'svm32_plan', 'svm32_tiles',
+           'svmw_plan']
 
 # %% ../nbs/16_kernels.ipynb #c63387a8
 _FORCE = threading.local()
@@ -821,9 +822,13 @@ if HAS_TRITON:
 if HAS_TRITON:
     @triton.jit
     def _svm_forward_kernel(s_ptr, y_ptr, loss_ptr, lsig_ptr, rho_ptr, ckpt_ptr, n, n_blocks, inv_ktau_bits, alpha_tau_bits, tau_bits,
-                            K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FAST: tl.constexpr):
-        "Program `row`: log sigma_{k-1}, log sigma_k of the others by scans, the loss, rho, and the carry at each block's start."
+                            run_ptr, run_stride, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            FAST: tl.constexpr, ALL: tl.constexpr):
+        "Program `row`: log sigma_{k-1}, log sigma_k of the others by scans, the loss, rho, and the carry at each block's start. Not ALL: only the rows whose entry run_ptr[row * run_stride] is -1; the others return at once."
         row = tl.program_id(0).to(tl.int64)                              # int64: row n passes 2^31
+        if not ALL:
+            if tl.load(run_ptr + row * run_stride) != -1:
+                return
         inv_ktau, alpha_tau, tau = _f64(inv_ktau_bits), _f64(alpha_tau_bits), _f64(tau_bits)
         rk, lanes = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_N)          # degrees (BLOCK_K,), classes (BLOCK_N,)
         y = _class_label(y_ptr, row, n)                                   # a label that is no class reads class 0
@@ -853,10 +858,13 @@ if HAS_TRITON:
 if HAS_TRITON:
     @triton.jit
     def _svm_backward_kernel(s_ptr, y_ptr, go_ptr, w_ptr, den_ptr, lsig_ptr, rho_ptr, ckpt_ptr, scratch_ptr, g_ptr, n, n_blocks,
-                             inv_ktau_bits, ignore_index, REDUCTION: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-                             K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FAST: tl.constexpr):
-        "Program `row`: dL/ds by leave-one-out prefixes (recomputed from the checkpoint) and suffixes, blocks last to first."
+                             inv_ktau_bits, ignore_index, run_ptr, run_stride, REDUCTION: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+                             K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FAST: tl.constexpr, ALL: tl.constexpr):
+        "Program `row`: dL/ds by leave-one-out prefixes (recomputed from the checkpoint) and suffixes, blocks last to first. Not ALL: only the rows whose entry run_ptr[row * run_stride] is -1, as the forward."
         row = tl.program_id(0).to(tl.int64)                              # int64: row n passes 2^31
+        if not ALL:
+            if tl.load(run_ptr + row * run_stride) != -1:
+                return
         inv_ktau = _f64(inv_ktau_bits)
         rk, lanes = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_N)
         rev = BLOCK_N - 1 - lanes                                         # lane r holds class rev[r] of the block
@@ -928,7 +936,7 @@ def _svm_forward_op(s: torch.Tensor,       # (B, n) float32 or float64 scores, c
     (B, n), (BN, nb, BK) = s.shape, svm_blocks(s.shape[1], k, block_n or None)
     loss, lsig, rho, ckpt = _svm_state(s, k, block_n)
     _launch(_svm_forward_kernel, (B,), s, target, loss, lsig, rho, ckpt, n, nb, f64_bits(1.0 / (k * tau)), f64_bits(alpha / tau), f64_bits(tau),
-            K=k, BLOCK_N=BN, BLOCK_K=BK, FAST=s.dtype == torch.float32)
+            target, 0, K=k, BLOCK_N=BN, BLOCK_K=BK, FAST=s.dtype == torch.float32, ALL=True)
     return (*_conventions(loss, target, weight, n, ignore_index, reduction), lsig, rho, ckpt)
 
 
@@ -948,8 +956,8 @@ def _svm_backward_op(s: torch.Tensor, target: torch.Tensor, weight: Optional[tor
     scratch = torch.empty(B, k, BN, dtype=torch.float64, device=s.device)   # each row's prefixes of one block
     out = torch.empty_like(s)
     _launch(_svm_backward_kernel, (B,), s, target, grad.contiguous(), grad if weight is None else weight, den, lsig, rho, ckpt,
-            scratch, out, n, nb, f64_bits(1.0 / (k * tau)), ignore_index, REDUCTION=reduction, HAS_WEIGHT=weight is not None,
-            K=k, BLOCK_N=BN, BLOCK_K=BK, FAST=s.dtype == torch.float32)
+            scratch, out, n, nb, f64_bits(1.0 / (k * tau)), ignore_index, target, 0, REDUCTION=reduction,
+            HAS_WEIGHT=weight is not None, K=k, BLOCK_N=BN, BLOCK_K=BK, FAST=s.dtype == torch.float32, ALL=True)
     return out
 
 
@@ -989,8 +997,8 @@ _svm_forward_op.register_autograd(_svm_grad_by(_svm_backward_op), setup_context=
 
 # %% ../nbs/16_kernels.ipynb #38b9b185
 def _svm_operator(scores: torch.Tensor, k: int, block_n: int | None, tile: int | None) -> tuple[Callable, int]:
-    "The forward operator a call takes and its layout: float32 scores with k <= SVM32_MAX_K the extended-float kernels (its tile, 0: the default), the rest (or a given block_n) the log-space scans (its block_n, 0: the default)."
-    if block_n is None and scores.dtype == torch.float32 and k <= SVM32_MAX_K:
+    "The forward operator a call takes and its layout: float32 scores the extended-float kernels (a polynomial a thread up to k = SVM32_MAX_K, a warp above; its tile, 0: the default), float64 scores (or a given block_n) the log-space scans (its block_n, 0: the default)."
+    if block_n is None and scores.dtype == torch.float32:
         return _svm32_forward_op, tile or 0
     return _svm_forward_op, block_n or 0
 
@@ -1003,7 +1011,7 @@ def smooth_svm_triton(scores: torch.Tensor,          # (B, n) float32 or float64
                       block_n: int | None = None,    # classes per block of the log-space scans (tests use small blocks)
                       tile: int | None = None,       # classes per tile of the float32 kernels (tests use small tiles)
                       ) -> torch.Tensor:
-    "Per-sample smooth top-k SVM loss L_{k,tau} (B,) by the fused kernels, differentiable: float32 scores with k <= SVM32_MAX_K take the extended-float kernels, the rest (or a given block_n) the log-space scans."
+    "Per-sample smooth top-k SVM loss L_{k,tau} (B,) by the fused kernels, differentiable: float32 scores take the extended-float kernels, float64 scores (or a given block_n) the log-space scans."
     n = scores.shape[-1]
     k = check_int(k, "k", 1, min(SVM_MAX_K, n - 1))
     tau, alpha = check_real(tau, "tau", 0.0, lo_open=True), check_real(alpha, "alpha", 0.0)
@@ -1029,7 +1037,7 @@ def smooth_svm_fused(scores: torch.Tensor,           # (B, n) float32 or float64
     return out, den, ok
 
 # %% ../nbs/16_kernels.ipynb #419904b7
-SVM32_MAX_K = 32          # the largest k of the float32 kernels (their code grows with k^2); larger k takes the scans
+SVM32_MAX_K = 32          # the largest k of a polynomial a thread (its code grows with k^2); above, a polynomial a warp
 
 if HAS_TRITON:
     _XZERO = tl.constexpr(-(1 << 30))        # the exponent of a zero coefficient: it loses every maximum
@@ -1361,10 +1369,11 @@ if HAS_TRITON:
         cK1, eK1 = tl.load(sc_ptr + b + K - 1), tl.load(se_ptr + b + K - 1)
         lrho = (eK1 - eK).to(tl.float32) + tl.log2(cK1 / cK)
         Rr = (0.0,)
-        for j in tl.static_range(1, K + 1):
+        cj1, ej1 = tl.load(sc_ptr + b), tl.load(se_ptr + b)             # degree j - 1, from the step before: each
+        for j in tl.static_range(1, K + 1):                              # degree is read once
             cj, ej = tl.load(sc_ptr + b + j), tl.load(se_ptr + b + j)
-            cj1, ej1 = tl.load(sc_ptr + b + j - 1), tl.load(se_ptr + b + j - 1)
             Rr = Rr + ((cj1 * cK) / (cj * cK1) * _pow2(ej1 + eK - ej - eK1),)
+            cj1, ej1 = cj, ej
         return lrho, Rr
 
     @triton.jit
@@ -1444,6 +1453,9 @@ if HAS_TRITON:
                         inside = (offs < n) & (offs < start + tile)
                         _svm32_grad_block(s_ptr, g_ptr, row, n, y, sy, offs, inside, d_scale, lrho, Rr, w, K, L)
                 tl.store(hn_ptr + row * n_tiles + p, 0)
+        if HEAD == 1:
+            if has_head:
+                tl.store(hn_ptr + row * n_tiles + p, -1)                 # -1: the row is another launch's (its head)
 
 # %% ../nbs/16_kernels.ipynb #7114870e
 if HAS_TRITON:
@@ -1523,26 +1535,31 @@ def _svm32_state(s: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
 
 def _svm32_tiles(s: torch.Tensor, target: torch.Tensor, k: int, tau: float, alpha: float, tile: int,
                  row: tuple | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    "Launch the tile kernel; row: the row kernel's outputs (loss, rho, sigma mantissas and exponents, largest log2 e_i) when a row is one tile and the tile kernel writes them."
+    "Launch the tile kernel (a polynomial a thread up to k = SVM32_MAX_K, a polynomial a warp above: the next section); row: the row kernel's outputs (loss, rho, sigma mantissas and exponents, largest log2 e_i) when a row is one tile and the tile kernel writes them."
     (B, n), dev = s.shape, s.device
-    L, R, T, P = svm32_plan(B, n, tile or None)
+    if k <= SVM32_MAX_K:
+        L, R, T, P = svm32_plan(B, n, tile or None)
+        kernel, const = _svm32_tile_kernel, dict(K=k, L=L, LOG_L=L.bit_length() - 1, R=R, num_warps=L // 32)
+    else:
+        T, P = svmw_plan(B, n, tile or None)
+        kernel, const = _svmw_tile_kernel, dict(K=k, M=triton.cdiv(k + 1, 32), num_warps=1)
     one = row is not None and P == 1
     tc = torch.empty(B, P, k + 1, dtype=torch.float32, device=dev) if not one else s.new_empty(0)   # each tile's polynomial
     te = torch.empty(B, P, k + 1, dtype=torch.int32, device=dev) if not one else tc.new_empty(0, dtype=torch.int32)
     tm = torch.empty(B, P, dtype=torch.float32, device=dev)            # each tile's largest log2 e_i
     tf = torch.empty(B, P, dtype=torch.int32, device=dev)              # each tile's passes on fixed exponents
     loss, rho, sc, se, dm = row if one else (tm,) * 5                  # unused pointers where the row kernel follows
-    _launch(_svm32_tile_kernel, (B, P), s, target, tc, te, tm, tf, loss, rho, sc, se, dm, n, P, T, _LOG2E / (k * tau),
-            f64_bits(alpha / tau), f64_bits(tau), K=k, L=L, LOG_L=L.bit_length() - 1, R=R, ONE_TILE=one, num_warps=L // 32)
+    _launch(kernel, (B, P), s, target, tc, te, tm, tf, loss, rho, sc, se, dm, n, P, T, _LOG2E / (k * tau),
+            f64_bits(alpha / tau), f64_bits(tau), ONE_TILE=one, **const)
     return tc, te, tm, tf
 
 
 def svm32_tiles(s: torch.Tensor,       # (B, n) float32 scores, contiguous
                 target: torch.Tensor,  # (B,) int64 labels, contiguous
                 k: int, tau: float,
-                tile: int = 0,         # classes per tile (0: the default of `svm32_plan`)
+                tile: int = 0,         # classes per tile (0: the default of `svm32_plan`, or of `svmw_plan` above SVM32_MAX_K)
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    "The forward's tile kernel alone: each tile's polynomial as mantissas and exponents (B, P, k + 1), its largest log2 e_i (B, P) and its passes on fixed exponents (B, P)."
+    "The forward's tile kernel alone: each tile's polynomial as mantissas and exponents (B, P, k + 1), its largest log2 e_i (B, P) and its passes on fixed exponents (B, P; above SVM32_MAX_K four a chunk of 32 classes)."
     return _svm32_tiles(s, target, k, tau, 1.0, tile, None)
 
 
@@ -1551,19 +1568,20 @@ def _svm32_forward_op(s: torch.Tensor,       # (B, n) float32 scores, contiguous
                       target: torch.Tensor,  # (B,) int64 labels, contiguous
                       weight: Optional[torch.Tensor],   # (n,) class weights on the device, or None
                       k: int, tau: float, alpha: float,
-                      tile: int,             # classes per tile (0: the default of `svm32_plan`)
+                      tile: int,             # classes per tile (0: the default of `svm32_plan`, or of `svmw_plan`)
                       ignore_index: int,     # the label of the samples that count for nothing
                       reduction: int,        # ROWS (the per-row loss, nothing else) or a value of REDUCTION_CODES
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                  torch.Tensor, torch.Tensor]:
-    "The float32 forward as an operator: (loss, weighted rows, denominator, labels' flag as `_conventions` gives them, rho (B,), sigma mantissas, exponents (B, k + 1), largest log2 e_i (B,)); two launches (one where a row is one tile), one more with `_finish`."
+    "The float32 forward as an operator: (loss, weighted rows, denominator, labels' flag as `_conventions` gives them, rho (B,), sigma mantissas, exponents (B, k + 1), largest log2 e_i (B,)); two launches (one where a row is one tile), one more with `_finish`. Above SVM32_MAX_K the kernels of a polynomial a warp."
     (B, n), state = s.shape, _svm32_state(s, k)
     loss, rho, sc, se, dm = state
     tc, te, tm, _ = _svm32_tiles(s, target, k, tau, alpha, tile, state)   # a row of one tile: its loss too
     P = tm.shape[1]
     if P > 1:                                                          # the tiles' product, the loss
-        _launch(_svm32_row_kernel, (B,), tc, te, tm, loss, rho, sc, se, dm, P, f64_bits(alpha / tau), f64_bits(tau),
-                K=k, num_warps=1)
+        kernel, const = (_svm32_row_kernel, {}) if k <= SVM32_MAX_K else (_svmw_row_kernel, dict(M=triton.cdiv(k + 1, 32)))
+        _launch(kernel, (B,), tc, te, tm, loss, rho, sc, se, dm, P, f64_bits(alpha / tau), f64_bits(tau), K=k, num_warps=1,
+                **const)
     return (*_conventions(loss, target, weight, n, ignore_index, reduction), rho, sc, se, dm)
 
 
@@ -1578,7 +1596,9 @@ def _svm32_backward_op(s: torch.Tensor, target: torch.Tensor, weight: Optional[t
                        den: torch.Tensor,                   # () the mean's denominator, from the forward operator
                        rho: torch.Tensor, sc: torch.Tensor, se: torch.Tensor, dm: torch.Tensor,   # from the forward operator
                        k: int, tau: float, tile: int, ignore_index: int, reduction: int) -> torch.Tensor:
-    "The float32 backward as an operator: dL/ds (B, n), the conventions applied by `_row_go`; two launches (three where a row is several tiles)."
+    "The float32 backward as an operator: dL/ds (B, n), the conventions applied by `_row_go`; two launches (three where a row is several tiles). Above SVM32_MAX_K, `_svmw_backward`."
+    if k > SVM32_MAX_K:
+        return _svmw_backward(s, target, weight, grad, den, rho, sc, se, dm, k, tau, ignore_index, reduction)
     (B, n), dev = s.shape, s.device
     L, R, T, P = svm32_plan(B, n, tile or None)
     hmax = triton.next_power_of_2(3 * k + 2)                           # fewer than 3k head classes per row
@@ -1606,3 +1626,322 @@ def _svm32_backward_fake(s, target, weight, grad, den, rho, sc, se, dm, k, tau, 
 
 
 _svm32_forward_op.register_autograd(_svm_grad_by(_svm32_backward_op), setup_context=_svm_setup_context)
+
+# %% ../nbs/16_kernels.ipynb #3e97e143
+if HAS_TRITON:
+    @triton.jit
+    def _wshift(V, lm1, l, fill, M: tl.constexpr):
+        "A polynomial in lane layout (degree j = M l + m in lane l, entry m of the tuple V of (32,) vectors) moved up a degree: degree j takes degree j - 1's value, degree 0 takes fill. One shuffle: the top degree of lane l - 1."
+        top = tl.gather(V[M - 1], lm1, 0)                                # (32,) lane l - 1's highest degree
+        S = (tl.where(l == 0, fill, top),)
+        for m in tl.static_range(M - 1):
+            S = S + (V[m],)
+        return S
+
+    @triton.jit
+    def _wbcast(v, i: tl.constexpr):
+        "Lane i's entry of v (32,), in every lane."
+        return tl.gather(v, tl.full([32], i, tl.int32), 0)
+
+    @triton.jit
+    def _wdeg(V, j: tl.constexpr, M: tl.constexpr):
+        "Degree j of a lane-layout polynomial, in every lane."
+        return _wbcast(V[j % M], j // M)
+
+    @triton.jit
+    def _wone(l, M: tl.constexpr):
+        "The polynomial 1 in lane layout: mantissas and exponents."
+        C = (tl.where(l == 0, 1.0, 0.0),)
+        E = (tl.where(l == 0, 0, _XZERO),)
+        for m in tl.static_range(1, M):
+            C = C + (tl.zeros([32], tl.float32),)
+            E = E + (tl.full([32], _XZERO, tl.int32),)
+        return C, E
+
+    @triton.jit
+    def _wnorm(C, E, l, K: tl.constexpr, M: tl.constexpr):
+        "Every mantissa back to [1, 2); the degrees past K zero."
+        for m in tl.static_range(M):
+            c, e = _xnorm(C[m], E[m])
+            keep = l * M + m <= K
+            C = _tset(C, m, tl.where(keep, c, 0.0))
+            E = _tset(E, m, tl.where(keep, e, _XZERO))
+        return C, E
+
+    @triton.jit
+    def _wload(c_ptr, e_ptr, base, l, K: tl.constexpr, M: tl.constexpr):
+        "A stored polynomial (K + 1 mantissas and exponents from base on) in lane layout."
+        C = ()
+        E = ()
+        for m in tl.static_range(M):
+            j = l * M + m
+            C = C + (tl.load(c_ptr + base + j, mask=j <= K, other=0.0),)
+            E = E + (tl.load(e_ptr + base + j, mask=j <= K, other=_XZERO),)
+        return C, E
+
+    @triton.jit
+    def _wstore(c_ptr, e_ptr, base, C, E, l, K: tl.constexpr, M: tl.constexpr):
+        "Store a lane-layout polynomial's K + 1 mantissas and exponents from base on."
+        for m in tl.static_range(M):
+            j = l * M + m
+            tl.store(c_ptr + base + j, C[m], mask=j <= K)
+            tl.store(e_ptr + base + j, E[m], mask=j <= K)
+
+# %% ../nbs/16_kernels.ipynb #efdf383c
+if HAS_TRITON:
+    @triton.jit
+    def _svmw_fast_pass(C, E, D, qi, g: tl.constexpr, l, lm1, K: tl.constexpr, M: tl.constexpr):
+        "Classes 8g..8g+7 of the chunk (log2 e_i in lanes 8g..8g+7 of D, -inf where none) into the warp's polynomial on the exponents E: c_j += (x c_{j-1}) F_j, x = e / 2^qi, F_j = 2^(E_{j-1} + qi - E_j) (0 past degree K)."
+        Es = _wshift(E, lm1, l, 0, M)
+        F = ()
+        for m in tl.static_range(M):
+            F = F + (tl.where(l * M + m <= K, _pow2_sat(Es[m] + qi - E[m]), 0.0),)
+        X = tl.exp2(tl.minimum(D - qi.to(tl.float32), 1.0))              # (32,) x_i on this pass's lanes, in [0, 2)
+        for r in tl.static_range(8):
+            x = _wbcast(X, 8 * g + r)                                    # (32,) one class, in every lane
+            Cs = _wshift(C, lm1, l, 0.0, M)                              # c_{j-1}: one shuffle
+            for m in tl.static_range(M):
+                C = _tset(C, m, C[m] + (x * Cs[m]) * F[m])
+        return C
+
+    @triton.jit
+    def _svmw_exact_class(C, E, D, i, l, lm1, M: tl.constexpr):
+        "Class i of the chunk (log2 e_i in lane i of D, -inf where none) into the warp's polynomial by an extended-float step (not renormalised)."
+        di = tl.gather(D, tl.zeros([32], tl.int32) + i, 0)              # (32,) the class, in every lane
+        mi, qi = _xelem(tl.maximum(di, -_XRANGE), di > -float("inf"))   # -inf (no class): a zero, without NaN
+        Cs = _wshift(C, lm1, l, 0.0, M)
+        Es = _wshift(E, lm1, l, _XZERO, M)
+        for m in tl.static_range(M):
+            c, e = _xadd(C[m], E[m], mi * Cs[m], tl.maximum(qi + Es[m], _XZERO))
+            C = _tset(C, m, c)
+            E = _tset(E, m, e)
+        return C, E
+
+    @triton.jit
+    def _svmw_pass_ok(E, qi, qmax, qmin, l, lm1, K: tl.constexpr, M: tl.constexpr):
+        "May a pass (largest log2 e_i qmax, smallest qmin, qi = floor(qmax)) run on fixed exponents: every ratio gap E_j - E_{j-1} >= qi + 2 - _FAST_GAP between nonzero degrees, and if a degree <= K is zero, the pass's spread within _FAST_SPREAD? With the exponents the pass runs on: a zero degree takes E_{j-1} + qi."
+        Es = _wshift(E, lm1, l, _XZERO, M)
+        gap = tl.full([32], 1 << 30, tl.int32)
+        last = tl.zeros([32], tl.int32)                                  # the highest nonzero degree
+        for m in tl.static_range(M):
+            j = l * M + m
+            nz = (j <= K) & (E[m] != _XZERO)
+            gap = tl.minimum(gap, tl.where(nz & (j >= 1), E[m] - Es[m], 1 << 30))
+            last = tl.maximum(last, tl.where(nz, j, 0))
+        gap = tl.min(gap, 0)
+        last = tl.max(last, 0)
+        has = qmax > -float("inf")
+        ok = ~has | ((gap >= qi + 2 - _FAST_GAP) & ((last == K) | (qmax - qmin <= _FAST_SPREAD)))
+        EL = tl.gather(E[0], tl.zeros([32], tl.int32) + last // M, 0)   # E_last, from its lane and register
+        for m in tl.static_range(1, M):
+            EL = tl.where(last % M == m, tl.gather(E[m], tl.zeros([32], tl.int32) + last // M, 0), EL)
+        EV = ()
+        for m in tl.static_range(M):
+            j = l * M + m
+            EV = EV + (tl.where(j <= last, E[m], EL + (j - last) * qi),)
+        return tl.min(ok.to(tl.int32), 0) == 1, EV
+
+# %% ../nbs/16_kernels.ipynb #c220d40b
+if HAS_TRITON:
+    @triton.jit
+    def _svmw_finish(C, E, l, row, dmax, loss_ptr, rho_ptr, sc_ptr, se_ptr, dm_ptr, alpha_tau_bits, tau_bits,
+                     K: tl.constexpr, M: tl.constexpr):
+        "A row's polynomial done: its sigma, largest log2 e_i, loss and rho stored, as `_svm32_row_kernel` stores them."
+        tl.store(dm_ptr + row, dmax)
+        _wstore(sc_ptr, se_ptr, row * (K + 1), C, E, l, K, M)
+        loss, rho = _svm32_loss(_wdeg(C, K, M), _wdeg(E, K, M), _wdeg(C, K - 1, M), _wdeg(E, K - 1, M), alpha_tau_bits, tau_bits)
+        tl.store(loss_ptr + row + l, loss, mask=l == 0)                  # (32,) alike: lane 0 stores
+        tl.store(rho_ptr + row + l, rho, mask=l == 0)
+
+    @triton.jit
+    def _svmw_chunk(s_ptr, row, n, y, sy, offs, end, d_scale, bad, dmax, l):
+        "A chunk of 32 classes, a class a lane: log2 e_i (-inf where no class), the largest and smallest of each pass's 8 lanes in each of them; the out-of-range flag and the largest log2 e_i so far."
+        valid = (offs < n) & (offs < end) & (offs != y)
+        d = (tl.load(s_ptr + row * n + offs, mask=(offs < n) & (offs < end), other=0.0).to(tl.float32) - sy) * d_scale
+        bad = bad | (valid & (tl.abs(d) >= _XRANGE))
+        D = tl.where(valid, tl.minimum(tl.maximum(d, -_XRANGE), _XRANGE), -float("inf"))   # (32,) log2 e_i
+        gmax = D
+        gmin = tl.where(valid, D, float("inf"))
+        for b in tl.static_range(3):                                     # a butterfly over each group of 8 lanes
+            gmax = tl.maximum(gmax, tl.gather(gmax, l ^ (1 << b), 0))
+            gmin = tl.minimum(gmin, tl.gather(gmin, l ^ (1 << b), 0))
+        return D, gmax, gmin, bad, tl.maximum(dmax, D)
+
+    @triton.jit
+    def _svmw_tile_kernel(s_ptr, y_ptr, tc_ptr, te_ptr, tm_ptr, tf_ptr, loss_ptr, rho_ptr, sc_ptr, se_ptr, dm_ptr,
+                          n, n_tiles, tile, d_scale, alpha_tau_bits, tau_bits,
+                          K: tl.constexpr, M: tl.constexpr, ONE_TILE: tl.constexpr):
+        "Program (row, p), one warp: prod (1 + e_i z) over the classes of tile p but the label, truncated at K, in lane layout (M = ceil((K + 1) / 32) degrees a lane); the tile's largest log2 e_i; its passes on fixed exponents. ONE_TILE: the row's outputs instead."
+        row, p = tl.program_id(0).to(tl.int64), tl.program_id(1)       # int64: row n passes 2^31
+        l = tl.arange(0, 32)                                             # (32,) lanes
+        lm1 = (l + 31) % 32                                              # the lane below
+        y = _class_label(y_ptr, row, n)
+        sy = tl.load(s_ptr + row * n + y).to(tl.float32)
+        C, E = _wone(l, M)                                               # M mantissas and exponents (32,)
+        bad = tl.zeros([32], tl.int1)
+        dmax = tl.full([32], -float("inf"), tl.float32)
+        start = p * tile
+        end = start + tile
+        fast_passes = tl.zeros([], tl.int32)
+        warm = tl.minimum(tile, 32 * M)                                  # K + 1 classes: every sigma_j, j <= K, nonzero
+        for t0 in range(0, warm, 32):                                    # the first chunks: each pass checked
+            D, gmax, gmin, bad, dmax = _svmw_chunk(s_ptr, row, n, y, sy, start + t0 + l, end, d_scale, bad, dmax, l)
+            for g in tl.static_range(4):                                 # passes of 8 classes
+                qmax = _wbcast(gmax, 8 * g)                              # (32,) alike
+                qi = tl.where(qmax > -float("inf"), tl.floor(qmax), 0.0).to(tl.int32)
+                ok, EV = _svmw_pass_ok(E, qi, qmax, _wbcast(gmin, 8 * g), l, lm1, K, M)
+                if ok:
+                    C = _svmw_fast_pass(C, EV, D, qi, g, l, lm1, K, M)
+                    E = EV
+                else:
+                    for r in range(8):                                   # extended-float steps, class by class
+                        C, E = _svmw_exact_class(C, E, D, 8 * g + r, l, lm1, M)
+                C, E = _wnorm(C, E, l, K, M)
+                fast_passes += ok.to(tl.int32)
+        for t0 in range(warm, tile, 32):                                 # the rest: each chunk checked once
+            D, gmax, gmin, bad, dmax = _svmw_chunk(s_ptr, row, n, y, sy, start + t0 + l, end, d_scale, bad, dmax, l)
+            Es = _wshift(E, lm1, l, _XZERO, M)                           # every ratio gap; -2^30 where sigma_K is zero
+            gap = tl.full([32], 1 << 30, tl.int32)
+            for m in tl.static_range(M):
+                j = l * M + m
+                gap = tl.minimum(gap, tl.where((j >= 1) & (j <= K), E[m] - Es[m], 1 << 30))
+                gap = tl.where((j == K) & (E[m] == _XZERO), -(1 << 30), gap)
+            top = tl.max(gmax, 0)
+            qtop = tl.where(top > -float("inf"), tl.floor(top), 0.0).to(tl.int32)
+            if (tl.min(gap, 0) >= qtop + 2 - _FAST_GAP) | (top == -float("inf")):   # the usual case (or no class): four fast passes
+                for g in tl.static_range(4):
+                    qmax = _wbcast(gmax, 8 * g)
+                    qi = tl.where(qmax > -float("inf"), tl.floor(qmax), 0.0).to(tl.int32)
+                    C = _svmw_fast_pass(C, E, D, qi, g, l, lm1, K, M)
+                    C, E = _wnorm(C, E, l, K, M)
+                fast_passes += 4
+            else:                                                        # extended-float steps, the whole chunk
+                for r in range(32):                                      # (mantissas grow 3x a class at most)
+                    C, E = _svmw_exact_class(C, E, D, r, l, lm1, M)
+                C, E = _wnorm(C, E, l, K, M)
+        C = _tset(C, 0, tl.where(tl.max(bad.to(tl.int32), 0) == 1, float("nan"), C[0]))   # out of range: NaN
+        tl.store(tf_ptr + row * n_tiles + p, fast_passes)
+        if ONE_TILE:
+            _svmw_finish(C, E, l, row, tl.max(dmax, 0), loss_ptr, rho_ptr, sc_ptr, se_ptr, dm_ptr, alpha_tau_bits, tau_bits, K, M)
+        else:
+            tl.store(tm_ptr + row * n_tiles + p, tl.max(dmax, 0))
+            _wstore(tc_ptr, te_ptr, (row * n_tiles + p) * (K + 1), C, E, l, K, M)
+
+# %% ../nbs/16_kernels.ipynb #866c5361
+if HAS_TRITON:
+    @triton.jit
+    def _wchord_ok(C, E, g, l, K: tl.constexpr, M: tl.constexpr):
+        "(32,): whether each lane's nonzero coefficients, degree j, lie within 2^56 of 2^(j g)."
+        ok = tl.full([32], 1, tl.int1)
+        for m in tl.static_range(M):
+            ok = ok & ((C[m] == 0.0) | (tl.abs(E[m] - (l * M + m) * g) <= 56))
+        return ok
+
+    @triton.jit
+    def _wchord(C, E, g, l, M: tl.constexpr):
+        "The mantissas in chord units: sigma_j 2^(-j g)."
+        S = ()
+        for m in tl.static_range(M):
+            S = S + (C[m] * _pow2_sat(E[m] - (l * M + m) * g),)
+        return S
+
+    @triton.jit
+    def _wzero(l, g, M: tl.constexpr):
+        "The zero polynomial, its exponents on the chord: mantissas 0, exponents j g."
+        RC = ()
+        RE = ()
+        for m in tl.static_range(M):
+            RC = RC + (tl.zeros([32], tl.float32),)
+            RE = RE + ((l * M + m) * g,)
+        return RC, RE
+
+    @triton.jit
+    def _wfma(R, b, S, M: tl.constexpr):
+        "R + b S, register by register."
+        for m in tl.static_range(M):
+            R = _tset(R, m, R[m] + b * S[m])
+        return R
+
+    @triton.jit
+    def _wxfma(RC, RE, bc, be, SC, SE, M: tl.constexpr):
+        "R + b S in extended floats (b = bc 2^be), renormalised."
+        for m in tl.static_range(M):
+            c, e = _xadd(RC[m], RE[m], bc * SC[m], tl.maximum(be + SE[m], _XZERO))
+            c, e = _xnorm(c, e)
+            RC = _tset(RC, m, c)
+            RE = _tset(RE, m, e)
+        return RC, RE
+
+    @triton.jit
+    def _svmw_row_kernel(tc_ptr, te_ptr, tm_ptr, loss_ptr, rho_ptr, sc_ptr, se_ptr, dm_ptr, n_tiles, alpha_tau_bits, tau_bits,
+                         K: tl.constexpr, M: tl.constexpr):
+        "Program row, one warp: the tiles' product (sigma_0..sigma_K of the others), the loss, rho and the row's largest log2 e_i. R_j = sum_a B_a A_{j-a}: B_a brought to every lane by a shuffle, A moved up a degree per a."
+        row = tl.program_id(0).to(tl.int64)
+        l = tl.arange(0, 32)
+        lm1 = (l + 31) % 32
+        C, E = _wload(tc_ptr, te_ptr, row * n_tiles * (K + 1), l, K, M)  # A: the product so far
+        dmax = tl.load(tm_ptr + row * n_tiles)
+        for p in range(1, n_tiles):                                      # the tiles' product, in tile order
+            BC, BE = _wload(tc_ptr, te_ptr, (row * n_tiles + p) * (K + 1), l, K, M)   # B: tile p's polynomial
+            g = (_wdeg(E, K, M) + _wdeg(BE, K, M)) // (2 * K)            # (32,) alike: the chord of log2 sigma_j
+            ok = _wchord_ok(C, E, g, l, K, M) & _wchord_ok(BC, BE, g, l, K, M)
+            RC, RE = _wzero(l, g, M)
+            if tl.min(ok.to(tl.int32), 0) == 1:                          # plain multiply-adds in chord units: A'_j, B'_a
+                SC = _wchord(C, E, g, l, M)                              # in [2^-56, 2^57) or 0, each term below 2^114
+                BS = _wchord(BC, BE, g, l, M)
+                for a0 in range((K + M) // M):                           # degree a = M a0 + m of B (0 past K)
+                    for m in tl.static_range(M):
+                        RC = _wfma(RC, tl.gather(BS[m], tl.zeros([32], tl.int32) + a0, 0), SC, M)
+                        SC = _wshift(SC, lm1, l, 0.0, M)
+            else:                                                        # term by term in extended floats
+                RE = _wone(l, M)[1]
+                RE = _tset(RE, 0, tl.full([32], _XZERO, tl.int32))
+                SC = C
+                SE = E
+                for a0 in range((K + M) // M):
+                    for m in tl.static_range(M):
+                        lane = tl.zeros([32], tl.int32) + a0
+                        RC, RE = _wxfma(RC, RE, tl.gather(BC[m], lane, 0), tl.gather(BE[m], lane, 0), SC, SE, M)
+                        SC = _wshift(SC, lm1, l, 0.0, M)
+                        SE = _wshift(SE, lm1, l, _XZERO, M)
+            C, E = _wnorm(RC, RE, l, K, M)
+            dmax = tl.maximum(dmax, tl.load(tm_ptr + row * n_tiles + p))
+        _svmw_finish(C, E, l, row, dmax, loss_ptr, rho_ptr, sc_ptr, se_ptr, dm_ptr, alpha_tau_bits, tau_bits, K, M)
+
+# %% ../nbs/16_kernels.ipynb #8dfa1ed5
+SVMW_PROGRAMS = 4096      # the large-k forward cuts rows into tiles until the grid has about this many warps
+
+
+def svmw_plan(B: int,                  # rows
+              n: int,                  # classes per row
+              tile: int | None = None, # classes per tile (a multiple of 32); by default rows cut evenly into about SVMW_PROGRAMS / B tiles of at least 256
+              ) -> tuple[int, int]:
+    "(tile, tiles per row) of the large-k forward: one warp a tile."
+    if tile is None:
+        tiles = max(1, min(triton.cdiv(n, 256), triton.cdiv(SVMW_PROGRAMS, B)))
+        tile = triton.cdiv(n, tiles)
+    tile = triton.cdiv(check_int(tile, "tile", 1), 32) * 32
+    return tile, triton.cdiv(n, tile)
+
+
+def _svmw_backward(s: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor], grad: torch.Tensor,
+                   den: torch.Tensor, rho: torch.Tensor, sc: torch.Tensor, se: torch.Tensor, dm: torch.Tensor,
+                   k: int, tau: float, ignore_index: int, reduction: int) -> torch.Tensor:
+    "`_svm32_backward_op` above SVM32_MAX_K: Horner on the rows without a head (`_svm32_grad_tile_kernel`, `HEAD` 1, which marks the others -1), the log-space scans on the rows with one (launched for every row; the others return at once); three launches."
+    (B, n), dev = s.shape, s.device
+    L, R, T, P = svm32_plan(B, n)
+    out = torch.empty_like(s)
+    hn = torch.empty(B, P, dtype=torch.int32, device=dev)              # -1: the row has a head
+    none = s.new_empty(0)
+    g, w, conv = grad.contiguous(), grad if weight is None else weight, dict(REDUCTION=reduction, HAS_WEIGHT=weight is not None)
+    _launch(_svm32_grad_tile_kernel, (B, P), s, target, g, w, den, rho, sc, se, dm, out, none, hn, none, target, hn, n, P, T,
+            _LOG2E / (k * tau), ignore_index, K=k, L=L, LOG_L=L.bit_length() - 1, R=R, HMAX=1, HEAD=1,
+            num_warps=L // 32, **conv)
+    BN, nb, BK = svm_blocks(n, k)                                      # the rows with a head: the scans
+    loss2, lsig, rho2, ckpt = _svm_state(s, k, 0)                      # the scans' own loss and rho: not used
+    scratch = torch.empty(B, k, BN, dtype=torch.float64, device=dev)
+    _launch(_svm_forward_kernel, (B,), s, target, loss2, lsig, rho2, ckpt, n, nb, f64_bits(1.0 / (k * tau)), f64_bits(0.0),
+            f64_bits(tau), hn, P, K=k, BLOCK_N=BN, BLOCK_K=BK, FAST=True, ALL=False)
+    _launch(_svm_backward_kernel, (B,), s, target, g, w, den, lsig, rho, ckpt, scratch, out, n, nb, f64_bits(1.0 / (k * tau)),
+            ignore_index, hn, P, K=k, BLOCK_N=BN, BLOCK_K=BK, FAST=True, ALL=False, **conv)
+    return out
