@@ -285,7 +285,7 @@ def test_large_k_backward_takes_the_scans_on_rows_with_a_head_only():
     torch.testing.assert_close(loss.double(), ref, rtol=1e-5, atol=0)
     assert ((grad.double() - ref_grad).abs().amax(1) <= 1e-4 * ref_grad.abs().amax(1)).all()
     rho, sc, se, dm = (t.cpu() for t in kernels._svm32_forward_op(s.to(DEV), y.to(DEV), None, 40, 1.0, 1.0, 0, -1,
-                                                                kernels.ROWS)[4:])
+                                                                kernels.ROWS)[4:8])
     lrho = (se[:, 39] - se[:, 40]).double() + torch.log2(sc[:, 39].double() / sc[:, 40].double())
     assert (dm.double() + lrho > -1.0).tolist() == [False, True, False]
 
@@ -352,28 +352,28 @@ import triton
 import topk_nb.kernels as K
 ptrs = lambda names, kinds: dict(zip(names, kinds))
 fwd = ptrs(["s_ptr", "y_ptr", "loss_ptr", "lsig_ptr", "rho_ptr", "ckpt_ptr"], ["*fp32", "*i64"] + ["*fp64"] * 4)
-fwd.update(n="i32", n_blocks="i32", inv_ktau_bits="i64", alpha_tau_bits="i64", tau_bits="i64", run_ptr="*i32", run_stride="i32")
+fwd.update(n="i32", n_blocks="i32", inv_ktau_bits="i64", alpha_tau_bits="i64", tau_bits="i64")
 bwd = ptrs(["s_ptr", "y_ptr", "go_ptr", "w_ptr", "den_ptr", "lsig_ptr", "rho_ptr", "ckpt_ptr", "scratch_ptr", "g_ptr"],
            ["*fp32", "*i64", "*fp32", "*fp32", "*fp32"] + ["*fp64"] * 4 + ["*fp32"])
-bwd.update(n="i32", n_blocks="i32", inv_ktau_bits="i64", ignore_index="i32", run_ptr="*i32", run_stride="i32")
+bwd.update(n="i32", n_blocks="i32", inv_ktau_bits="i64", ignore_index="i32")
 conv = {"REDUCTION": 1, "HAS_WEIGHT": True}        # a module's weighted mean: the conventions in the gradient kernels
 for k, fast in ((1, True), (3, True), (3, False)):
     for fn, sig, extra in ((K._svm_forward_kernel, fwd, {}), (K._svm_backward_kernel, bwd, conv)):
-        sig = {**sig, "K": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "FAST": "constexpr", "ALL": "constexpr",
+        sig = {**sig, "K": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "FAST": "constexpr",
                **{name: "constexpr" for name in extra}}
         if not fast:
             sig = {name: ("*fp64" if name in ("s_ptr", "go_ptr", "g_ptr", "den_ptr") else kind) for name, kind in sig.items()}
-        const = {"K": k, "BLOCK_N": 64, "BLOCK_K": triton.next_power_of_2(k + 1), "FAST": fast, "ALL": fast, **extra}
+        const = {"K": k, "BLOCK_N": 64, "BLOCK_K": triton.next_power_of_2(k + 1), "FAST": fast, **extra}
         assert triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32)).asm["cubin"]
-tile = ptrs(["s_ptr", "y_ptr", "tc_ptr", "te_ptr", "tm_ptr", "tf_ptr", "loss_ptr", "rho_ptr", "sc_ptr", "se_ptr", "dm_ptr"],
-            ["*fp32", "*i64", "*fp32", "*i32", "*fp32", "*i32", "*fp32", "*fp64", "*fp32", "*i32", "*fp32"])
+tile = ptrs(["s_ptr", "y_ptr", "tc_ptr", "te_ptr", "tm_ptr", "tf_ptr", "loss_ptr", "rho_ptr", "sc_ptr", "se_ptr", "dm_ptr", "rr_ptr"],
+            ["*fp32", "*i64", "*fp32", "*i32", "*fp32", "*i32", "*fp32", "*fp64", "*fp32", "*i32", "*fp32", "*fp32"])
 tile.update(n="i32", n_tiles="i32", tile="i32", d_scale="fp32", alpha_tau_bits="i64", tau_bits="i64")
-row = ptrs(["tc_ptr", "te_ptr", "tm_ptr", "loss_ptr", "rho_ptr", "sc_ptr", "se_ptr", "dm_ptr"],
-           ["*fp32", "*i32", "*fp32", "*fp32", "*fp64", "*fp32", "*i32", "*fp32"])
+row = ptrs(["tc_ptr", "te_ptr", "tm_ptr", "loss_ptr", "rho_ptr", "sc_ptr", "se_ptr", "dm_ptr", "rr_ptr"],
+           ["*fp32", "*i32", "*fp32", "*fp32", "*fp64", "*fp32", "*i32", "*fp32", "*fp32"])
 row.update(n_tiles="i32", alpha_tau_bits="i64", tau_bits="i64")
-gtile = ptrs(["s_ptr", "y_ptr", "go_ptr", "w_ptr", "den_ptr", "rho_ptr", "sc_ptr", "se_ptr", "dm_ptr", "g_ptr", "tc_ptr", "te_ptr",
+gtile = ptrs(["s_ptr", "y_ptr", "go_ptr", "w_ptr", "den_ptr", "rho_ptr", "rr_ptr", "dm_ptr", "g_ptr", "tc_ptr", "te_ptr",
               "hd_ptr", "hi_ptr", "hn_ptr"],
-             ["*fp32", "*i64", "*fp32", "*fp32", "*fp32", "*fp64", "*fp32", "*i32", "*fp32", "*fp32", "*fp32", "*i32", "*fp32",
+             ["*fp32", "*i64", "*fp32", "*fp32", "*fp32", "*fp64", "*fp32", "*fp32", "*fp32", "*fp32", "*i32", "*fp32",
               "*i64", "*i32"])
 gtile.update(n="i32", n_tiles="i32", tile="i32", d_scale="fp32", ignore_index="i32")
 grow = ptrs(["rho_ptr", "y_ptr", "go_ptr", "w_ptr", "den_ptr", "sc_ptr", "se_ptr", "g_ptr", "tc_ptr", "te_ptr", "hd_ptr", "hi_ptr",
@@ -390,11 +390,15 @@ for k in (1, 3, 9):                                # 9: the forward's class loop
                            (K._svm32_grad_row_kernel, grow, {"K": k, "HMAX": hmax, **conv})):
         sig = {**sig, **{name: "constexpr" for name in const}}
         assert triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32)).asm["cubin"]
+head = ptrs(["s_ptr", "y_ptr", "go_ptr", "w_ptr", "den_ptr", "loss_ptr", "lsig_ptr", "rho_ptr", "rho2_ptr", "ckpt_ptr",
+             "scratch_ptr", "g_ptr", "hn_ptr"], ["*fp32", "*i64", "*fp32", "*fp32", "*fp32", "*fp32"] + ["*fp64"] * 5 + ["*fp32", "*i32"])
+head.update(n="i32", n_blocks="i32", n_tiles="i32", inv_ktau_bits="i64", tau_bits="i64", ignore_index="i32")
 for k in (33, 100):                                # a polynomial a warp: M = 2, 4 degrees a lane; Horner at k = 100
     m = {"K": k, "M": -(-(k + 1) // 32)}
     for fn, sig, const in ((K._svmw_tile_kernel, tile, {**m, "ONE_TILE": False}), (K._svmw_tile_kernel, tile, {**m, "ONE_TILE": True}),
                            (K._svmw_row_kernel, row, m),
-                           (K._svm32_grad_tile_kernel, gtile, {"K": k, "L": 32, "LOG_L": 5, "R": 8, "HMAX": 1, **conv, "HEAD": 1})):
+                           (K._svm32_grad_tile_kernel, gtile, {"K": k, "L": 32, "LOG_L": 5, "R": 8, "HMAX": 1, **conv, "HEAD": 1}),
+                           (K._svm_head_rows_kernel, head, {**conv, "K": k, "BLOCK_N": 64, "BLOCK_K": 128})):
         sig = {**sig, **{name: "constexpr" for name in const}}
         assert triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32)).asm["cubin"]
 cand = ptrs(["s_ptr", "noise_ptr", "seed_ptr", "top_ptr", "scratch_ptr", "cval_ptr", "cidx_ptr"],

@@ -822,13 +822,9 @@ if HAS_TRITON:
 if HAS_TRITON:
     @triton.jit
     def _svm_forward_kernel(s_ptr, y_ptr, loss_ptr, lsig_ptr, rho_ptr, ckpt_ptr, n, n_blocks, inv_ktau_bits, alpha_tau_bits, tau_bits,
-                            run_ptr, run_stride, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            FAST: tl.constexpr, ALL: tl.constexpr):
-        "Program `row`: log sigma_{k-1}, log sigma_k of the others by scans, the loss, rho, and the carry at each block's start. Not ALL: only the rows whose entry run_ptr[row * run_stride] is -1; the others return at once."
+                            K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FAST: tl.constexpr):
+        "Program `row`: log sigma_{k-1}, log sigma_k of the others by scans, the loss, rho, and the carry at each block's start."
         row = tl.program_id(0).to(tl.int64)                              # int64: row n passes 2^31
-        if not ALL:
-            if tl.load(run_ptr + row * run_stride) != -1:
-                return
         inv_ktau, alpha_tau, tau = _f64(inv_ktau_bits), _f64(alpha_tau_bits), _f64(tau_bits)
         rk, lanes = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_N)          # degrees (BLOCK_K,), classes (BLOCK_N,)
         y = _class_label(y_ptr, row, n)                                   # a label that is no class reads class 0
@@ -858,13 +854,10 @@ if HAS_TRITON:
 if HAS_TRITON:
     @triton.jit
     def _svm_backward_kernel(s_ptr, y_ptr, go_ptr, w_ptr, den_ptr, lsig_ptr, rho_ptr, ckpt_ptr, scratch_ptr, g_ptr, n, n_blocks,
-                             inv_ktau_bits, ignore_index, run_ptr, run_stride, REDUCTION: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-                             K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FAST: tl.constexpr, ALL: tl.constexpr):
-        "Program `row`: dL/ds by leave-one-out prefixes (recomputed from the checkpoint) and suffixes, blocks last to first. Not ALL: only the rows whose entry run_ptr[row * run_stride] is -1, as the forward."
+                             inv_ktau_bits, ignore_index, REDUCTION: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+                             K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FAST: tl.constexpr):
+        "Program `row`: dL/ds by leave-one-out prefixes (recomputed from the checkpoint) and suffixes, blocks last to first."
         row = tl.program_id(0).to(tl.int64)                              # int64: row n passes 2^31
-        if not ALL:
-            if tl.load(run_ptr + row * run_stride) != -1:
-                return
         inv_ktau = _f64(inv_ktau_bits)
         rk, lanes = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_N)
         rev = BLOCK_N - 1 - lanes                                         # lane r holds class rev[r] of the block
@@ -936,7 +929,7 @@ def _svm_forward_op(s: torch.Tensor,       # (B, n) float32 or float64 scores, c
     (B, n), (BN, nb, BK) = s.shape, svm_blocks(s.shape[1], k, block_n or None)
     loss, lsig, rho, ckpt = _svm_state(s, k, block_n)
     _launch(_svm_forward_kernel, (B,), s, target, loss, lsig, rho, ckpt, n, nb, f64_bits(1.0 / (k * tau)), f64_bits(alpha / tau), f64_bits(tau),
-            target, 0, K=k, BLOCK_N=BN, BLOCK_K=BK, FAST=s.dtype == torch.float32, ALL=True)
+            K=k, BLOCK_N=BN, BLOCK_K=BK, FAST=s.dtype == torch.float32)
     return (*_conventions(loss, target, weight, n, ignore_index, reduction), lsig, rho, ckpt)
 
 
@@ -956,8 +949,8 @@ def _svm_backward_op(s: torch.Tensor, target: torch.Tensor, weight: Optional[tor
     scratch = torch.empty(B, k, BN, dtype=torch.float64, device=s.device)   # each row's prefixes of one block
     out = torch.empty_like(s)
     _launch(_svm_backward_kernel, (B,), s, target, grad.contiguous(), grad if weight is None else weight, den, lsig, rho, ckpt,
-            scratch, out, n, nb, f64_bits(1.0 / (k * tau)), ignore_index, target, 0, REDUCTION=reduction,
-            HAS_WEIGHT=weight is not None, K=k, BLOCK_N=BN, BLOCK_K=BK, FAST=s.dtype == torch.float32, ALL=True)
+            scratch, out, n, nb, f64_bits(1.0 / (k * tau)), ignore_index, REDUCTION=reduction,
+            HAS_WEIGHT=weight is not None, K=k, BLOCK_N=BN, BLOCK_K=BK, FAST=s.dtype == torch.float32)
     return out
 
 
@@ -1263,7 +1256,7 @@ if HAS_TRITON:
         return C, EV
 
     @triton.jit
-    def _svm32_tile_kernel(s_ptr, y_ptr, tc_ptr, te_ptr, tm_ptr, tf_ptr, loss_ptr, rho_ptr, sc_ptr, se_ptr, dm_ptr,
+    def _svm32_tile_kernel(s_ptr, y_ptr, tc_ptr, te_ptr, tm_ptr, tf_ptr, loss_ptr, rho_ptr, sc_ptr, se_ptr, dm_ptr, rr_ptr,
                            n, n_tiles, tile, d_scale, alpha_tau_bits, tau_bits,
                            K: tl.constexpr, L: tl.constexpr, LOG_L: tl.constexpr, R: tl.constexpr, ONE_TILE: tl.constexpr):
         "Program (row, p): prod (1 + e_i z) over the classes of tile p but the label, truncated at K, e_i = 2^{(s_i - s_y) d_scale}; the tile's largest log2 e_i; its passes on fixed exponents. ONE_TILE (a row is one tile): the row kernel's outputs instead of the tile's polynomial."
@@ -1318,6 +1311,7 @@ if HAS_TRITON:
         if ONE_TILE:                                                     # the row's sigma, loss and rho, as the row kernel
             tl.store(dm_ptr + row, tl.max(dmax, 0))
             _store_poly(sc_ptr, se_ptr, row * (K + 1), C, E, K, L)
+            _svm32_store_ratios(rr_ptr, row, C, E, lanes, K)
             loss, rho = _svm32_loss(C[K], E[K], C[K - 1], E[K - 1], alpha_tau_bits, tau_bits)   # (L,) alike
             tl.store(loss_ptr + row + lanes, loss, mask=lanes == 0)
             tl.store(rho_ptr + row + lanes, rho, mask=lanes == 0)
@@ -1337,7 +1331,7 @@ if HAS_TRITON:
         return tau * (tl.maximum(z, 0.0) + log1p_u), tl.where(z >= 0, 1.0, u) / (1.0 + u)
 
     @triton.jit
-    def _svm32_row_kernel(tc_ptr, te_ptr, tm_ptr, loss_ptr, rho_ptr, sc_ptr, se_ptr, dm_ptr, n_tiles, alpha_tau_bits, tau_bits,
+    def _svm32_row_kernel(tc_ptr, te_ptr, tm_ptr, loss_ptr, rho_ptr, sc_ptr, se_ptr, dm_ptr, rr_ptr, n_tiles, alpha_tau_bits, tau_bits,
                           K: tl.constexpr):
         "Program row: sigma_0..sigma_K of the others (the tiles' product), the loss tau softplus(z), rho = sigmoid(z), and the row's largest log2 e_i."
         row = tl.program_id(0).to(tl.int64)
@@ -1355,6 +1349,7 @@ if HAS_TRITON:
         for j in tl.static_range(K + 1):
             tl.store(sc_ptr + row * (K + 1) + j, C[j])
             tl.store(se_ptr + row * (K + 1) + j, E[j])
+        _svm32_store_ratios(rr_ptr, row, C, E, tl.arange(0, 1), K)
         loss, rho = _svm32_loss(C[K], E[K], C[K - 1], E[K - 1], alpha_tau_bits, tau_bits)
         tl.store(loss_ptr + row, loss)
         tl.store(rho_ptr + row, rho)
@@ -1362,18 +1357,32 @@ if HAS_TRITON:
 # %% ../nbs/16_kernels.ipynb #af6c4bcb
 if HAS_TRITON:
     @triton.jit
-    def _svm32_row_consts(sc_ptr, se_ptr, row, K: tl.constexpr):
-        "From the row's sigma: log2(rho_K) = log2(sigma_{K-1} / sigma_K) and r_j = rho_j / rho_K, j = 1..K (entry 0 unused)."
+    def _svm32_log2_rho(cK, eK, cK1, eK1):
+        "log2(rho_K) = log2(sigma_{K-1} / sigma_K) from their mantissas and exponents."
+        return (eK1 - eK).to(tl.float32) + tl.log2(cK1 / cK)
+
+    @triton.jit
+    def _svm32_ratio(cj1, ej1, cj, ej, cK, eK, cK1, eK1):
+        "r_j = rho_j / rho_K = (sigma_{j-1} sigma_K) / (sigma_j sigma_{K-1}) from the mantissas and exponents of the four."
+        return (cj1 * cK) / (cj * cK1) * _pow2(ej1 + eK - ej - eK1)
+
+    @triton.jit
+    def _svm32_store_ratios(rr_ptr, row, C, E, lanes, K: tl.constexpr):
+        "The backward's constants of a row whose sigma every lane holds (tuples C, E): log2(rho_K) at entry 0 of the row's K + 1, r_j at entry j; lane 0 stores."
         b = row * (K + 1)
-        cK, eK = tl.load(sc_ptr + b + K), tl.load(se_ptr + b + K)
-        cK1, eK1 = tl.load(sc_ptr + b + K - 1), tl.load(se_ptr + b + K - 1)
-        lrho = (eK1 - eK).to(tl.float32) + tl.log2(cK1 / cK)
+        first = lanes == 0
+        tl.store(rr_ptr + b + lanes, _svm32_log2_rho(C[K], E[K], C[K - 1], E[K - 1]), mask=first)
+        for j in tl.static_range(1, K + 1):
+            tl.store(rr_ptr + b + j + lanes, _svm32_ratio(C[j - 1], E[j - 1], C[j], E[j], C[K], E[K], C[K - 1], E[K - 1]), mask=first)
+
+    @triton.jit
+    def _svm32_row_consts(rr_ptr, row, K: tl.constexpr):
+        "The row's log2(rho_K) and r_j = rho_j / rho_K, j = 1..K (entry 0 unused), as the forward stored them: K + 1 loads."
+        b = row * (K + 1)
+        lrho = tl.load(rr_ptr + b)
         Rr = (0.0,)
-        cj1, ej1 = tl.load(sc_ptr + b), tl.load(se_ptr + b)             # degree j - 1, from the step before: each
-        for j in tl.static_range(1, K + 1):                              # degree is read once
-            cj, ej = tl.load(sc_ptr + b + j), tl.load(se_ptr + b + j)
-            Rr = Rr + ((cj1 * cK) / (cj * cK1) * _pow2(ej1 + eK - ej - eK1),)
-            cj1, ej1 = cj, ej
+        for j in tl.static_range(1, K + 1):
+            Rr = Rr + (tl.load(rr_ptr + b + j),)
         return lrho, Rr
 
     @triton.jit
@@ -1415,7 +1424,7 @@ if HAS_TRITON:
         return C, E, cnt + tl.sum(hm, 0)
 
     @triton.jit
-    def _svm32_grad_tile_kernel(s_ptr, y_ptr, go_ptr, w_ptr, den_ptr, rho_ptr, sc_ptr, se_ptr, dm_ptr, g_ptr, tc_ptr, te_ptr,
+    def _svm32_grad_tile_kernel(s_ptr, y_ptr, go_ptr, w_ptr, den_ptr, rho_ptr, rr_ptr, dm_ptr, g_ptr, tc_ptr, te_ptr,
                                 hd_ptr, hi_ptr, hn_ptr, n, n_tiles, tile, d_scale, ignore_index,
                                 K: tl.constexpr, L: tl.constexpr, LOG_L: tl.constexpr, R: tl.constexpr, HMAX: tl.constexpr,
                                 REDUCTION: tl.constexpr, HAS_WEIGHT: tl.constexpr, HEAD: tl.constexpr):
@@ -1426,7 +1435,7 @@ if HAS_TRITON:
         sy = tl.load(s_ptr + row * n + y).to(tl.float32)
         w = (tl.load(rho_ptr + row) * go.to(tl.float64)).to(tl.float32) * (1.0 / K)   # dL/ds_i = w (pi_k - pi_k-1);
         # no float64 division: its slow path is a call, whose saved registers spill
-        lrho, Rr = _svm32_row_consts(sc_ptr, se_ptr, row, K)
+        lrho, Rr = _svm32_row_consts(rr_ptr, row, K)
         start = p * tile
         has_head = tl.load(dm_ptr + row) + lrho > _LOG2_THETA            # the row's largest t_i > theta
         if HEAD != 1:
@@ -1526,16 +1535,16 @@ def svm32_plan(B: int,                  # rows
 
 # %% ../nbs/16_kernels.ipynb #86023359
 def _svm32_state(s: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
-    "Uninitialised outputs of the float32 forward: the loss (B,), rho (B,) in float64, the row's sigma (B, k + 1) as mantissas and exponents, and its largest log2 e_i (B,)."
+    "Uninitialised outputs of the float32 forward: the loss (B,), rho (B,) in float64, the row's sigma (B, k + 1) as mantissas and exponents, its largest log2 e_i (B,), and the backward's constants (B, k + 1): log2 rho_k, then r_j = rho_j / rho_k."
     B = s.shape[0]
     return (s.new_empty(B), torch.empty(B, dtype=torch.float64, device=s.device),
             torch.empty(B, k + 1, dtype=torch.float32, device=s.device), torch.empty(B, k + 1, dtype=torch.int32, device=s.device),
-            torch.empty(B, dtype=torch.float32, device=s.device))
+            torch.empty(B, dtype=torch.float32, device=s.device), torch.empty(B, k + 1, dtype=torch.float32, device=s.device))
 
 
 def _svm32_tiles(s: torch.Tensor, target: torch.Tensor, k: int, tau: float, alpha: float, tile: int,
                  row: tuple | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    "Launch the tile kernel (a polynomial a thread up to k = SVM32_MAX_K, a polynomial a warp above: the next section); row: the row kernel's outputs (loss, rho, sigma mantissas and exponents, largest log2 e_i) when a row is one tile and the tile kernel writes them."
+    "Launch the tile kernel (a polynomial a thread up to k = SVM32_MAX_K, a polynomial a warp above: the next section); row: the row kernel's outputs (loss, rho, sigma mantissas and exponents, largest log2 e_i, the backward's constants) when a row is one tile and the tile kernel writes them."
     (B, n), dev = s.shape, s.device
     if k <= SVM32_MAX_K:
         L, R, T, P = svm32_plan(B, n, tile or None)
@@ -1548,8 +1557,8 @@ def _svm32_tiles(s: torch.Tensor, target: torch.Tensor, k: int, tau: float, alph
     te = torch.empty(B, P, k + 1, dtype=torch.int32, device=dev) if not one else tc.new_empty(0, dtype=torch.int32)
     tm = torch.empty(B, P, dtype=torch.float32, device=dev)            # each tile's largest log2 e_i
     tf = torch.empty(B, P, dtype=torch.int32, device=dev)              # each tile's passes on fixed exponents
-    loss, rho, sc, se, dm = row if one else (tm,) * 5                  # unused pointers where the row kernel follows
-    _launch(kernel, (B, P), s, target, tc, te, tm, tf, loss, rho, sc, se, dm, n, P, T, _LOG2E / (k * tau),
+    loss, rho, sc, se, dm, rr = row if one else (tm,) * 6              # unused pointers where the row kernel follows
+    _launch(kernel, (B, P), s, target, tc, te, tm, tf, loss, rho, sc, se, dm, rr, n, P, T, _LOG2E / (k * tau),
             f64_bits(alpha / tau), f64_bits(tau), ONE_TILE=one, **const)
     return tc, te, tm, tf
 
@@ -1572,17 +1581,17 @@ def _svm32_forward_op(s: torch.Tensor,       # (B, n) float32 scores, contiguous
                       ignore_index: int,     # the label of the samples that count for nothing
                       reduction: int,        # ROWS (the per-row loss, nothing else) or a value of REDUCTION_CODES
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                 torch.Tensor, torch.Tensor]:
-    "The float32 forward as an operator: (loss, weighted rows, denominator, labels' flag as `_conventions` gives them, rho (B,), sigma mantissas, exponents (B, k + 1), largest log2 e_i (B,)); two launches (one where a row is one tile), one more with `_finish`. Above SVM32_MAX_K the kernels of a polynomial a warp."
+                                 torch.Tensor, torch.Tensor, torch.Tensor]:
+    "The float32 forward as an operator: (loss, weighted rows, denominator, labels' flag as `_conventions` gives them, rho (B,), sigma mantissas, exponents (B, k + 1), largest log2 e_i (B,), the backward's constants (B, k + 1)); two launches (one where a row is one tile), one more with `_finish`. Above SVM32_MAX_K the kernels of a polynomial a warp."
     (B, n), state = s.shape, _svm32_state(s, k)
-    loss, rho, sc, se, dm = state
+    loss, rho, sc, se, dm, rr = state
     tc, te, tm, _ = _svm32_tiles(s, target, k, tau, alpha, tile, state)   # a row of one tile: its loss too
     P = tm.shape[1]
     if P > 1:                                                          # the tiles' product, the loss
         kernel, const = (_svm32_row_kernel, {}) if k <= SVM32_MAX_K else (_svmw_row_kernel, dict(M=triton.cdiv(k + 1, 32)))
-        _launch(kernel, (B,), tc, te, tm, loss, rho, sc, se, dm, P, f64_bits(alpha / tau), f64_bits(tau), K=k, num_warps=1,
+        _launch(kernel, (B,), tc, te, tm, loss, rho, sc, se, dm, rr, P, f64_bits(alpha / tau), f64_bits(tau), K=k, num_warps=1,
                 **const)
-    return (*_conventions(loss, target, weight, n, ignore_index, reduction), rho, sc, se, dm)
+    return (*_conventions(loss, target, weight, n, ignore_index, reduction), rho, sc, se, dm, rr)
 
 
 @_svm32_forward_op.register_fake
@@ -1594,11 +1603,11 @@ def _svm32_forward_fake(s, target, weight, k, tau, alpha, tile, ignore_index, re
 def _svm32_backward_op(s: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
                        grad: torch.Tensor,                  # dL/d loss: (B,) per row, or () of the reduced loss
                        den: torch.Tensor,                   # () the mean's denominator, from the forward operator
-                       rho: torch.Tensor, sc: torch.Tensor, se: torch.Tensor, dm: torch.Tensor,   # from the forward operator
-                       k: int, tau: float, tile: int, ignore_index: int, reduction: int) -> torch.Tensor:
+                       rho: torch.Tensor, sc: torch.Tensor, se: torch.Tensor, dm: torch.Tensor, rr: torch.Tensor,   # from the
+                       k: int, tau: float, tile: int, ignore_index: int, reduction: int) -> torch.Tensor:     # forward operator
     "The float32 backward as an operator: dL/ds (B, n), the conventions applied by `_row_go`; two launches (three where a row is several tiles). Above SVM32_MAX_K, `_svmw_backward`."
     if k > SVM32_MAX_K:
-        return _svmw_backward(s, target, weight, grad, den, rho, sc, se, dm, k, tau, ignore_index, reduction)
+        return _svmw_backward(s, target, weight, grad, den, rho, dm, rr, k, tau, ignore_index, reduction)
     (B, n), dev = s.shape, s.device
     L, R, T, P = svm32_plan(B, n, tile or None)
     hmax = triton.next_power_of_2(3 * k + 2)                           # fewer than 3k head classes per row
@@ -1610,7 +1619,7 @@ def _svm32_backward_op(s: torch.Tensor, target: torch.Tensor, weight: Optional[t
     hn = torch.empty(B, P, dtype=torch.int32, device=dev)
     g, w, conv = grad.contiguous(), grad if weight is None else weight, dict(REDUCTION=reduction, HAS_WEIGHT=weight is not None)
     for head in ((0,) if P == 1 else (1, 2)):                          # rows of several tiles: the head apart
-        _launch(_svm32_grad_tile_kernel, (B, P), s, target, g, w, den, rho, sc, se, dm, out, tc, te, hd, hi, hn, n, P, T,
+        _launch(_svm32_grad_tile_kernel, (B, P), s, target, g, w, den, rho, rr, dm, out, tc, te, hd, hi, hn, n, P, T,
                 _LOG2E / (k * tau), ignore_index, K=k, L=L, LOG_L=L.bit_length() - 1, R=R, HMAX=hmax, HEAD=head,
                 num_warps=L // 32, **conv)
     fd = torch.empty(B, hmax, dtype=torch.float32, device=dev)         # the row's head list
@@ -1621,7 +1630,7 @@ def _svm32_backward_op(s: torch.Tensor, target: torch.Tensor, weight: Optional[t
 
 
 @_svm32_backward_op.register_fake
-def _svm32_backward_fake(s, target, weight, grad, den, rho, sc, se, dm, k, tau, tile, ignore_index, reduction):
+def _svm32_backward_fake(s, target, weight, grad, den, rho, sc, se, dm, rr, k, tau, tile, ignore_index, reduction):
     return torch.empty_like(s)
 
 
@@ -1744,12 +1753,20 @@ if HAS_TRITON:
 # %% ../nbs/16_kernels.ipynb #c220d40b
 if HAS_TRITON:
     @triton.jit
-    def _svmw_finish(C, E, l, row, dmax, loss_ptr, rho_ptr, sc_ptr, se_ptr, dm_ptr, alpha_tau_bits, tau_bits,
+    def _svmw_finish(C, E, l, row, dmax, loss_ptr, rho_ptr, sc_ptr, se_ptr, dm_ptr, rr_ptr, alpha_tau_bits, tau_bits,
                      K: tl.constexpr, M: tl.constexpr):
-        "A row's polynomial done: its sigma, largest log2 e_i, loss and rho stored, as `_svm32_row_kernel` stores them."
+        "A row's polynomial done: its sigma, largest log2 e_i, the backward's constants, loss and rho stored, as `_svm32_row_kernel` stores them."
         tl.store(dm_ptr + row, dmax)
         _wstore(sc_ptr, se_ptr, row * (K + 1), C, E, l, K, M)
-        loss, rho = _svm32_loss(_wdeg(C, K, M), _wdeg(E, K, M), _wdeg(C, K - 1, M), _wdeg(E, K - 1, M), alpha_tau_bits, tau_bits)
+        cK, eK, cK1, eK1 = _wdeg(C, K, M), _wdeg(E, K, M), _wdeg(C, K - 1, M), _wdeg(E, K - 1, M)   # (32,) alike
+        SC = _wshift(C, (l + 31) % 32, l, 0.0, M)                        # degree j - 1 next to degree j
+        SE = _wshift(E, (l + 31) % 32, l, _XZERO, M)
+        lrho = _svm32_log2_rho(cK, eK, cK1, eK1)
+        for m in tl.static_range(M):                                     # entry 0: log2 rho_K; j >= 1: r_j
+            j = l * M + m
+            r = _svm32_ratio(SC[m], SE[m], tl.where(j <= K, C[m], 1.0), E[m], cK, eK, cK1, eK1)   # (past K: no 0 / 0)
+            tl.store(rr_ptr + row * (K + 1) + j, tl.where(j == 0, lrho, r), mask=j <= K)
+        loss, rho = _svm32_loss(cK, eK, cK1, eK1, alpha_tau_bits, tau_bits)
         tl.store(loss_ptr + row + l, loss, mask=l == 0)                  # (32,) alike: lane 0 stores
         tl.store(rho_ptr + row + l, rho, mask=l == 0)
 
@@ -1768,7 +1785,7 @@ if HAS_TRITON:
         return D, gmax, gmin, bad, tl.maximum(dmax, D)
 
     @triton.jit
-    def _svmw_tile_kernel(s_ptr, y_ptr, tc_ptr, te_ptr, tm_ptr, tf_ptr, loss_ptr, rho_ptr, sc_ptr, se_ptr, dm_ptr,
+    def _svmw_tile_kernel(s_ptr, y_ptr, tc_ptr, te_ptr, tm_ptr, tf_ptr, loss_ptr, rho_ptr, sc_ptr, se_ptr, dm_ptr, rr_ptr,
                           n, n_tiles, tile, d_scale, alpha_tau_bits, tau_bits,
                           K: tl.constexpr, M: tl.constexpr, ONE_TILE: tl.constexpr):
         "Program (row, p), one warp: prod (1 + e_i z) over the classes of tile p but the label, truncated at K, in lane layout (M = ceil((K + 1) / 32) degrees a lane); the tile's largest log2 e_i; its passes on fixed exponents. ONE_TILE: the row's outputs instead."
@@ -1822,7 +1839,8 @@ if HAS_TRITON:
         C = _tset(C, 0, tl.where(tl.max(bad.to(tl.int32), 0) == 1, float("nan"), C[0]))   # out of range: NaN
         tl.store(tf_ptr + row * n_tiles + p, fast_passes)
         if ONE_TILE:
-            _svmw_finish(C, E, l, row, tl.max(dmax, 0), loss_ptr, rho_ptr, sc_ptr, se_ptr, dm_ptr, alpha_tau_bits, tau_bits, K, M)
+            _svmw_finish(C, E, l, row, tl.max(dmax, 0), loss_ptr, rho_ptr, sc_ptr, se_ptr, dm_ptr, rr_ptr, alpha_tau_bits,
+                         tau_bits, K, M)
         else:
             tl.store(tm_ptr + row * n_tiles + p, tl.max(dmax, 0))
             _wstore(tc_ptr, te_ptr, (row * n_tiles + p) * (K + 1), C, E, l, K, M)
@@ -1873,7 +1891,7 @@ if HAS_TRITON:
         return RC, RE
 
     @triton.jit
-    def _svmw_row_kernel(tc_ptr, te_ptr, tm_ptr, loss_ptr, rho_ptr, sc_ptr, se_ptr, dm_ptr, n_tiles, alpha_tau_bits, tau_bits,
+    def _svmw_row_kernel(tc_ptr, te_ptr, tm_ptr, loss_ptr, rho_ptr, sc_ptr, se_ptr, dm_ptr, rr_ptr, n_tiles, alpha_tau_bits, tau_bits,
                          K: tl.constexpr, M: tl.constexpr):
         "Program row, one warp: the tiles' product (sigma_0..sigma_K of the others), the loss, rho and the row's largest log2 e_i. R_j = sum_a B_a A_{j-a}: B_a brought to every lane by a shuffle, A moved up a degree per a."
         row = tl.program_id(0).to(tl.int64)
@@ -1906,9 +1924,26 @@ if HAS_TRITON:
                         SE = _wshift(SE, lm1, l, _XZERO, M)
             C, E = _wnorm(RC, RE, l, K, M)
             dmax = tl.maximum(dmax, tl.load(tm_ptr + row * n_tiles + p))
-        _svmw_finish(C, E, l, row, dmax, loss_ptr, rho_ptr, sc_ptr, se_ptr, dm_ptr, alpha_tau_bits, tau_bits, K, M)
+        _svmw_finish(C, E, l, row, dmax, loss_ptr, rho_ptr, sc_ptr, se_ptr, dm_ptr, rr_ptr, alpha_tau_bits, tau_bits, K, M)
 
 # %% ../nbs/16_kernels.ipynb #8dfa1ed5
+if HAS_TRITON:
+    @triton.jit
+    def _svm_head_rows_kernel(s_ptr, y_ptr, go_ptr, w_ptr, den_ptr, loss_ptr, lsig_ptr, rho_ptr, rho2_ptr, ckpt_ptr, scratch_ptr,
+                              g_ptr, hn_ptr, n, n_blocks, n_tiles, inv_ktau_bits, tau_bits, ignore_index,
+                              REDUCTION: tl.constexpr, HAS_WEIGHT: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr,
+                              BLOCK_K: tl.constexpr):
+        "Program `row`, on the rows the Horner kernel marked -1 (a head): the scans' forward for the checkpoints (its loss and rho into loss_ptr, rho2_ptr, unused), then their backward with the row's rho; the other programs return at once."
+        row = tl.program_id(0).to(tl.int64)
+        if tl.load(hn_ptr + row * n_tiles) == -1:
+            no_margin = tl.zeros([], tl.int64)                           # alpha = 0: the bits of 0.0 (the loss is unused)
+            _svm_forward_kernel(s_ptr, y_ptr, loss_ptr, lsig_ptr, rho2_ptr, ckpt_ptr, n, n_blocks, inv_ktau_bits, no_margin,
+                                tau_bits, K, BLOCK_N, BLOCK_K, True)
+            tl.debug_barrier()                                           # the checkpoints stored, seen by every thread
+            _svm_backward_kernel(s_ptr, y_ptr, go_ptr, w_ptr, den_ptr, lsig_ptr, rho_ptr, ckpt_ptr, scratch_ptr, g_ptr, n,
+                                 n_blocks, inv_ktau_bits, ignore_index, REDUCTION, HAS_WEIGHT, K, BLOCK_N, BLOCK_K, True)
+
+
 SVMW_PROGRAMS = 4096      # the large-k forward cuts rows into tiles until the grid has about this many warps
 
 
@@ -1925,23 +1960,21 @@ def svmw_plan(B: int,                  # rows
 
 
 def _svmw_backward(s: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor], grad: torch.Tensor,
-                   den: torch.Tensor, rho: torch.Tensor, sc: torch.Tensor, se: torch.Tensor, dm: torch.Tensor,
+                   den: torch.Tensor, rho: torch.Tensor, dm: torch.Tensor, rr: torch.Tensor,
                    k: int, tau: float, ignore_index: int, reduction: int) -> torch.Tensor:
-    "`_svm32_backward_op` above SVM32_MAX_K: Horner on the rows without a head (`_svm32_grad_tile_kernel`, `HEAD` 1, which marks the others -1), the log-space scans on the rows with one (launched for every row; the others return at once); three launches."
+    "`_svm32_backward_op` above SVM32_MAX_K: Horner on the rows without a head (`_svm32_grad_tile_kernel`, `HEAD` 1, which marks the others -1), the log-space scans' forward and backward on the rows with one (`_svm_head_rows_kernel`, launched for every row; the others return at once); two launches."
     (B, n), dev = s.shape, s.device
     L, R, T, P = svm32_plan(B, n)
     out = torch.empty_like(s)
     hn = torch.empty(B, P, dtype=torch.int32, device=dev)              # -1: the row has a head
     none = s.new_empty(0)
     g, w, conv = grad.contiguous(), grad if weight is None else weight, dict(REDUCTION=reduction, HAS_WEIGHT=weight is not None)
-    _launch(_svm32_grad_tile_kernel, (B, P), s, target, g, w, den, rho, sc, se, dm, out, none, hn, none, target, hn, n, P, T,
+    _launch(_svm32_grad_tile_kernel, (B, P), s, target, g, w, den, rho, rr, dm, out, none, hn, none, target, hn, n, P, T,
             _LOG2E / (k * tau), ignore_index, K=k, L=L, LOG_L=L.bit_length() - 1, R=R, HMAX=1, HEAD=1,
             num_warps=L // 32, **conv)
     BN, nb, BK = svm_blocks(n, k)                                      # the rows with a head: the scans
     loss2, lsig, rho2, ckpt = _svm_state(s, k, 0)                      # the scans' own loss and rho: not used
     scratch = torch.empty(B, k, BN, dtype=torch.float64, device=dev)
-    _launch(_svm_forward_kernel, (B,), s, target, loss2, lsig, rho2, ckpt, n, nb, f64_bits(1.0 / (k * tau)), f64_bits(0.0),
-            f64_bits(tau), hn, P, K=k, BLOCK_N=BN, BLOCK_K=BK, FAST=True, ALL=False)
-    _launch(_svm_backward_kernel, (B,), s, target, g, w, den, lsig, rho, ckpt, scratch, out, n, nb, f64_bits(1.0 / (k * tau)),
-            ignore_index, hn, P, K=k, BLOCK_N=BN, BLOCK_K=BK, FAST=True, ALL=False, **conv)
+    _launch(_svm_head_rows_kernel, (B,), s, target, g, w, den, loss2, lsig, rho, rho2, ckpt, scratch, out, hn, n, nb, P,
+            f64_bits(1.0 / (k * tau)), f64_bits(tau), ignore_index, K=k, BLOCK_N=BN, BLOCK_K=BK, **conv)
     return out
