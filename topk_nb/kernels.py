@@ -1912,8 +1912,9 @@ if HAS_TRITON:
                         RC = _wfma(RC, tl.gather(BS[m], tl.zeros([32], tl.int32) + a0, 0), SC, M)
                         SC = _wshift(SC, lm1, l, 0.0, M)
             else:                                                        # term by term in extended floats
-                RE = _wone(l, M)[1]
-                RE = _tset(RE, 0, tl.full([32], _XZERO, tl.int32))
+                RE = ()                                                  # the zero polynomial in extended floats
+                for m in tl.static_range(M):
+                    RE = RE + (tl.full([32], _XZERO, tl.int32),)
                 SC = C
                 SE = E
                 for a0 in range((K + M) // M):
