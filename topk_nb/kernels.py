@@ -1658,6 +1658,14 @@ if HAS_TRITON:
         return _wbcast(V[j % M], j // M)
 
     @triton.jit
+    def _wxzero(M: tl.constexpr):
+        "The exponents of the zero polynomial in extended floats, lane layout: every degree the zero exponent."
+        E = (tl.full([32], _XZERO, tl.int32),)
+        for m in tl.static_range(1, M):
+            E = E + (tl.full([32], _XZERO, tl.int32),)
+        return E
+
+    @triton.jit
     def _wone(l, M: tl.constexpr):
         "The polynomial 1 in lane layout: mantissas and exponents."
         C = (tl.where(l == 0, 1.0, 0.0),)
@@ -1912,9 +1920,7 @@ if HAS_TRITON:
                         RC = _wfma(RC, tl.gather(BS[m], tl.zeros([32], tl.int32) + a0, 0), SC, M)
                         SC = _wshift(SC, lm1, l, 0.0, M)
             else:                                                        # term by term in extended floats
-                RE = ()                                                  # the zero polynomial in extended floats
-                for m in tl.static_range(M):
-                    RE = RE + (tl.full([32], _XZERO, tl.int32),)
+                RE = _wxzero(M)                                          # the zero polynomial in extended floats
                 SC = C
                 SE = E
                 for a0 in range((K + M) // M):
