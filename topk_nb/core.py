@@ -374,12 +374,18 @@ def selected_hinge(scores: torch.Tensor,   # (B, n) scores; the gradient flows t
     return _SelectedHinge.apply(scores, target, index, argument.detach(), float(coef))
 
 # %% ../nbs/00_core.ipynb #627e6e0a
-def flatten_classes(scores: torch.Tensor, # (B, n, d_1, ...): the classes along dimension 1, floating
-                    target: torch.Tensor, # (B, d_1, ...) class indices or (B, n, d_1, ...) probabilities
+def flatten_classes(scores: torch.Tensor, # (B, n, d_1, ...): the classes along dimension 1, floating; or (n,), one sample
+                    target: torch.Tensor, # (B, d_1, ...) class indices or (B, n, d_1, ...) probabilities; () or (n,) for (n,)
                     ) -> tuple[torch.Tensor, torch.Tensor, tuple]:
-    "Scores as (N, n), targets as (N,) or (N, n), N = B d_1 ...; and the per-sample shape (B, d_1, ...)."
+    "Scores as (N, n), targets as (N,) or (N, n), N = B d_1 ...; and the per-sample shape (B, d_1, ...), () for one unbatched sample."
+    if isinstance(scores, torch.Tensor) and scores.ndim == 1 and isinstance(target, torch.Tensor):   # unbatched, as
+        if target.ndim == 0 or (target.is_floating_point() and target.shape == scores.shape):      # nn.CrossEntropyLoss
+            s, t, _ = flatten_classes(scores[None], target[None])                                  # takes it: a batch of one
+            return s, t, ()
+        raise ValueError(f"target must be a class index of shape () or probabilities of shape {tuple(scores.shape)} "
+                         f"for unbatched scores of shape {tuple(scores.shape)}, got {tuple(target.shape)}")
     if not isinstance(scores, torch.Tensor) or scores.ndim < 2:
-        raise ValueError(f"scores must be a tensor of shape (B, n) or (B, n, d_1, ...), "
+        raise ValueError(f"scores must be a tensor of shape (n,), (B, n) or (B, n, d_1, ...), "
                          f"got {tuple(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__}")
     if scores.dtype not in FLOAT_DTYPES:
         raise TypeError(f"scores must be a floating tensor (float16, bfloat16, float32 or float64), got {scores.dtype}")
@@ -461,7 +467,8 @@ class LossModule(nn.Module):
         init.__doc__ = (f"{cls.__doc__}\n\nIts own arguments: {shown or 'none'}.\n"
                         f"nn.CrossEntropyLoss's conventions:\n{conventions}\n\n"
                         f"Call it as nn.CrossEntropyLoss: criterion(scores, target), scores (B, n) or (B, n, d_1, ...), target "
-                        f"class indices (B, d_1, ...) or probabilities of the scores' shape.")
+                        f"class indices (B, d_1, ...) or probabilities of the scores' shape; or one sample, scores (n,) and "
+                        f"target () or (n,).")
 
     def __init__(self, *,
                  weight: torch.Tensor | None = None, # a weight per class, as in nn.CrossEntropyLoss
@@ -582,7 +589,7 @@ def check_labels(ok: torch.Tensor,    # () bool: a kernel's flag that every labe
 
 
 def _forward(self, scores: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    "The loss of `scores` (B, n) or (B, n, d_1, ...) for `target` class indices (B, d_1, ...) or probabilities (the scores' shape), with nn.CrossEntropyLoss's conventions."
+    "The loss of `scores` (B, n) or (B, n, d_1, ...) for `target` class indices (B, d_1, ...) or probabilities (the scores' shape), or of one unbatched sample (n,), with nn.CrossEntropyLoss's conventions."
     s, t, shape = flatten_classes(scores, target)                     # floating scores, matching target shapes
     weight, out_dtype, fused = check_weight(self.weight, s.shape[1]), loss_dtype(scores), None
     with torch.autocast(s.device.type, enabled=False):
