@@ -103,6 +103,22 @@ def test_extra_dimensions(name):
     torch.testing.assert_close(out, flat(s.movedim(1, -1).reshape(-1, N_CLASSES), y.reshape(-1)).reshape(2, 3, 2))
 
 
+@pytest.mark.parametrize("name", list(LOSSES))
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_one_unbatched_sample_as_in_cross_entropy(name, reduction):
+    "Scores (n,) with a class index () or probabilities (n,): the shape nn.CrossEntropyLoss gives, the value of a batch of one."
+    g = torch.Generator().manual_seed(6)
+    s = 2 * torch.randn(N_CLASSES, generator=g, dtype=torch.float64)
+    p = torch.softmax(torch.randn(N_CLASSES, generator=g, dtype=torch.float64), 0)
+    for t in (torch.tensor(3), p):
+        one, batch = get_loss(name, reduction=reduction, **extra(name)), get_loss(name, reduction=reduction, **extra(name))
+        out = one(s, t)
+        assert out.shape == nn.CrossEntropyLoss(reduction=reduction)(s, t).shape == ()
+        torch.testing.assert_close(out, batch(s[None], t[None]).reshape(()))
+    with pytest.raises(ValueError, match=r"target must be a class index of shape \(\) or probabilities of shape \(8,\)"):
+        get_loss(name, **extra(name))(s, torch.tensor([3]))
+
+
 @pytest.mark.parametrize("name", [n for n, e in LOSSES.items() if not e.native_soft_targets])
 def test_probability_targets_of_any_support(name):
     s, y = problem(6)
