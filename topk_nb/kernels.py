@@ -1772,7 +1772,9 @@ if HAS_TRITON:
         lrho = _svm32_log2_rho(cK, eK, cK1, eK1)
         for m in tl.static_range(M):                                     # entry 0: log2 rho_K; j >= 1: r_j
             j = l * M + m
-            r = _svm32_ratio(SC[m], SE[m], tl.where(j <= K, C[m], 1.0), E[m], cK, eK, cK1, eK1)   # (past K: no 0 / 0)
+            ok = (j >= 1) & (j <= K)                                     # elsewhere stand-ins: no 0 / 0 nor 0 inf
+            r = _svm32_ratio(tl.where(ok, SC[m], 1.0), tl.where(ok, SE[m], 0), tl.where(ok, C[m], 1.0), tl.where(ok, E[m], 0),
+                             cK, eK, cK1, eK1)
             tl.store(rr_ptr + row * (K + 1) + j, tl.where(j == 0, lrho, r), mask=j <= K)
         loss, rho = _svm32_loss(cK, eK, cK1, eK1, alpha_tau_bits, tau_bits)
         tl.store(loss_ptr + row + l, loss, mask=l == 0)                  # (32,) alike: lane 0 stores
