@@ -178,8 +178,9 @@ def test_module_conventions_and_bad_input(crit):
         crit(torch.full((2, 5), float("inf")), y[:2])
     with pytest.raises(ValueError, match=r"\[0, 4\]"):
         crit(s32, torch.full((6,), 5))
-    with pytest.raises(ValueError, match=r"shape \(B, n\)"):
-        crit(s32[0], y[0])
+    torch.testing.assert_close(crit(s32[0], y[0]), crit(s32[:1], y[:1]))   # one unbatched sample: a batch of one
+    with pytest.raises(ValueError, match=r"shape \(n,\), \(B, n\)"):
+        crit(s32[0, 0], y[0])
 
 
 def test_parameter_errors():
