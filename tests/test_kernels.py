@@ -290,6 +290,19 @@ def test_large_k_backward_takes_the_scans_on_rows_with_a_head_only():
     assert (dm.double() + lrho > -1.0).tolist() == [False, True, False]
 
 
+@pytest.mark.parametrize("k, tile", [(5, 0), (5, 256), (40, 0), (40, 64)])
+def test_forward_stores_the_backward_constants(k, tile):
+    "The forward's constants for the Horner backward, a polynomial a thread (k = 5) and a warp (k = 40), rows of one tile and of several: log2 rho_k and r_j = rho_j / rho_k as float64 computes them from the stored sigma."
+    s = torch.randn(2, 300, generator=torch.Generator().manual_seed(k + tile))
+    y = torch.tensor([3, 200])
+    rho, sc, se, dm, rr = (t.cpu() for t in kernels._svm32_forward_op(s.to(DEV), y.to(DEV), None, k, 1.0, 1.0, tile, -1,
+                                                                      kernels.ROWS)[4:])
+    log2_sigma = torch.log2(sc.double()) + se.double()                # (2, k + 1)
+    log2_rho = log2_sigma[:, :-1] - log2_sigma[:, 1:]                 # log2 sigma_{j-1} / sigma_j, j = 1..k
+    torch.testing.assert_close(rr[:, 0].double(), log2_rho[:, -1], rtol=0, atol=1e-5)
+    torch.testing.assert_close(rr[:, 1:].double(), torch.exp2(log2_rho - log2_rho[:, -1:]), rtol=1e-5, atol=0)
+
+
 def test_large_k_kernels_give_nan_past_their_range():
     s = torch.randn(2, 60)
     s[1, 7] = 1e9
