@@ -4,6 +4,9 @@ kernels compiled (not interpreted) on the route the losses take, and a compiled 
 module is skipped with one line; CI has none, and the same checks run there on the CPU through the interpreter
 (tests/test_kernels.py) and the sync-free path (tests/test_sync_free.py)."""
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -35,6 +38,19 @@ def test_the_kernels_run_compiled_on_the_losses_route():
     assert kernels.HAS_TRITON and svm_route(x, 5) == "kernels" and kernels.triton_ok(x, 5)
     assert kernels.count_launches(lambda: kernels.smooth_svm_triton(x, torch.zeros(8, dtype=torch.long, device="cuda"),
                                                                    5, 1.0).sum()) == 2   # the forward: tiles, then rows
+
+
+@pytest.mark.parametrize("name", ["smooth_svm", "noised_bal"])
+def test_a_label_that_is_no_class_stops_at_the_device_assert(name):
+    "The finishing kernel asserts the labels on the device (no separate assert launched): a label out of range stops the step with its message, as F.cross_entropy's device assert does. In a process of its own: a device assert leaves the CUDA context unusable."
+    code = (f"import torch; from topk_nb.losses import get_loss; crit = get_loss({name!r}, k=3)\n"
+            "s, y = torch.randn(4, 20, device='cuda'), torch.tensor([0, 20, 3, -100], device='cuda')\n"
+            "loss = crit(s, y); torch.cuda.synchronize(); print('no assert:', loss.item())")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[1])
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "no assert" not in out, out[-2000:]
+    assert "device-side assert" in out and "class indices in [0, n - 1]" in out, out[-2000:]
 
 
 @pytest.mark.parametrize("name", ["smooth_svm", "noised_bal", "topk_grouping"])

@@ -441,11 +441,20 @@ kernels_and_constants += [(K._perturbed_grad_kernel, grad, {"N_SAMPLES": 3, "HIN
                                                             "HAS_WEIGHT": reduction == 1, "BLOCK": 1024})
                           for hinge, reduction in ((False, -1), (True, -1), (True, 1))]
 kernels_and_constants += [(K._finish_kernel, finish, {"REDUCTION": reduction, "HAS_WEIGHT": reduction == 1, "HINGE": hinge,
-                                                      "HAS_MARGIN": hinge, "BLOCK": 256})
-                          for reduction in (0, 1, 2) for hinge in (False, True)]
+                                                      "HAS_MARGIN": hinge, "ASSERT": check, "BLOCK": 256})
+                          for reduction in (0, 1, 2) for hinge in (False, True) for check in (False, True)]
+messages = {}
 for fn, sig, const in kernels_and_constants:
     sig = {**sig, **{name: "constexpr" for name in const}}
-    assert triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32)).asm["cubin"]
+    debug = {"debug": True, "sanitize_overflow": False} if getattr(fn, "debug", None) else {}   # as `_launch` compiles it
+    out = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32), options=debug)
+    assert out.asm["cubin"]
+    if fn is K._finish_kernel:                                         # the assert messages the PTX carries
+        import re
+        messages[const["ASSERT"]] = {bytes(int(b) for b in m.group(1).split(",")).rstrip(bytes(1)).decode()
+                                     for m in re.finditer(r"\\.b8 assertMessage_\\d+\\[\\d+\\] = \\{([\\d, ]+)\\}", out.asm["ptx"])}
+label = "target must hold class indices in [0, n - 1] (n classes) or ignore_index"
+assert label in messages[True] and label not in messages[False], messages     # the labels' device assert, where asked
 print("compiled")
 """
 
@@ -544,15 +553,20 @@ def test_noised_modules_apply_the_conventions_in_the_kernels(name, reduction, ca
 
 @pytest.mark.parametrize("name", ["smooth_svm", "noised_bal"])
 def test_module_kernels_refuse_labels_that_are_no_class(name):
-    "A label neither a class nor ignore_index: a one-line error on the host path, the device-side assert on the sync-free path (raised at once on a CPU tensor)."
+    "A label neither a class nor ignore_index: a one-line error on the host path; on the sync-free path the kernels assert the labels themselves and leave no flag for the module (here the interpreter's stand-in raises at once; a GPU's device assert is tests/test_cuda.py's, in a process of its own)."
     crit = get_loss(name, k=3, check_finite=False)
     s, y = torch.randn(4, 20, device=DEV), torch.tensor([0, 20, 3, -100], device=DEV)
     if DEV.type == "cpu":
         with kernels.force_triton(), pytest.raises(ValueError, match=r"class indices in \[0, 19\], got values in \[0, 20\]"):
             crit(s, y)
+        with kernels.force_triton():
+            assert crit.kernel_loss(s, y, None)[2] is not None          # the host path: the flag, read back by the module
     with force_sync_free(), kernels.force_triton():
-        assert crit.kernel_loss(s, y, None) is not None
+        loss, den, ok = crit.kernel_loss(s, y.clamp(max=19), None)
+        assert ok is None and torch.isfinite(loss)                     # asserted in the kernels: nothing for the module
         if DEV.type == "cpu":
+            with pytest.raises(RuntimeError, match=r"class indices in \[0, 19\]"):
+                crit.kernel_loss(s, y, None)
             with pytest.raises(RuntimeError, match=r"class indices in \[0, 19\]"):
                 crit(s, y)
 

@@ -374,7 +374,9 @@ for line in sys.stdin:
     try:
         with contextlib.redirect_stdout(log):
             src = ASTSource(fn=kernel(req), signature=req["signature"], constexprs=req["constexprs"])
-            out = triton.compile(src, target=GPUTarget("cuda", req["arch"], 32), options={"num_warps": req["num_warps"],
+            debug = ({"debug": True, "sanitize_overflow": False}       # as `kernels._launch` compiles a kernel
+                     if getattr(kernel(req), "debug", None) else {})     # made with debug=True: its asserts alone
+            out = triton.compile(src, target=GPUTarget("cuda", req["arch"], 32), options={"num_warps": req["num_warps"], **debug,
                                                                                      **({"maxnreg": req["maxnreg"]} if req["maxnreg"] else {})})
         with open(req["out"], "wb") as f:
             f.write(out.asm["cubin"])
@@ -1106,8 +1108,9 @@ def _kernel_models() -> dict:
             dict(loss_ptr="*fp32", mean_ptr="*fp32", s_ptr="*fp32", margin_ptr="*fp64", y_ptr="*i64", w_ptr="*fp32",
                  wl_ptr="*fp32", out_ptr="*fp32", den_ptr="*fp32", ok_ptr="*i1", n_rows="i32", n="i32", ignore_index="i32",
                  alpha_bits="i64", scale_bits="i64", REDUCTION="constexpr", HAS_WEIGHT="constexpr", HINGE="constexpr",
-                 HAS_MARGIN="constexpr", BLOCK="constexpr"),
-            lambda sh, hinge=hinge: dict(**MODULE_MEAN, HINGE=hinge, HAS_MARGIN=False, BLOCK=min(1024, _pow2(sh["B"]))),
+                 HAS_MARGIN="constexpr", ASSERT="constexpr", BLOCK="constexpr"),
+            lambda sh, hinge=hinge: dict(**MODULE_MEAN, HINGE=hinge, HAS_MARGIN=False, ASSERT=True,   # a GPU's: it asserts
+                                         BLOCK=min(1024, _pow2(sh["B"]))),                         # the labels itself
             (("for start in range(0, n_rows, BLOCK)", lambda sh: -(-sh["B"] // min(1024, _pow2(sh["B"])))),),
             lambda sh, hinge=hinge: sh["B"] * (8 + 4 + 4 + (8 if hinge else 0)),   # labels, loss (or mean and s_y), rows out
             programs=lambda sh: 1, elements=lambda sh: sh["B"])
@@ -1131,9 +1134,9 @@ KERNEL_MODELS = _kernel_models()
 _NOISED_SHAPES = (*(dict(B=256, n=n, k=5) for n in (100, 1000, 8192, 100_000, 1_000_000)),
                   dict(B=256, n=1000, k=20), dict(B=256, n=100_000, k=20), dict(B=4096, n=1000, k=5))
 from .kernels import PRUNE_MIN
-_NOISED_LAUNCHES = 8   # op_table(path='cuda') of the registry's noised_bal: 4 Triton kernels (candidates, merge, finish,
-                       # gradient), the seed, the labels' assert, the step's sum and its gradient (n < PRUNE_MIN; pruning
-                       # adds the two threshold kernels)
+_NOISED_LAUNCHES = 7   # op_table(path='cuda') of the registry's noised_bal: 4 Triton kernels (candidates, merge, finish,
+                       # which asserts the labels, gradient), the seed, the step's sum and its gradient (n < PRUNE_MIN;
+                       # pruning adds the two threshold kernels)
 _SVM_SHAPES = tuple(dict(B=256, n=n, k=k) for n in (1000, 100_000) for k in (5, 20))
 COST_STEPS = {
     "F.cross_entropy": StepModel(("ce_forward", "ce_backward"), 6, ()),
@@ -1144,14 +1147,14 @@ COST_STEPS = {
                                     _NOISED_LAUNCHES + 2, tuple(sh for sh in _NOISED_SHAPES if sh["n"] >= PRUNE_MIN)),
     "noised_bal, unpruned": StepModel(("perturbed_candidates, unpruned", "perturbed_merge", "finish, hinge", "perturbed_grad"),
                                       _NOISED_LAUNCHES, tuple(sh for sh in _NOISED_SHAPES if sh["n"] >= PRUNE_MIN)),
-    "smooth_svm, log-space scans": StepModel(("smooth_svm_forward", "finish", "smooth_svm_backward"), 6,   # float64 scores'
+    "smooth_svm, log-space scans": StepModel(("smooth_svm_forward", "finish", "smooth_svm_backward"), 5,   # float64 scores'
                                              tuple(dict(B=256, n=n, k=100) for n in (1000, 100_000))),   # path, float32 here
     "smooth_svm": StepModel(("smooth_svm32_tile", "smooth_svm32_row", "finish", "smooth_svm32_grad_tile",
-                             "smooth_svm32_grad_head", "smooth_svm32_grad_row"), 9, _SVM_SHAPES),   # 6 Triton (4 on rows of
-                                                                        # one tile), the labels' assert, the step's sum, its gradient
-    "smooth_svm, k > SVM32_MAX_K": StepModel(("smooth_svmw_tile", "smooth_svmw_row", "finish", "smooth_svmw_grad"), 8,
+                             "smooth_svm32_grad_head", "smooth_svm32_grad_row"), 8, _SVM_SHAPES),   # 6 Triton (4 on rows of
+                                                                        # one tile), the step's sum, its gradient
+    "smooth_svm, k > SVM32_MAX_K": StepModel(("smooth_svmw_tile", "smooth_svmw_row", "finish", "smooth_svmw_grad"), 7,
                                               tuple(dict(B=256, n=n, k=100) for n in (1000, 100_000))),   # 5 Triton:
-                                              # these and the scans' for the rows with a head, the other three
+                                              # these and the scans' for the rows with a head, the other two
 }
 
 # %% ../nbs/14_bench.ipynb #dd481743
@@ -1228,10 +1231,10 @@ class Budget(NamedTuple):
 
 
 BUDGETS = {
-    "noised_bal, n < 2048, k = 5": Budget("noised_bal", lambda sh: sh["k"] == 5 and sh["B"] == 256, 2.0,   # the target:
-                                          expected_over=True),   # <= 2x at every n, B = 256 (B = 4096: a row of the table)
+    "noised_bal, n < 2048, k = 5": Budget("noised_bal", lambda sh: sh["k"] == 5 and sh["B"] == 256, 2.0),   # the target:
+                                          # <= 2x at every n, B = 256 (B = 4096: a row of the table)
     "noised_bal, pruned, k = 5": Budget("noised_bal, pruned", lambda sh: sh["k"] == 5, 2.0, expected_over=True),
-    "noised_bal, k = 20": Budget("noised_bal", lambda sh: sh["k"] == 20, 3.0, expected_over=True),
+    "noised_bal, k = 20": Budget("noised_bal", lambda sh: sh["k"] == 20, 3.0),
     "smooth_svm, n = 1000, k <= 20": Budget("smooth_svm", lambda sh: sh["n"] == 1000 and sh["k"] <= 20, 3.0),
     "smooth_svm, n = 1e5, k <= 20": Budget("smooth_svm", lambda sh: sh["n"] == 100_000 and sh["k"] <= 20, 2.0),
     "smooth_svm, n = 1e5, k = 100": Budget("smooth_svm, k > SVM32_MAX_K", lambda sh: sh["n"] == 100_000 and sh["k"] == 100, 5.0),

@@ -493,7 +493,7 @@ class LossModule(nn.Module):
         raise NotImplementedError
 
     def kernel_loss(self, scores: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor | None):
-        "The loss of `scores` (N, n) for int64 `labels` (N,) by fused kernels that apply the conventions themselves: (the loss, reduced or (N,), the mean's denominator, whether every label is a class or ignore_index), or None where no kernel takes these scores (here: never; the losses with kernels define it)."
+        "The loss of `scores` (N, n) for int64 `labels` (N,) by fused kernels that apply the conventions themselves: (the loss, reduced or (N,), the mean's denominator, whether every label is a class or ignore_index: a () bool flag, or None where the kernels asserted it on the device), or None where no kernel takes these scores (here: never; the losses with kernels define it)."
         return None
 
 # %% ../nbs/00_core.ipynb #3042e908
@@ -577,11 +577,14 @@ def all_kept(t: torch.Tensor,   # (N,) class indices
     return lo.item() >= 0 and hi.item() < n
 
 
-def check_labels(ok: torch.Tensor,    # () bool: a kernel's flag that every label is a class or ignore_index
+def check_labels(ok: torch.Tensor | None,   # () bool: a kernel's flag that every label is a class or ignore_index;
+                                            # None: the kernel asserted it on the device itself
                  t: torch.Tensor,     # (N,) the labels
                  n: int,              # the number of classes
                  ignore_index: int) -> None:
-    "Act on a kernel's flag: asserted on the device on the sync-free path, as `check_target` asserts, else read back and, if down, raise naming the labels' range."
+    "Act on a kernel's flag: asserted on the device on the sync-free path, as `check_target` asserts, else read back and, if down, raise naming the labels' range; nothing where the kernel asserted it (None)."
+    if ok is None:
+        return
     if sync_free(ok):
         torch._assert_async(ok, f"target must hold class indices in [0, {n - 1}]")
     elif not ok.item():

@@ -12,12 +12,13 @@ from typing import Callable, Optional
 
 import torch
 
-from .core import check_int, check_real, thread_flag, twice_differentiable
+from .core import check_int, check_real, sync_free, thread_flag, twice_differentiable
 from .esp_backward import tree_svm_loss
 
 try:                                           # triton ships with the CUDA builds of torch
     import triton
     import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction   # what @triton.jit makes under TRITON_INTERPRET=1
     HAS_TRITON = True
 except ImportError:                            # pragma: no cover - CPU-only torch builds
     HAS_TRITON = False
@@ -28,10 +29,10 @@ _OPS = "topk_nb" if __name__.startswith("topk_nb") else "topk_nb_chapter"
 
 # %% auto #0
 __all__ = ['MAX_ROW', 'MAX_KTH', 'ROWS', 'REDUCTION_CODES', 'RANDN_BOUND', 'PRUNE_MIN', 'TARGET_PROGRAMS', 'TILE', 'SVM_MAX_K',
-           'SVM32_MAX_K', 'SVMW_PROGRAMS', 'force_triton', 'triton_ok', 'count_launches', 'f64_bits', 'kth_max_row',
-           'perturbed_kth_triton', 'triton_sampled_topk_value', 'triton_noised_hinge', 'noised_hinge_fused',
-           'svm_triton_ok', 'svm_blocks', 'smooth_svm_triton', 'smooth_svm_fused', 'svm32_plan', 'svm32_tiles',
-           'svmw_plan']
+           'SVM32_MAX_K', 'SVMW_PROGRAMS', 'force_triton', 'triton_ok', 'count_launches', 'f64_bits',
+           'labels_asserted_by_kernel', 'kth_max_row', 'perturbed_kth_triton', 'triton_sampled_topk_value',
+           'triton_noised_hinge', 'noised_hinge_fused', 'svm_triton_ok', 'svm_blocks', 'smooth_svm_triton',
+           'smooth_svm_fused', 'svm32_plan', 'svm32_tiles', 'svmw_plan']
 
 # %% ../nbs/16_kernels.ipynb #c63387a8
 _FORCE = threading.local()
@@ -71,7 +72,9 @@ _LAUNCHES = _LaunchCounter()
 def _launch(kernel,          # a Triton kernel
             grid: tuple,     # its launch grid
             *args, **kwargs):
-    "Launch `kernel[grid](*args, **kwargs)` as one unit: counted for `count_launches`, and outside any dispatch mode (Triton's interpreter works through aten operators of its own, which a GPU launch does not make)."
+    "Launch `kernel[grid](*args, **kwargs)` as one unit: counted for `count_launches`, and outside any dispatch mode (Triton's interpreter works through aten operators of its own, which a GPU launch does not make). A kernel made with `@triton.jit(debug=True)` is compiled for its device asserts only, without Triton's checks of integer overflow that debug mode also turns on."
+    if getattr(kernel, "debug", None) and not isinstance(kernel, InterpretedFunction):
+        kwargs["sanitize_overflow"] = False
     _LAUNCHES.add()
     with torch.utils._python_dispatch._disable_current_modes():
         kernel[grid](*args, **kwargs)
@@ -129,11 +132,11 @@ if HAS_TRITON:
             go = go / tl.load(den_ptr).to(go.dtype)
         return tl.where(keep, go, 0.0), yc
 
-    @triton.jit
+    @triton.jit(debug=True)                                              # compiled with its device assert (ASSERT)
     def _finish_kernel(loss_ptr, mean_ptr, s_ptr, margin_ptr, y_ptr, w_ptr, wl_ptr, out_ptr, den_ptr, ok_ptr, n_rows, n,
                        ignore_index, alpha_bits, scale_bits, REDUCTION: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-                       HINGE: tl.constexpr, HAS_MARGIN: tl.constexpr, BLOCK: tl.constexpr):
-        "One program: each row's loss weighted (0 where ignored, NaN where the label is no class), the mean or the sum, the sum of the weights, and whether every label is a class or ignored. With HINGE the loss is scale (margin + mean - s_y)_+ of the merge kernel's mean, the margin per class (HAS_MARGIN) or alpha."
+                       HINGE: tl.constexpr, HAS_MARGIN: tl.constexpr, ASSERT: tl.constexpr, BLOCK: tl.constexpr):
+        "One program: each row's loss weighted (0 where ignored, NaN where the label is no class), the mean or the sum, the sum of the weights, and whether every label is a class or ignored; with ASSERT it also asserts that on the device (compiled: Triton's interpreter skips device asserts). With HINGE the loss is scale (margin + mean - s_y)_+ of the merge kernel's mean, the margin per class (HAS_MARGIN) or alpha."
         lanes = tl.arange(0, BLOCK)
         num = tl.zeros([BLOCK], tl.float64)
         den = tl.zeros([BLOCK], tl.float64)
@@ -171,6 +174,14 @@ if HAS_TRITON:
             tl.store(out_ptr, total)
         tl.store(den_ptr, count)
         tl.store(ok_ptr, tl.sum(bad, 0) == 0)
+        if ASSERT:                                                       # as torch._assert_async would, one launch fewer
+            tl.device_assert(tl.sum(bad, 0) == 0, "target must hold class indices in [0, n - 1] (n classes) or ignore_index")
+
+
+def labels_asserted_by_kernel(t: torch.Tensor, # the labels
+                              ) -> bool:
+    "True where `_finish_kernel` runs compiled for a GPU, so that its device assert takes effect (Triton's interpreter skips device asserts)."
+    return t.is_cuda and HAS_TRITON and not isinstance(_finish_kernel, InterpretedFunction)
 
 
 def _finish(loss: Optional[torch.Tensor],   # (B,) each row's loss, or None: the noised hinge, from `mean`
@@ -182,8 +193,9 @@ def _finish(loss: Optional[torch.Tensor],   # (B,) each row's loss, or None: the
             s: Optional[torch.Tensor] = None,       # the hinge: (B, n) the scores
             margin: Optional[torch.Tensor] = None,  # the hinge: (n,) a margin per class, or None: `alpha`
             alpha: float = 1.0, scale: float = 1.0,
+            assert_labels: bool = False,            # assert on the device that every label is a class or ignored
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    "Launch `_finish_kernel`: the loss as the module returns it ((B,) for 'none', else ()), the weighted rows (B,) ((0,) for 'none': the loss is they), the denominator () and the labels' flag () bool."
+    "Launch `_finish_kernel`: the loss as the module returns it ((B,) for 'none', else ()), the weighted rows (B,) ((0,) for 'none': the loss is they), the denominator () and the labels' flag () bool; with `assert_labels`, the flag asserted on the device (by the kernel where it is compiled, by `torch._assert_async` where it is interpreted)."
     B, dtype, dev = target.shape[0], (s if loss is None else loss).dtype, target.device
     wl = torch.empty(B, dtype=dtype, device=dev)
     out = wl if reduction == 0 else torch.empty((), dtype=dtype, device=dev)
@@ -193,7 +205,9 @@ def _finish(loss: Optional[torch.Tensor],   # (B,) each row's loss, or None: the
     _launch(_finish_kernel, (1,), some, some if mean is None else mean, some if s is None else s,
             some if margin is None else margin, target, some if weight is None else weight, wl, out, den, ok, B, n,
             ignore_index, f64_bits(alpha), f64_bits(scale), REDUCTION=reduction, HAS_WEIGHT=weight is not None,
-            HINGE=loss is None, HAS_MARGIN=margin is not None, BLOCK=block, num_warps=4)
+            HINGE=loss is None, HAS_MARGIN=margin is not None, ASSERT=assert_labels, BLOCK=block, num_warps=4)
+    if assert_labels and not labels_asserted_by_kernel(target):        # the interpreter skips device asserts
+        torch._assert_async(ok, f"target must hold class indices in [0, {n - 1}]")
     return out, (wl if reduction else wl.new_empty(0)), den, ok
 
 
@@ -202,11 +216,12 @@ def _conventions(loss: torch.Tensor,             # (B,) each row's loss
                  weight: Optional[torch.Tensor], # (n,) class weights on the device, or None
                  n: int, ignore_index: int,
                  reduction: int,                 # ROWS or a value of REDUCTION_CODES
+                 assert_labels: bool = False,    # `_finish` asserts the labels on the device
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     "What `_finish` returns for the rows' `loss`; with ROWS, the rows themselves (and placeholders: nothing launched)."
     if reduction == ROWS:
         return loss, loss.new_empty(0), loss.new_empty(()), torch.empty((), dtype=torch.bool, device=loss.device)
-    return _finish(loss, target, weight, n, ignore_index, reduction)
+    return _finish(loss, target, weight, n, ignore_index, reduction, assert_labels=assert_labels)
 
 
 def _conventions_fake(s: torch.Tensor, reduction: int) -> tuple[torch.Tensor, ...]:
@@ -645,17 +660,20 @@ def _noised_hinge_op(s: torch.Tensor,                 # (B, n) scores, contiguou
                      scale: float,                    # the factor of the hinge
                      ignore_index: int,               # the label of the samples that count for nothing
                      reduction: int,                  # ROWS (the per-row hinge, nothing else) or a value of REDUCTION_CODES
+                     assert_labels: bool = False,     # `_finish` asserts the labels on the device
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     "scale (margin + mean_b top_K(s + eps Z_b) - s_y)_+: with ROWS per row by the merge kernel, else through `_finish`; (loss, weighted rows, denominator, labels' flag as `_conventions` gives them, each draw's index (S, B))."
     if reduction == ROWS:
         _, idx, loss = _select(s, seed, None, k, epsilon, n_samples, 0, 0, target, margin, alpha, scale)
         return (*_conventions(loss, target, weight, s.shape[1], ignore_index, ROWS), idx)
     mean, idx, _ = _select(s, seed, None, k, epsilon, n_samples, 0, 0)
-    return (*_finish(None, target, weight, s.shape[1], ignore_index, reduction, mean, s, margin, alpha, scale), idx)
+    return (*_finish(None, target, weight, s.shape[1], ignore_index, reduction, mean, s, margin, alpha, scale,
+                     assert_labels), idx)
 
 
 @_noised_hinge_op.register_fake
-def _noised_hinge_fake(s, target, margin, seed, weight, k, epsilon, n_samples, alpha, scale, ignore_index, reduction):
+def _noised_hinge_fake(s, target, margin, seed, weight, k, epsilon, n_samples, alpha, scale, ignore_index, reduction,
+                       assert_labels=False):
     return (*_conventions_fake(s, reduction), s.new_empty(n_samples, s.shape[0], dtype=torch.int64))
 
 
@@ -671,11 +689,11 @@ def _hinge_setup_context(ctx, inputs, output):
 def _hinge_grad(ctx, grad, *unused):
     "Eq. (12) through scale (.)_+, -s_y and the conventions: one kernel writes the whole gradient."
     if grad is None:
-        return (None,) * 12
+        return (None,) * 13
     idx, loss, target, weight, den = ctx.saved_tensors
     g = _perturbed_grad_op(idx, grad, loss, target, weight, den, ctx.shape[1], ctx.dtype, ctx.scale, ctx.ignore_index,
                            ctx.reduction)
-    return (g,) + (None,) * 11
+    return (g,) + (None,) * 12
 
 
 _noised_hinge_op.register_autograd(_hinge_grad, setup_context=_hinge_setup_context)
@@ -719,13 +737,13 @@ def noised_hinge_fused(scores: torch.Tensor,           # (B, n) scores, float32 
                        ignore_index: int,              # the label of the samples that count for nothing
                        reduction: str,                 # 'mean', 'sum' or 'none'
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    "A loss module's noised hinge with nn.CrossEntropyLoss's conventions in the kernels: the loss (reduced, or (B,) weighted rows), the mean's denominator () and whether every label is a class or ignored () (the caller asserts it)."
-    s, dev = scores.contiguous(), scores.device
+    "A loss module's noised hinge with nn.CrossEntropyLoss's conventions in the kernels: the loss (reduced, or (B,) weighted rows), the mean's denominator () and whether every label is a class or ignored () for the caller to act on, or None where the kernels asserted it on the device (the sync-free path)."
+    s, dev, on_device = scores.contiguous(), scores.device, sync_free(target)
     m = None if margins is None else margins.detach().to(device=dev)
     w = None if weight is None else weight.to(device=dev)
     out, _, den, ok, _ = _noised_hinge_op(s, target.contiguous(), m, _device_seed(generator, dev), w, k, epsilon, n_samples,
-                                          alpha, scale, ignore_index, REDUCTION_CODES[reduction])
-    return out, den, ok
+                                          alpha, scale, ignore_index, REDUCTION_CODES[reduction], on_device)
+    return out, den, None if on_device else ok
 
 # %% ../nbs/16_kernels.ipynb #b0b16e9c
 SVM_MAX_K = 100           # the largest k the smooth SVM kernels take (the degrees are unrolled into k scans)
@@ -924,17 +942,18 @@ def _svm_forward_op(s: torch.Tensor,       # (B, n) float32 or float64 scores, c
                     block_n: int,          # classes per block (0: the default of `svm_blocks`)
                     ignore_index: int,     # the label of the samples that count for nothing
                     reduction: int,        # ROWS (the per-row loss, nothing else) or a value of REDUCTION_CODES
+                    assert_labels: bool = False,   # `_finish` asserts the labels on the device
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     "The forward kernel, then `_finish` (none with ROWS), as an operator: (loss, weighted rows, denominator, labels' flag, log sigma (B, 2), rho (B,), checkpoints); `torch.compile` calls it as it is."
     (B, n), (BN, nb, BK) = s.shape, svm_blocks(s.shape[1], k, block_n or None)
     loss, lsig, rho, ckpt = _svm_state(s, k, block_n)
     _launch(_svm_forward_kernel, (B,), s, target, loss, lsig, rho, ckpt, n, nb, f64_bits(1.0 / (k * tau)), f64_bits(alpha / tau), f64_bits(tau),
             K=k, BLOCK_N=BN, BLOCK_K=BK, FAST=s.dtype == torch.float32)
-    return (*_conventions(loss, target, weight, n, ignore_index, reduction), lsig, rho, ckpt)
+    return (*_conventions(loss, target, weight, n, ignore_index, reduction, assert_labels), lsig, rho, ckpt)
 
 
 @_svm_forward_op.register_fake
-def _svm_forward_fake(s, target, weight, k, tau, alpha, block_n, ignore_index, reduction):
+def _svm_forward_fake(s, target, weight, k, tau, alpha, block_n, ignore_index, reduction, assert_labels=False):
     return (*_conventions_fake(s, reduction), *_svm_state(s, k, block_n)[1:])
 
 # %% ../nbs/16_kernels.ipynb #70e9befa
@@ -961,7 +980,7 @@ def _svm_backward_fake(s, target, weight, grad, den, lsig, rho, ckpt, k, tau, bl
 # %% ../nbs/16_kernels.ipynb #b192b8a1
 def _svm_setup_context(ctx, inputs, output):
     "Keep what a backward operator reads: the scores, the labels, the weights, the denominator and the forward's state; k, tau, alpha, the layout (block_n or tile), ignore_index and the reduction."
-    s, target, weight, k, tau, alpha, layout, ignore_index, reduction = inputs
+    s, target, weight, k, tau, alpha, layout, ignore_index, reduction, _ = inputs
     ctx.save_for_backward(s, target, weight, output[2], *output[4:])
     ctx.mark_non_differentiable(*output[1:])
     ctx.set_materialize_grads(False)          # no zero tensors for the gradients of the outputs above
@@ -972,7 +991,7 @@ def _svm_grad_by(backward_op: Callable # backward_op(s, target, weight, grad, de
                  ) -> Callable:
     "The autograd formula of a smooth SVM forward operator: dL/ds by its backward operator; the other outputs carry no gradient."
     def grad_fn(ctx, grad, *unused):
-        rest = (None,) * 8                    # target, weight, k, tau, alpha, layout, ignore_index, reduction
+        rest = (None,) * 9                    # target, weight, k, tau, alpha, layout, ignore_index, reduction, assert_labels
         if grad is None:                      # the loss itself took no part in what is differentiated
             return (None, *rest)
         s, target, weight, den, *saved = ctx.saved_tensors
@@ -1020,14 +1039,15 @@ def smooth_svm_fused(scores: torch.Tensor,           # (B, n) float32 or float64
                      reduction: str,                 # 'mean', 'sum' or 'none'
                      block_n: int | None = None, tile: int | None = None,
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    "A loss module's smooth SVM with nn.CrossEntropyLoss's conventions in the kernels: the loss (reduced, or (B,) weighted rows), the mean's denominator () and whether every label is a class or ignored () (the caller asserts it)."
+    "A loss module's smooth SVM with nn.CrossEntropyLoss's conventions in the kernels: the loss (reduced, or (B,) weighted rows), the mean's denominator () and whether every label is a class or ignored () for the caller to act on, or None where the kernels asserted it on the device (the sync-free path)."
     n = scores.shape[-1]
     k = check_int(k, "k", 1, min(SVM_MAX_K, n - 1))
     op, layout = _svm_operator(scores, k, block_n, tile)
     w = None if weight is None else weight.to(device=scores.device)
+    on_device = sync_free(target)                                       # the kernels assert the labels
     out, _, den, ok, *_ = op(scores.contiguous(), target.contiguous(), w, k, tau, alpha, layout, ignore_index,
-                             REDUCTION_CODES[reduction])
-    return out, den, ok
+                             REDUCTION_CODES[reduction], on_device)
+    return out, den, None if on_device else ok
 
 # %% ../nbs/16_kernels.ipynb #419904b7
 SVM32_MAX_K = 32          # the largest k of a polynomial a thread (its code grows with k^2); above, a polynomial a warp
@@ -1580,6 +1600,7 @@ def _svm32_forward_op(s: torch.Tensor,       # (B, n) float32 scores, contiguous
                       tile: int,             # classes per tile (0: the default of `svm32_plan`, or of `svmw_plan`)
                       ignore_index: int,     # the label of the samples that count for nothing
                       reduction: int,        # ROWS (the per-row loss, nothing else) or a value of REDUCTION_CODES
+                      assert_labels: bool = False,   # `_finish` asserts the labels on the device
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                  torch.Tensor, torch.Tensor, torch.Tensor]:
     "The float32 forward as an operator: (loss, weighted rows, denominator, labels' flag as `_conventions` gives them, rho (B,), sigma mantissas, exponents (B, k + 1), largest log2 e_i (B,), the backward's constants (B, k + 1)); two launches (one where a row is one tile), one more with `_finish`. Above SVM32_MAX_K the kernels of a polynomial a warp."
@@ -1591,11 +1612,11 @@ def _svm32_forward_op(s: torch.Tensor,       # (B, n) float32 scores, contiguous
         kernel, const = (_svm32_row_kernel, {}) if k <= SVM32_MAX_K else (_svmw_row_kernel, dict(M=triton.cdiv(k + 1, 32)))
         _launch(kernel, (B,), tc, te, tm, loss, rho, sc, se, dm, rr, P, f64_bits(alpha / tau), f64_bits(tau), K=k, num_warps=1,
                 **const)
-    return (*_conventions(loss, target, weight, n, ignore_index, reduction), rho, sc, se, dm, rr)
+    return (*_conventions(loss, target, weight, n, ignore_index, reduction, assert_labels), rho, sc, se, dm, rr)
 
 
 @_svm32_forward_op.register_fake
-def _svm32_forward_fake(s, target, weight, k, tau, alpha, tile, ignore_index, reduction):
+def _svm32_forward_fake(s, target, weight, k, tau, alpha, tile, ignore_index, reduction, assert_labels=False):
     return (*_conventions_fake(s, reduction), *_svm32_state(s, k)[1:])
 
 
