@@ -32,7 +32,7 @@ import websocket
 PAGES = [                      # (page, what it is, must it show equations, must it show a figure)
     ("index.html", "front page", True, False),
     ("noised.html", "chapter with equations and a figure", True, True),
-    ("kernels.html", "chapter with displays inside paragraphs", True, False),
+    ("svm_kernels.html", "chapter with displays inside paragraphs", True, False),
     ("core.html", "chapter with equations in a table", True, False),
     ("reference/topk_nb.svm.html", "API page", False, False),
     ("experiments/index.html", "experiment catalogue", False, False),

@@ -27,7 +27,7 @@ import sys as _sys
 import torch as _torch
 
 if "triton" not in _sys.modules and not _torch.cuda.is_available():
-    _os.environ.setdefault("TRITON_INTERPRET", "1")    # no GPU: the fused kernels (chapter 16) run in Triton's interpreter
+    _os.environ.setdefault("TRITON_INTERPRET", "1")    # no GPU: the fused kernels (chapters 02a to 05a) run in Triton's interpreter
 
 from .core import LossModule, force_sync_free, macro_topk_accuracy, sync_free, topk_accuracy, topk_correct
 from .svm import SmoothSVM, TopkHinge, smooth_svm, topk_hinge

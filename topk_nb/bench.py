@@ -307,7 +307,7 @@ def syncing_ops(counter: Counter  # from `aten_ops`
 # %% ../nbs/14_bench.ipynb #40f803bd
 def op_table(names: Sequence[str] | None = None,  # registry losses; all by default
              batch: int = 256, n: int = 1000, k: int = 5, seed: int = 0,
-             path: str = "sync-free",  # 'sync-free' (PyTorch code a GPU runs), 'cuda' (with the fused kernels of chapter 16, through Triton's interpreter on a CPU) or 'host' (CPU eager)
+             path: str = "sync-free",  # 'sync-free' (PyTorch code a GPU runs), 'cuda' (with the fused kernels of chapters 03a and 05a, through Triton's interpreter on a CPU) or 'host' (CPU eager)
              conventions: dict | None = None,  # nn.CrossEntropyLoss's keywords (weight, ignore_index) for every loss, F.cross_entropy too
              ) -> list[dict]:
     "Forward+backward aten op counts of F.cross_entropy and registry losses (check_finite=False): all, kernel launches (aten kernels plus Triton), float64, host-syncing with their callers."
@@ -957,7 +957,7 @@ def _svm32_models(K) -> dict:
     # loop over r has one trip and no SASS loop), _UNROLL_U above (the SASS loop over r is attributed to the loop over u).
     unroll = lambda sh: plan(sh)[1] if sh["k"] <= K._UNROLL_K.value else K._UNROLL_U.value
     # Its passes on fixed exponents: every pass of rows whose spread (s_i - s_y) / (k tau) is a few units, as the
-    # table's (normal scores, tau = 1); the kernels chapter counts them on such rows, and on the spread rows of a small
+    # table's (normal scores, tau = 1); chapter 03a counts them on such rows, and on the spread rows of a small
     # tau that are refused. Their polynomials, products of many such classes, have the smooth log-concave coefficients
     # that let products take plain multiply-adds (`_poly_fixed_ok`), in the lanes' butterfly and in the row kernel.
     fast = lambda sh: 1.0
@@ -1011,7 +1011,7 @@ def _svmw_models(K, tile, row, gtile, lanes32, plan32, grad_loops, grad_branches
     tiled = lambda sh: plan(sh)[1] > 1
     sig = {**{a: t for a, t in tile.items() if a not in ("L", "LOG_L", "R")}, "M": "constexpr"}
     # The first M chunks of a tile (k + 1 classes: every sigma_j nonzero after them) check each pass, the rest each
-    # chunk once. Every pass of the table's rows (normal scores, tau = 1) takes the fixed exponents (the kernels chapter
+    # chunk once. Every pass of the table's rows (normal scores, tau = 1) takes the fixed exponents (chapter 03a
     # counts them), and their tiles' polynomials the chord products.
     lanes = lambda sh: (sh["k"] + M(sh)) // M(sh)                          # lanes holding B's degrees in a product
     warm = lambda sh: min(chunks(sh), M(sh))

@@ -156,7 +156,7 @@ class NoisedBal(_NoisedModule):
                                self.generator, noise, self.check_finite)
 
     def kernel_loss(self, scores, labels, weight):
-        "Where the fused kernels take the hinge, the loss with the conventions in them (chapter 16); else None."
+        "Where the fused kernels take the hinge, the loss with the conventions in them (chapter 05a); else None."
         from topk_nb.kernels import noised_hinge_fused
         if not (self.epsilon > 0 and 1 <= self.k < scores.shape[1] and _fused(scores, self.k + 1, None)):
             return None
@@ -208,7 +208,7 @@ class NoisedImbal(_NoisedModule):
                                  self.scale, "none", self.generator, noise, self.check_finite)
 
     def kernel_loss(self, scores, labels, weight):
-        "Where the fused kernels take the hinge, the loss with the conventions in them, the margins per class (made when the counts or max_m are set) read by the kernel (chapter 16); else None."
+        "Where the fused kernels take the hinge, the loss with the conventions in them, the margins per class (made when the counts or max_m are set) read by the kernel (chapter 05a); else None."
         from topk_nb.kernels import noised_hinge_fused
         if not (self.epsilon > 0 and 1 <= self.k < scores.shape[1] and _fused(scores, self.k + 1, None)):
             return None

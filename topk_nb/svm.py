@@ -264,7 +264,7 @@ class SmoothSVM(LossModule):
         return smooth_svm(scores, labels, self.k, self.tau, self.alpha, "none", self.hard_switch, self.check_finite)
 
     def kernel_loss(self, scores, labels, weight):
-        "On the fused kernels' path (`svm_route` 'kernels'), the loss with the conventions in the kernels (chapter 16); else None."
+        "On the fused kernels' path (`svm_route` 'kernels'), the loss with the conventions in the kernels (chapter 03a); else None."
         tau = check_real(self.tau, "tau", 0.0)
         if tau == 0 or not svm_triton_ok(scores, self.k):
             return None
