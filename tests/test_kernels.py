@@ -446,8 +446,8 @@ kernels_and_constants += [(K._finish_kernel, finish, {"REDUCTION": reduction, "H
 messages = {}
 for fn, sig, const in kernels_and_constants:
     sig = {**sig, **{name: "constexpr" for name in const}}
-    debug = {"debug": True, "sanitize_overflow": False} if getattr(fn, "debug", None) else {}   # as `_launch` compiles it
-    out = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32), options=debug)
+    out = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
+                         options=K._compile_options(fn))                # as `_launch` compiles it
     assert out.asm["cubin"]
     if fn is K._finish_kernel:                                         # the assert messages the PTX carries
         import re

@@ -373,9 +373,9 @@ for line in sys.stdin:
     t0 = time.perf_counter()
     try:
         with contextlib.redirect_stdout(log):
-            src = ASTSource(fn=kernel(req), signature=req["signature"], constexprs=req["constexprs"])
-            debug = ({"debug": True, "sanitize_overflow": False}       # as `kernels._launch` compiles a kernel
-                     if getattr(kernel(req), "debug", None) else {})     # made with debug=True: its asserts alone
+            fn = kernel(req)
+            src = ASTSource(fn=fn, signature=req["signature"], constexprs=req["constexprs"])
+            debug = getattr(sys.modules[req["module"]], "_compile_options", lambda f: {})(fn)   # what its launch adds
             out = triton.compile(src, target=GPUTarget("cuda", req["arch"], 32), options={"num_warps": req["num_warps"], **debug,
                                                                                      **({"maxnreg": req["maxnreg"]} if req["maxnreg"] else {})})
         with open(req["out"], "wb") as f:

@@ -28,7 +28,7 @@ except ImportError:                            # pragma: no cover - CPU-only tor
 _OPS = "topk_nb" if __name__.startswith("topk_nb") else "topk_nb_chapter"
 
 # %% auto #0
-__all__ = ['MAX_ROW', 'MAX_KTH', 'ROWS', 'REDUCTION_CODES', 'kth_max_row', 'force_triton', 'triton_ok', 'count_launches', 'f64_bits', 'labels_asserted_by_kernel', 'SVM_MAX_K', 'SVM32_MAX_K', 'SVMW_PROGRAMS', 'svm_triton_ok', 'svm_blocks', 'smooth_svm_triton', 'smooth_svm_fused', 'svm32_plan', 'svm32_tiles', 'svmw_plan', 'RANDN_BOUND', 'PRUNE_MIN', 'TARGET_PROGRAMS', 'TILE', 'perturbed_kth_triton', 'triton_sampled_topk_value', 'triton_noised_hinge', 'noised_hinge_fused']
+__all__ = ['MAX_ROW', 'MAX_KTH', 'ROWS', 'REDUCTION_CODES', 'kth_max_row', 'force_triton', 'triton_ok', 'count_launches', 'f64_bits', 'SVM_MAX_K', 'SVM32_MAX_K', 'SVMW_PROGRAMS', 'svm_triton_ok', 'svm_blocks', 'smooth_svm_triton', 'smooth_svm_fused', 'svm32_plan', 'svm32_tiles', 'svmw_plan', 'RANDN_BOUND', 'PRUNE_MIN', 'TARGET_PROGRAMS', 'TILE', 'perturbed_kth_triton', 'triton_sampled_topk_value', 'triton_noised_hinge', 'noised_hinge_fused']
 
 # %% ../nbs/02a_kernels.ipynb #c63387a8
 _FORCE = threading.local()
@@ -71,15 +71,19 @@ class _LaunchCounter:
 _LAUNCHES = _LaunchCounter()
 
 
+def _compile_options(kernel, # a Triton kernel
+                     ) -> dict:
+    "What a launch adds to the compile options of `kernel`: for one made with `@triton.jit(debug=True)`, its device asserts without the checks of integer overflow that debug mode also turns on. Triton's interpreter drops them."
+    return {"debug": True, "sanitize_overflow": False} if getattr(kernel, "debug", None) else {}
+
+
 def _launch(kernel,          # a Triton kernel
             grid: tuple,     # its launch grid
             *args, **kwargs):
-    "Launch `kernel[grid](*args, **kwargs)` as one unit: counted for `count_launches`, and outside any dispatch mode (Triton's interpreter works through aten operators of its own, which a GPU launch does not make). A kernel made with `@triton.jit(debug=True)` is compiled for its device asserts only, without Triton's checks of integer overflow that debug mode also turns on."
-    if getattr(kernel, "debug", None) and not isinstance(kernel, InterpretedFunction):
-        kwargs["sanitize_overflow"] = False
+    "Launch `kernel[grid](*args, **kwargs)` as one unit: counted for `count_launches`, and outside any dispatch mode (Triton's interpreter works through aten operators of its own, which a GPU launch does not make). The compile options of `_compile_options` are added."
     _LAUNCHES.add()
     with torch.utils._python_dispatch._disable_current_modes():
-        kernel[grid](*args, **kwargs)
+        kernel[grid](*args, **kwargs, **_compile_options(kernel))
 
 # %% ../nbs/02a_kernels.ipynb #500724af
 def count_launches(fn: Callable[[], object] # called once, with no arguments
@@ -180,12 +184,6 @@ if HAS_TRITON:
             tl.device_assert(tl.sum(bad, 0) == 0, "target must hold class indices in [0, n - 1] (n classes) or ignore_index")
 
 
-def labels_asserted_by_kernel(t: torch.Tensor, # the labels
-                              ) -> bool:
-    "True where `_finish_kernel` runs compiled for a GPU, so that its device assert takes effect (Triton's interpreter skips device asserts)."
-    return t.is_cuda and HAS_TRITON and not isinstance(_finish_kernel, InterpretedFunction)
-
-
 def _finish(loss: Optional[torch.Tensor],   # (B,) each row's loss, or None: the noised hinge, from `mean`
             target: torch.Tensor,           # (B,) int64 labels, as given
             weight: Optional[torch.Tensor], # (n,) class weights on the device, or None
@@ -208,7 +206,7 @@ def _finish(loss: Optional[torch.Tensor],   # (B,) each row's loss, or None: the
             some if margin is None else margin, target, some if weight is None else weight, wl, out, den, ok, B, n,
             ignore_index, f64_bits(alpha), f64_bits(scale), REDUCTION=reduction, HAS_WEIGHT=weight is not None,
             HINGE=loss is None, HAS_MARGIN=margin is not None, ASSERT=assert_labels, BLOCK=block, num_warps=4)
-    if assert_labels and not labels_asserted_by_kernel(target):        # the interpreter skips device asserts
+    if assert_labels and isinstance(_finish_kernel, InterpretedFunction):   # the interpreter skips device asserts
         torch._assert_async(ok, f"target must hold class indices in [0, {n - 1}]")
     return out, (wl if reduction else wl.new_empty(0)), den, ok
 
