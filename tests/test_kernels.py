@@ -414,8 +414,8 @@ for k in (33, 100):                                # a polynomial a warp: M = 2,
                            (K._svm_head_rows_kernel, head, {**conv, "K": k, "BLOCK_N": 64, "BLOCK_K": 128})):
         sig = {**sig, **{name: "constexpr" for name in const}}
         assert triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32)).asm["cubin"]
-cand = ptrs(["s_ptr", "noise_ptr", "seed_ptr", "top_ptr", "scratch_ptr", "cval_ptr", "cidx_ptr"],
-           ["*fp32", "*fp32", "*i64", "*fp32", "*i16", "*fp32", "*i64"])
+cand = ptrs(["s_ptr", "noise_ptr", "seed_ptr", "top_ptr", "scratch_ptr", "count_ptr", "cval_ptr", "cidx_ptr"],
+           ["*fp32", "*fp32", "*i64", "*fp32", "*i16", "*i32", "*fp32", "*i64"])
 cand.update(n_rows="i32", n="i32", n_chunks="i32", epsilon="fp32", bound="fp32")
 merge = ptrs(["cval_ptr", "cidx_ptr", "s_ptr", "y_ptr", "margin_ptr", "mean_ptr", "idx_ptr", "loss_ptr"],
              ["*fp32", "*i64", "*fp64", "*i64", "*fp64", "*fp32", "*i64", "*fp64"])
@@ -430,9 +430,9 @@ kernels_and_constants = [(K._perturbed_merge_kernel, merge, {"KTH": 5, "N_SAMPLE
                                                              "HINGE": True, "HAS_MARGIN": True, "BLOCK": 1024})
                          for sorted_ in (True, False)]
 kernels_and_constants += [(K._perturbed_candidates_kernel, cand, {"KTH": 5, "N_SAMPLES": 10, "DRAWS": 3, "DS": 16, "DC": 4,
-                                                                  "GIVEN_NOISE": given, "PRUNE": prune, "BLOCK": 1024,
-                                                                  "CAP": 256, "SMALL": 64, "TINY": 16, "DQ": 16})
-                          for given in (False, True) for prune in (False, True)]
+                                                                  "GIVEN_NOISE": given, "PRUNE": prune, "OVERFLOW": over,
+                                                                  "BLOCK": 1024, "CAP": 256, "SMALL": 64, "TINY": 16, "DQ": 16})
+                          for given in (False, True) for prune, over in ((False, False), (True, False), (False, True))]
 kernels_and_constants += [(K._chunk_top_kernel, ptrs(["s_ptr", "top_ptr"], ["*fp32", "*fp32"]) | dict(n="i32", n_chunks="i32"),
                            {"KTH": 5, "BLOCK": 1024}),
                           (K._row_top_kernel, ptrs(["top_ptr", "t_ptr"], ["*fp32", "*fp32"]) | dict(n_cand="i32"),

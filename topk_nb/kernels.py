@@ -1588,22 +1588,21 @@ if HAS_TRITON:
         return tl.where(drawn[:, None] & valid[None, :], s_live[None, :] + epsilon * zt, -float("inf")), draw, drawn
 
     @triton.jit
-    def _perturbed_candidates_kernel(s_ptr, noise_ptr, seed_ptr, top_ptr, scratch_ptr, cval_ptr, cidx_ptr, n_rows, n,
-                                     n_chunks, epsilon, bound, KTH: tl.constexpr, N_SAMPLES: tl.constexpr,
+    def _perturbed_candidates_kernel(s_ptr, noise_ptr, seed_ptr, top_ptr, scratch_ptr, count_ptr, cval_ptr, cidx_ptr,
+                                     n_rows, n, n_chunks, epsilon, bound, KTH: tl.constexpr, N_SAMPLES: tl.constexpr,
                                      DRAWS: tl.constexpr, GIVEN_NOISE: tl.constexpr, PRUNE: tl.constexpr,
-                                     BLOCK: tl.constexpr, CAP: tl.constexpr, SMALL: tl.constexpr, DS: tl.constexpr,
-                                     DC: tl.constexpr, TINY: tl.constexpr, DQ: tl.constexpr):
-        "Program (row, chunk, group): for each of the group's draws, the KTH largest entries of s + epsilon z in the chunk, largest first, and their classes; with PRUNE, noise only for the classes that can be among them, all the group's draws at once, on the narrowest of three tiles that holds them."
+                                     OVERFLOW: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr, SMALL: tl.constexpr,
+                                     DS: tl.constexpr, DC: tl.constexpr, TINY: tl.constexpr, DQ: tl.constexpr):
+        "Program (row, chunk, group): for each of the group's draws, the KTH largest entries of s + epsilon z in the chunk, largest first, and their classes. PRUNE: noise only for the classes that can be among them, all the group's draws at once, on the narrowest of three tiles that holds them, and the count of those classes; a chunk whose count passes CAP is left to the OVERFLOW launch, which works on the whole chunk where the count says so."
         row, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)    # int64 row: (S B + row) n passes 2^31
         b_lo = tl.program_id(2) * DRAWS
         b_hi = tl.minimum(b_lo + DRAWS, N_SAMPLES)
         lanes = tl.arange(0, BLOCK)                                      # (BLOCK,) places in the chunk
         offs = chunk * BLOCK + lanes                                     # (BLOCK,) classes, int32 (n < 2^31)
         inside = offs < n
-        s = tl.load(s_ptr + row * n + offs, mask=inside, other=0.0).to(tl.float32)
         seed = tl.load(seed_ptr)
-        live, count = inside, -1                                         # without pruning: every class, no tile
         if PRUNE:
+            s = tl.load(s_ptr + row * n + offs, mask=inside, other=0.0).to(tl.float32)   # (BLOCK,) the chunk's scores
             if GIVEN_NOISE:                                              # the largest |z| of the program's draws
                 zmax = 0.0
                 for b in range(b_lo, b_hi):
@@ -1614,52 +1613,57 @@ if HAS_TRITON:
                 reach = epsilon * bound                                  # bound >= |z| for every z that tl.randn draws
             live = inside & (s + reach >= tl.load(top_ptr + row) - reach)    # the others are below KTH entries in every draw
             count = tl.sum(live.to(tl.int32), 0)
-        if (count >= 0) & (count <= CAP):                                # the live classes, in class order, in one tile
-            base = ((row * n_chunks + chunk) * tl.num_programs(2) + tl.program_id(2)) * CAP
-            tl.store(scratch_ptr + base + tl.cumsum(live.to(tl.int32), 0) - 1, lanes.to(tl.int16), mask=live)
-            tl.debug_barrier()                                           # the tile's stores are seen by every thread
-            if count <= TINY:                                            # a sixteenth of the tile holds them
-                tq = tl.arange(0, TINY)                                  # (names of its own: the tiles differ in shape)
-                cq, sq = _live_classes(s_ptr, scratch_ptr, base, tq, count, row, n, chunk, BLOCK)
-                for d0 in range(b_lo, b_hi, DQ):                         # DQ draws at a time, all at once
-                    xq, dq, dnq = _noised_tile(sq, cq, tq < count, seed, noise_ptr, d0, b_hi, row, n, n_rows, epsilon, DQ,
-                                               GIVEN_NOISE)              # (DQ, TINY)
-                    atq = ((dq.to(tl.int64) * n_rows + row) * n_chunks + chunk) * KTH   # (DQ,) into (S, B, chunks, KTH)
-                    for t in range(KTH):
-                        vq, bq = tl.max(xq, 1, return_indices=True)      # (DQ,) one reduction for all the draws
-                        tl.store(cval_ptr + atq + t, vq, mask=dnq)
-                        pq = tl.load(scratch_ptr + base + bq, mask=dnq, other=0).to(tl.int32)
-                        tl.store(cidx_ptr + atq + t, chunk * BLOCK + pq, mask=dnq)
-                        xq = tl.where(tq[None, :] == bq[:, None], -float("inf"), xq)
-            elif count <= SMALL:                                         # a quarter tile holds them: a quarter of the work
-                ts = tl.arange(0, SMALL)                                 # (names of its own: the tiles differ in shape)
-                cs, ss = _live_classes(s_ptr, scratch_ptr, base, ts, count, row, n, chunk, BLOCK)
-                for d0 in range(b_lo, b_hi, DS):                         # DS draws at a time, all at once
-                    xs, ds, dns = _noised_tile(ss, cs, ts < count, seed, noise_ptr, d0, b_hi, row, n, n_rows, epsilon, DS,
-                                               GIVEN_NOISE)              # (DS, SMALL)
-                    ats = ((ds.to(tl.int64) * n_rows + row) * n_chunks + chunk) * KTH   # (DS,) into (S, B, chunks, KTH)
-                    for t in range(KTH):
-                        vs, bs = tl.max(xs, 1, return_indices=True)      # (DS,) one reduction for all the draws
-                        tl.store(cval_ptr + ats + t, vs, mask=dns)
-                        ps = tl.load(scratch_ptr + base + bs, mask=dns, other=0).to(tl.int32)
-                        tl.store(cidx_ptr + ats + t, chunk * BLOCK + ps, mask=dns)
-                        xs = tl.where(ts[None, :] == bs[:, None], -float("inf"), xs)
-            else:                                                        # the whole tile
-                tile = tl.arange(0, CAP)
-                cls, s_live = _live_classes(s_ptr, scratch_ptr, base, tile, count, row, n, chunk, BLOCK)
-                for d0 in range(b_lo, b_hi, DC):
-                    xt, draw, drawn = _noised_tile(s_live, cls, tile < count, seed, noise_ptr, d0, b_hi, row, n, n_rows,
-                                                   epsilon, DC, GIVEN_NOISE)     # (DC, CAP)
-                    at = ((draw.to(tl.int64) * n_rows + row) * n_chunks + chunk) * KTH
-                    for t in range(KTH):
-                        v, best = tl.max(xt, 1, return_indices=True)
-                        tl.store(cval_ptr + at + t, v, mask=drawn)
-                        place = tl.load(scratch_ptr + base + best, mask=drawn, other=0).to(tl.int32)
-                        tl.store(cidx_ptr + at + t, chunk * BLOCK + place, mask=drawn)
-                        xt = tl.where(tile[None, :] == best[:, None], -float("inf"), xt)
-        else:                                                            # every class of the chunk, one draw at a time
-            quads = chunk * (BLOCK // 4) + tl.arange(0, BLOCK // 4)     # (BLOCK / 4,) groups of four classes
-            for b in range(b_lo, b_hi):
+            tl.store(count_ptr + row * n_chunks + chunk, count)          # (one program a chunk) for the OVERFLOW launch
+            if count <= CAP:                                             # the live classes, in class order, in one tile
+                base = ((row * n_chunks + chunk) * tl.num_programs(2) + tl.program_id(2)) * CAP
+                tl.store(scratch_ptr + base + tl.cumsum(live.to(tl.int32), 0) - 1, lanes.to(tl.int16), mask=live)
+                tl.debug_barrier()                                       # the tile's stores are seen by every thread
+                if count <= TINY:                                        # a sixteenth of the tile holds them
+                    tq = tl.arange(0, TINY)                              # (names of its own: the tiles differ in shape)
+                    cq, sq = _live_classes(s_ptr, scratch_ptr, base, tq, count, row, n, chunk, BLOCK)
+                    for d0 in range(b_lo, b_hi, DQ):                     # DQ draws at a time, all at once
+                        xq, dq, dnq = _noised_tile(sq, cq, tq < count, seed, noise_ptr, d0, b_hi, row, n, n_rows, epsilon, DQ,
+                                                   GIVEN_NOISE)          # (DQ, TINY)
+                        atq = ((dq.to(tl.int64) * n_rows + row) * n_chunks + chunk) * KTH   # (DQ,) into (S, B, chunks, KTH)
+                        for t in range(KTH):
+                            vq, bq = tl.max(xq, 1, return_indices=True)  # (DQ,) one reduction for all the draws
+                            tl.store(cval_ptr + atq + t, vq, mask=dnq)
+                            pq = tl.load(scratch_ptr + base + bq, mask=dnq, other=0).to(tl.int32)
+                            tl.store(cidx_ptr + atq + t, chunk * BLOCK + pq, mask=dnq)
+                            xq = tl.where(tq[None, :] == bq[:, None], -float("inf"), xq)
+                elif count <= SMALL:                                     # a quarter tile holds them: a quarter of the work
+                    ts = tl.arange(0, SMALL)                             # (names of its own: the tiles differ in shape)
+                    cs, ss = _live_classes(s_ptr, scratch_ptr, base, ts, count, row, n, chunk, BLOCK)
+                    for d0 in range(b_lo, b_hi, DS):                     # DS draws at a time, all at once
+                        xs, ds, dns = _noised_tile(ss, cs, ts < count, seed, noise_ptr, d0, b_hi, row, n, n_rows, epsilon, DS,
+                                                   GIVEN_NOISE)          # (DS, SMALL)
+                        ats = ((ds.to(tl.int64) * n_rows + row) * n_chunks + chunk) * KTH   # (DS,) into (S, B, chunks, KTH)
+                        for t in range(KTH):
+                            vs, bs = tl.max(xs, 1, return_indices=True)  # (DS,) one reduction for all the draws
+                            tl.store(cval_ptr + ats + t, vs, mask=dns)
+                            ps = tl.load(scratch_ptr + base + bs, mask=dns, other=0).to(tl.int32)
+                            tl.store(cidx_ptr + ats + t, chunk * BLOCK + ps, mask=dns)
+                            xs = tl.where(ts[None, :] == bs[:, None], -float("inf"), xs)
+                else:                                                    # the whole tile
+                    tile = tl.arange(0, CAP)
+                    cls, s_live = _live_classes(s_ptr, scratch_ptr, base, tile, count, row, n, chunk, BLOCK)
+                    for d0 in range(b_lo, b_hi, DC):
+                        xt, draw, drawn = _noised_tile(s_live, cls, tile < count, seed, noise_ptr, d0, b_hi, row, n, n_rows,
+                                                       epsilon, DC, GIVEN_NOISE) # (DC, CAP)
+                        at = ((draw.to(tl.int64) * n_rows + row) * n_chunks + chunk) * KTH
+                        for t in range(KTH):
+                            v, best = tl.max(xt, 1, return_indices=True)
+                            tl.store(cval_ptr + at + t, v, mask=drawn)
+                            place = tl.load(scratch_ptr + base + best, mask=drawn, other=0).to(tl.int32)
+                            tl.store(cidx_ptr + at + t, chunk * BLOCK + place, mask=drawn)
+                            xt = tl.where(tile[None, :] == best[:, None], -float("inf"), xt)
+        whole = not PRUNE                                                # every class of the chunk, one draw at a time:
+        if OVERFLOW:                                                     # without pruning, or where the live classes
+            whole = tl.load(count_ptr + row * n_chunks + chunk) > CAP    # overflowed the tile (a launch of its own, so
+        if whole:                                                        # that the tiles' registers are not shared)
+            s = tl.load(s_ptr + row * n + offs, mask=inside, other=0.0).to(tl.float32)   # (BLOCK,) read here: no
+            quads = chunk * (BLOCK // 4) + tl.arange(0, BLOCK // 4)     # score read for a tiled chunk; (BLOCK / 4,)
+            for b in range(b_lo, b_hi):                                  # groups of four classes
                 if GIVEN_NOISE:
                     z = tl.load(noise_ptr + (b * n_rows + row) * n + offs, mask=inside, other=0.0).to(tl.float32)
                 else:
@@ -1732,15 +1736,15 @@ def _selection_plan(B: int, n: int, n_samples: int,
         cap = min(BLOCK // 4, 1024) if BLOCK >= PRUNE_MIN else -1
     CAP = triton.next_power_of_2(cap) if 0 < cap < BLOCK else 0
     small, tiny = max(CAP // 4, 1), max(CAP // 16, 1)                     # the narrower tiles: a quarter, a sixteenth
-    if CAP:                                                               # one program per chunk: it compacts once
-        draws = n_samples
-    else:
-        draws = triton.cdiv(n_samples, min(n_samples, triton.cdiv(TARGET_PROGRAMS, B * chunks)))
-    warps = min(16, max(1, BLOCK // 256))
+    split = triton.cdiv(n_samples, min(n_samples, triton.cdiv(TARGET_PROGRAMS, B * chunks)))   # draws a program for
+    draws = n_samples if CAP else split                                   # about TARGET_PROGRAMS; pruned: one program
+    warps = min(16, max(1, BLOCK // 256))                                 # per chunk, which compacts once
     tile_draws = lambda width: min(triton.next_power_of_2(n_samples), max(1, TILE // width))   # (draws, width) <= TILE
     return dict(BLOCK=BLOCK, chunks=chunks, CAP=CAP, DRAWS=draws, groups=triton.cdiv(n_samples, draws),
-                warps=warps, maxnreg=64 if warps == 16 else None,   # 16 warps: two programs an SM (64 K registers)
-                SMALL=small, DS=tile_draws(small), DC=tile_draws(max(CAP, 1)), TINY=tiny, DQ=tile_draws(tiny))
+                warps=warps, maxnreg=64 if warps == 16 and CAP else None,   # pruned, 16 warps: two programs an SM
+                                                                            # (64 K registers); the whole chunk: ptxas's
+                SMALL=small, DS=tile_draws(small), DC=tile_draws(max(CAP, 1)), TINY=tiny, DQ=tile_draws(tiny),
+                over_draws=split, over_groups=triton.cdiv(n_samples, split))   # the OVERFLOW launch (with CAP)
 
 
 def _select(s: torch.Tensor,                # (B, n) scores, contiguous
@@ -1751,23 +1755,27 @@ def _select(s: torch.Tensor,                # (B, n) scores, contiguous
             margin: Optional[torch.Tensor] = None,   # (B,) per-row margins, or None: `alpha`
             alpha: float = 1.0, scale: float = 1.0,
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    "Launch the kernels (for a long pruned row the chunks' top first), the candidates and the merge: mean_b top_K(s + eps Z_b) (B,) float32, the indices (S, B), and the hinge loss (B,) when `target` is given."
+    "Launch the kernels (for a long pruned row the chunks' top first), the candidates (pruned: then the chunks whose live classes overflowed their tile) and the merge: mean_b top_K(s + eps Z_b) (B,) float32, the indices (S, B), and the hinge loss (B,) when `target` is given."
     (B, n), z = s.shape, s if noise is None else noise
     p = _selection_plan(B, n, n_samples, block, cap)
     kw = dict(device=s.device)
     scratch = torch.empty(B * p["chunks"] * p["groups"] * p["CAP"] if p["CAP"] else 1, dtype=torch.int16, **kw)
     top = torch.empty(B if p["CAP"] else 1, dtype=torch.float32, **kw)
+    count = torch.empty(B * p["chunks"] if p["CAP"] else 1, dtype=torch.int32, **kw)   # live classes of each chunk
     if p["CAP"]:                                                          # pruning: the row's K-th largest score first
         tops, merge = torch.empty(B, p["chunks"], k, dtype=torch.float32, **kw), triton.next_power_of_2(p["chunks"] * k)
         _launch(_chunk_top_kernel, (B, p["chunks"]), s, tops, n, p["chunks"], KTH=k, BLOCK=p["BLOCK"], num_warps=p["warps"])
         _launch(_row_top_kernel, (B,), tops, top, p["chunks"] * k, KTH=k, BLOCK=merge, num_warps=min(16, max(1, merge // 256)))
     cval = torch.empty(n_samples, B, p["chunks"], k, dtype=torch.float32, **kw)
     cidx = torch.empty(n_samples, B, p["chunks"], k, dtype=torch.int64, **kw)
-    _launch(_perturbed_candidates_kernel, (B, p["chunks"], p["groups"]), s, z, seed, top, scratch, cval, cidx, B, n,
-            p["chunks"], epsilon, RANDN_BOUND, KTH=k, N_SAMPLES=n_samples, DRAWS=p["DRAWS"], GIVEN_NOISE=noise is not None,
-            PRUNE=p["CAP"] > 0, BLOCK=p["BLOCK"], CAP=max(p["CAP"], 1), SMALL=p["SMALL"], DS=p["DS"], DC=p["DC"],
-            TINY=p["TINY"], DQ=p["DQ"],
-            num_warps=p["warps"], **({"maxnreg": p["maxnreg"]} if p["maxnreg"] and s.is_cuda else {}))
+    const = dict(KTH=k, N_SAMPLES=n_samples, GIVEN_NOISE=noise is not None, BLOCK=p["BLOCK"], CAP=max(p["CAP"], 1),
+                 SMALL=p["SMALL"], DS=p["DS"], DC=p["DC"], TINY=p["TINY"], DQ=p["DQ"], num_warps=p["warps"])
+    args = (s, z, seed, top, scratch, count, cval, cidx, B, n, p["chunks"], epsilon, RANDN_BOUND)
+    _launch(_perturbed_candidates_kernel, (B, p["chunks"], p["groups"]), *args, DRAWS=p["DRAWS"], PRUNE=p["CAP"] > 0,
+            OVERFLOW=False, **const, **({"maxnreg": p["maxnreg"]} if p["maxnreg"] and s.is_cuda else {}))
+    if p["CAP"]:                                                          # the chunks whose live classes overflowed
+        _launch(_perturbed_candidates_kernel, (B, p["chunks"], p["over_groups"]), *args, DRAWS=p["over_draws"],
+                PRUNE=False, OVERFLOW=True, **const)
     mean = torch.empty(B, dtype=torch.float32, **kw)
     idx = torch.empty(n_samples, B, dtype=torch.int64, **kw)
     loss = torch.empty(B if target is not None else 0, dtype=s.dtype, **kw)
@@ -1788,7 +1796,7 @@ def _perturbed_kth_op(s: torch.Tensor,                # (B, n) scores, contiguou
                       block: int,                     # classes per chunk (0: one block up to MAX_ROW, chunks of MAX_ROW beyond)
                       cap: int,                       # live classes per pruned tile (0: by the chunk's size; -1: no pruning)
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    "The selection kernels as an operator: mean_b top_K(s + eps Z_b) (B,) in float32 and each draw's index (S, B); two launches."
+    "The selection kernels as an operator: mean_b top_K(s + eps Z_b) (B,) in float32 and each draw's index (S, B); two launches, five with pruning."
     mean, idx, _ = _select(s, seed, noise, k, epsilon, n_samples, block, cap)
     return mean, idx
 
