@@ -431,8 +431,11 @@ kernels_and_constants = [(K._perturbed_merge_kernel, merge, {"KTH": 5, "N_SAMPLE
                          for sorted_ in (True, False)]
 kernels_and_constants += [(K._perturbed_candidates_kernel, cand, {"KTH": 5, "N_SAMPLES": 10, "DRAWS": 3, "DS": 16, "DC": 4,
                                                                   "GIVEN_NOISE": given, "PRUNE": prune, "OVERFLOW": over,
-                                                                  "BLOCK": 1024, "CAP": 256, "SMALL": 64, "TINY": 16, "DQ": 16})
-                          for given in (False, True) for prune, over in ((False, False), (True, False), (False, True))]
+                                                                  "ONE_CHUNK": one, "BLOCK": 1024, "CAP": 256, "SMALL": 64,
+                                                                  "TINY": 16, "DQ": 16})
+                          for given in (False, True)
+                          for prune, over, one in ((False, False, True), (True, False, False), (True, False, True),
+                                                   (False, True, False))]
 kernels_and_constants += [(K._chunk_top_kernel, ptrs(["s_ptr", "top_ptr"], ["*fp32", "*fp32"]) | dict(n="i32", n_chunks="i32"),
                            {"KTH": 5, "BLOCK": 1024}),
                           (K._row_top_kernel, ptrs(["top_ptr", "t_ptr"], ["*fp32", "*fp32"]) | dict(n_cand="i32"),

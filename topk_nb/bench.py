@@ -887,27 +887,27 @@ def _candidates_model(K, mode: str) -> KernelModel:
     sig = dict(s_ptr="*fp32", noise_ptr="*fp32", seed_ptr="*i64", top_ptr="*fp32", scratch_ptr="*i16", count_ptr="*i32",
                cval_ptr="*fp32", cidx_ptr="*i64", n_rows="i32", n="i32", n_chunks="i32", epsilon="fp32", bound="fp32",
                KTH="constexpr", N_SAMPLES="constexpr", DRAWS="constexpr", GIVEN_NOISE="constexpr", PRUNE="constexpr",
-               OVERFLOW="constexpr", BLOCK="constexpr", CAP="constexpr", SMALL="constexpr", DS="constexpr",
-               DC="constexpr", TINY="constexpr", DQ="constexpr")
+               OVERFLOW="constexpr", ONE_CHUNK="constexpr", BLOCK="constexpr", CAP="constexpr", SMALL="constexpr",
+               DS="constexpr", DC="constexpr", TINY="constexpr", DQ="constexpr")
     capped = lambda sh: mode != "unpruned" and _plan(sh)["CAP"] > 0       # a pruned row: the first launch prunes
     prune = lambda sh: mode == "pruned" and capped(sh)
     tiled = lambda sh: capped(sh) and _tiled(sh)                          # ... and its live classes fit the tile
     small = lambda sh: live_classes(sh, sigma=sh.get("sigma", 2.0)) <= _plan(sh)["SMALL"]   # the quarter tile holds them
     tiny = lambda sh: live_classes(sh, sigma=sh.get("sigma", 2.0)) <= _plan(sh)["TINY"]     # ... a sixteenth of it
     over = lambda sh: mode == "overflow" and capped(sh)
-    draws = lambda sh: _plan(sh)["over_draws" if over(sh) else "DRAWS"]  # draws a program
+    draws = lambda sh: _plan(sh)["DRAWS"]                                 # draws a program
     whole = lambda sh: not prune(sh) and not (over(sh) and tiled(sh))   # it draws the noise of the whole chunk
     return KernelModel(
         K._perturbed_candidates_kernel, sig,
         lambda sh: dict(KTH=sh["k"] + 1, N_SAMPLES=10, DRAWS=draws(sh), GIVEN_NOISE=False, PRUNE=prune(sh),
-                        OVERFLOW=over(sh), BLOCK=_plan(sh)["BLOCK"], CAP=max(1, _plan(sh)["CAP"]), SMALL=_plan(sh)["SMALL"],
+                        OVERFLOW=over(sh), ONE_CHUNK=_plan(sh)["chunks"] == 1, BLOCK=_plan(sh)["BLOCK"], CAP=max(1, _plan(sh)["CAP"]), SMALL=_plan(sh)["SMALL"],
                         DS=_plan(sh)["DS"], DC=_plan(sh)["DC"], TINY=_plan(sh)["TINY"], DQ=_plan(sh)["DQ"]),
         (("for b in range(b_lo, b_hi)", lambda sh: 0),                                                  # given noise
-         ("for d0 in range(b_lo, b_hi, DQ)", lambda sh: -(-10 // _plan(sh)["DQ"])),                    # the sixteenth tile
+         ("for d0 in range(b_lo, b_hi, DQ)", lambda sh: -(-draws(sh) // _plan(sh)["DQ"])),             # the sixteenth tile
          ("for t in range(KTH)", lambda sh: sh["k"] + 1),
-         ("for d0 in range(b_lo, b_hi, DS)", lambda sh: -(-10 // _plan(sh)["DS"])),                    # the quarter tile
+         ("for d0 in range(b_lo, b_hi, DS)", lambda sh: -(-draws(sh) // _plan(sh)["DS"])),             # the quarter tile
          ("for t in range(KTH)", lambda sh: sh["k"] + 1),
-         ("for d0 in range(b_lo, b_hi, DC)", lambda sh: -(-10 // _plan(sh)["DC"])),                    # the whole tile
+         ("for d0 in range(b_lo, b_hi, DC)", lambda sh: -(-draws(sh) // _plan(sh)["DC"])),             # the whole tile
          ("for t in range(KTH)", lambda sh: sh["k"] + 1),
          ("for b in range(b_lo, b_hi)", draws),                                                         # the whole chunk
          ("for t in range(KTH)", lambda sh: sh["k"] + 1)),
@@ -918,7 +918,7 @@ def _candidates_model(K, mode: str) -> KernelModel:
                     + (4 * sh["B"] * _plan(sh)["chunks"] * live_classes(sh, sigma=sh.get("sigma", 2.0))
                        if prune(sh) and tiled(sh) else 0)),                                          # the live tile's scratch
         num_warps=lambda sh: _plan(sh)["warps"], maxnreg=lambda sh: _plan(sh)["maxnreg"] if prune(sh) else None,
-        programs=lambda sh: sh["B"] * _plan(sh)["chunks"] * _plan(sh)["over_groups" if over(sh) else "groups"],
+        programs=lambda sh: sh["B"] * _plan(sh)["chunks"] * _plan(sh)["groups"],
         elements=lambda sh: min(sh["n"], _plan(sh)["BLOCK"]) * draws(sh) / 10,   # per program: its chunk, its share of the draws
         branches=(("if count <= CAP", lambda sh: float(tiled(sh))),                      # the live classes fit the tile
                   ("if count <= TINY", lambda sh: float(tiny(sh))),                       # ... a sixteenth of it
@@ -1078,7 +1078,8 @@ def _kernel_models() -> dict:
             lambda sh: dict(KTH=sh["k"] + 1, BLOCK=_pow2(_plan(sh)["chunks"] * (sh["k"] + 1))),
             (("for _ in range(KTH - 1)", lambda sh: sh["k"]),),
             lambda sh: sh["B"] * (_plan(sh)["chunks"] * (sh["k"] + 1) + 1) * 4,
-            num_warps=lambda sh: min(16, max(1, _pow2(_plan(sh)["chunks"] * (sh["k"] + 1)) // 256))),
+            num_warps=lambda sh: min(16, max(1, _pow2(_plan(sh)["chunks"] * (sh["k"] + 1)) // 256)),
+            programs=lambda sh: sh["B"] * (_plan(sh)["chunks"] > 1)),    # a row of one chunk: none
         "perturbed_merge": KernelModel(
             K._perturbed_merge_kernel,
             dict(cval_ptr="*fp32", cidx_ptr="*i64", s_ptr="*fp32", y_ptr="*i64", margin_ptr="*fp32", mean_ptr="*fp32",
@@ -1141,24 +1142,26 @@ def _kernel_models() -> dict:
 
 
 KERNEL_MODELS = _kernel_models()
-_NOISED_SHAPES = (*(dict(B=256, n=n, k=5) for n in (100, 1000, 8192, 100_000, 1_000_000)),
-                  dict(B=256, n=1000, k=20), dict(B=256, n=100_000, k=20), dict(B=4096, n=1000, k=5))
+_NOISED_SHAPES = (*(dict(B=256, n=n, k=5) for n in (100, 1000, 2048, 4096, 8192, 100_000, 1_000_000)),
+                  dict(B=256, n=1000, k=20), dict(B=256, n=4096, k=20), dict(B=256, n=100_000, k=20),
+                  dict(B=4096, n=1000, k=5))
 from .kernels import PRUNE_MIN
 _NOISED_LAUNCHES = 7   # op_table(path='cuda') of the registry's noised_bal: 4 Triton kernels (candidates, merge, finish,
                        # which asserts the labels, gradient), the seed, the step's sum and its gradient (n < PRUNE_MIN;
-                       # pruning adds the two threshold kernels and the candidates' overflow launch)
+                       # pruning adds the chunks' top, the candidates' overflow launch and, on rows of several
+                       # chunks, the row's threshold)
 _PRUNED_KERNELS = ("chunk_top", "row_top", "perturbed_candidates", "perturbed_candidates, overflow", "perturbed_merge",
                    "finish, hinge", "perturbed_grad")
 _SVM_SHAPES = tuple(dict(B=256, n=n, k=k) for n in (1000, 100_000) for k in (5, 20))
 COST_STEPS = {
     "F.cross_entropy": StepModel(("ce_forward", "ce_backward"), 6, ()),
     "noised_bal": StepModel(("perturbed_candidates", "perturbed_merge", "finish, hinge", "perturbed_grad"), _NOISED_LAUNCHES,
-                            tuple(sh for sh in _NOISED_SHAPES if sh["n"] < PRUNE_MIN)),
-    "noised_bal, pruned": StepModel(_PRUNED_KERNELS, _NOISED_LAUNCHES + 3,
-                                    tuple(sh for sh in _NOISED_SHAPES if sh["n"] >= PRUNE_MIN)),
+                            tuple(sh for sh in _NOISED_SHAPES if not _plan(sh)["CAP"])),
+    "noised_bal, pruned": StepModel(_PRUNED_KERNELS, _NOISED_LAUNCHES + 3,   # (a row of one chunk: no row_top)
+                                    tuple(sh for sh in _NOISED_SHAPES if _plan(sh)["CAP"])),
     "noised_bal, unpruned": StepModel(_PRUNED_KERNELS, _NOISED_LAUNCHES + 3,     # scores all close together: every class
                                       tuple({**sh, "sigma": 0.01} for sh in _NOISED_SHAPES   # lives, the first launch
-                                            if sh["n"] >= PRUNE_MIN)),          # counts them, the second does the work
+                                            if _plan(sh)["CAP"])),              # counts them, the second does the work
     "smooth_svm, log-space scans": StepModel(("smooth_svm_forward", "finish", "smooth_svm_backward"), 5,   # float64 scores'
                                              tuple(dict(B=256, n=n, k=100) for n in (1000, 100_000))),   # path, float32 here
     "smooth_svm": StepModel(("smooth_svm32_tile", "smooth_svm32_row", "finish", "smooth_svm32_grad_tile",
@@ -1246,6 +1249,7 @@ BUDGETS = {
     "noised_bal, n < 2048, k = 5": Budget("noised_bal", lambda sh: sh["k"] == 5 and sh["B"] == 256, 2.0),   # the target:
                                           # <= 2x at every n, B = 256 (B = 4096: a row of the table)
     "noised_bal, pruned, k = 5": Budget("noised_bal, pruned", lambda sh: sh["k"] == 5, 2.0),
+    "noised_bal, pruned, k = 20": Budget("noised_bal, pruned", lambda sh: sh["k"] == 20, 3.0, expected_over=True),
     "noised_bal, k = 20": Budget("noised_bal", lambda sh: sh["k"] == 20, 3.0),
     "smooth_svm, n = 1000, k <= 20": Budget("smooth_svm", lambda sh: sh["n"] == 1000 and sh["k"] <= 20, 3.0),
     "smooth_svm, n = 1e5, k <= 20": Budget("smooth_svm", lambda sh: sh["n"] == 100_000 and sh["k"] <= 20, 2.0),

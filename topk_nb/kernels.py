@@ -1591,9 +1591,10 @@ if HAS_TRITON:
     def _perturbed_candidates_kernel(s_ptr, noise_ptr, seed_ptr, top_ptr, scratch_ptr, count_ptr, cval_ptr, cidx_ptr,
                                      n_rows, n, n_chunks, epsilon, bound, KTH: tl.constexpr, N_SAMPLES: tl.constexpr,
                                      DRAWS: tl.constexpr, GIVEN_NOISE: tl.constexpr, PRUNE: tl.constexpr,
-                                     OVERFLOW: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr, SMALL: tl.constexpr,
-                                     DS: tl.constexpr, DC: tl.constexpr, TINY: tl.constexpr, DQ: tl.constexpr):
-        "Program (row, chunk, group): for each of the group's draws, the KTH largest entries of s + epsilon z in the chunk, largest first, and their classes. PRUNE: noise only for the classes that can be among them, all the group's draws at once, on the narrowest of three tiles that holds them, and the count of those classes; a chunk whose count passes CAP is left to the OVERFLOW launch, which works on the whole chunk where the count says so."
+                                     OVERFLOW: tl.constexpr, ONE_CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                                     CAP: tl.constexpr, SMALL: tl.constexpr, DS: tl.constexpr, DC: tl.constexpr,
+                                     TINY: tl.constexpr, DQ: tl.constexpr):
+        "Program (row, chunk, group): for each of the group's draws, the KTH largest entries of s + epsilon z in the chunk, largest first, and their classes. PRUNE: noise only for the classes that can be among them (ONE_CHUNK: the row's threshold found here), all the group's draws at once, on the narrowest of three tiles that holds them, and the count of those classes; a chunk whose count passes CAP is left to the OVERFLOW launch, which works on the whole chunk where the count says so."
         row, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)    # int64 row: (S B + row) n passes 2^31
         b_lo = tl.program_id(2) * DRAWS
         b_hi = tl.minimum(b_lo + DRAWS, N_SAMPLES)
@@ -1602,6 +1603,10 @@ if HAS_TRITON:
         inside = offs < n
         seed = tl.load(seed_ptr)
         if PRUNE:
+            if ONE_CHUNK:                                                # the row's KTH-th largest score: the last
+                kth = tl.load(top_ptr + row * KTH + KTH - 1)             # of its one chunk's top (`_chunk_top_kernel`)
+            else:
+                kth = tl.load(top_ptr + row)                             # `_row_top_kernel`'s, of the chunks' tops
             s = tl.load(s_ptr + row * n + offs, mask=inside, other=0.0).to(tl.float32)   # (BLOCK,) the chunk's scores
             if GIVEN_NOISE:                                              # the largest |z| of the program's draws
                 zmax = 0.0
@@ -1611,7 +1616,7 @@ if HAS_TRITON:
                 reach = epsilon * (zmax * 1.001)                         # the margin covers the rounding of s + epsilon z
             else:
                 reach = epsilon * bound                                  # bound >= |z| for every z that tl.randn draws
-            live = inside & (s + reach >= tl.load(top_ptr + row) - reach)    # the others are below KTH entries in every draw
+            live = inside & (s + reach >= kth - reach)                   # the others are below KTH entries in every draw
             count = tl.sum(live.to(tl.int32), 0)
             tl.store(count_ptr + row * n_chunks + chunk, count)          # (one program a chunk) for the OVERFLOW launch
             if count <= CAP:                                             # the live classes, in class order, in one tile
@@ -1736,15 +1741,16 @@ def _selection_plan(B: int, n: int, n_samples: int,
         cap = min(BLOCK // 4, 1024) if BLOCK >= PRUNE_MIN else -1
     CAP = triton.next_power_of_2(cap) if 0 < cap < BLOCK else 0
     small, tiny = max(CAP // 4, 1), max(CAP // 16, 1)                     # the narrower tiles: a quarter, a sixteenth
-    split = triton.cdiv(n_samples, min(n_samples, triton.cdiv(TARGET_PROGRAMS, B * chunks)))   # draws a program for
-    draws = n_samples if CAP else split                                   # about TARGET_PROGRAMS; pruned: one program
-    warps = min(16, max(1, BLOCK // 256))                                 # per chunk, which compacts once
-    tile_draws = lambda width: min(triton.next_power_of_2(n_samples), max(1, TILE // width))   # (draws, width) <= TILE
+    if CAP:                                                               # one program per chunk: it compacts once
+        draws = n_samples                                                 # and selects for all its draws at once
+    else:                                                                 # draws a program: about TARGET_PROGRAMS
+        draws = triton.cdiv(n_samples, min(n_samples, triton.cdiv(TARGET_PROGRAMS, B * chunks)))
+    warps = min(16, max(1, BLOCK // 256))
+    tile_draws = lambda width: min(triton.next_power_of_2(draws), max(1, TILE // width))   # (draws, width) <= TILE
     return dict(BLOCK=BLOCK, chunks=chunks, CAP=CAP, DRAWS=draws, groups=triton.cdiv(n_samples, draws),
                 warps=warps, maxnreg=64 if warps == 16 and CAP else None,   # pruned, 16 warps: two programs an SM
                                                                             # (64 K registers); the whole chunk: ptxas's
-                SMALL=small, DS=tile_draws(small), DC=tile_draws(max(CAP, 1)), TINY=tiny, DQ=tile_draws(tiny),
-                over_draws=split, over_groups=triton.cdiv(n_samples, split))   # the OVERFLOW launch (with CAP)
+                SMALL=small, DS=tile_draws(small), DC=tile_draws(max(CAP, 1)), TINY=tiny, DQ=tile_draws(tiny))
 
 
 def _select(s: torch.Tensor,                # (B, n) scores, contiguous
@@ -1765,17 +1771,22 @@ def _select(s: torch.Tensor,                # (B, n) scores, contiguous
     if p["CAP"]:                                                          # pruning: the row's K-th largest score first
         tops, merge = torch.empty(B, p["chunks"], k, dtype=torch.float32, **kw), triton.next_power_of_2(p["chunks"] * k)
         _launch(_chunk_top_kernel, (B, p["chunks"]), s, tops, n, p["chunks"], KTH=k, BLOCK=p["BLOCK"], num_warps=p["warps"])
-        _launch(_row_top_kernel, (B,), tops, top, p["chunks"] * k, KTH=k, BLOCK=merge, num_warps=min(16, max(1, merge // 256)))
+        if p["chunks"] > 1:                                               # (one chunk: the last of its top)
+            _launch(_row_top_kernel, (B,), tops, top, p["chunks"] * k, KTH=k, BLOCK=merge,
+                    num_warps=min(16, max(1, merge // 256)))
+        else:
+            top = tops
     cval = torch.empty(n_samples, B, p["chunks"], k, dtype=torch.float32, **kw)
     cidx = torch.empty(n_samples, B, p["chunks"], k, dtype=torch.int64, **kw)
-    const = dict(KTH=k, N_SAMPLES=n_samples, GIVEN_NOISE=noise is not None, BLOCK=p["BLOCK"], CAP=max(p["CAP"], 1),
+    const = dict(KTH=k, N_SAMPLES=n_samples, DRAWS=p["DRAWS"], GIVEN_NOISE=noise is not None,
+                 ONE_CHUNK=p["chunks"] == 1, BLOCK=p["BLOCK"], CAP=max(p["CAP"], 1),
                  SMALL=p["SMALL"], DS=p["DS"], DC=p["DC"], TINY=p["TINY"], DQ=p["DQ"], num_warps=p["warps"])
     args = (s, z, seed, top, scratch, count, cval, cidx, B, n, p["chunks"], epsilon, RANDN_BOUND)
-    _launch(_perturbed_candidates_kernel, (B, p["chunks"], p["groups"]), *args, DRAWS=p["DRAWS"], PRUNE=p["CAP"] > 0,
-            OVERFLOW=False, **const, **({"maxnreg": p["maxnreg"]} if p["maxnreg"] and s.is_cuda else {}))
+    grid = (B, p["chunks"], p["groups"])
+    _launch(_perturbed_candidates_kernel, grid, *args, PRUNE=p["CAP"] > 0, OVERFLOW=False, **const,
+            **({"maxnreg": p["maxnreg"]} if p["maxnreg"] and s.is_cuda else {}))
     if p["CAP"]:                                                          # the chunks whose live classes overflowed
-        _launch(_perturbed_candidates_kernel, (B, p["chunks"], p["over_groups"]), *args, DRAWS=p["over_draws"],
-                PRUNE=False, OVERFLOW=True, **const)
+        _launch(_perturbed_candidates_kernel, grid, *args, PRUNE=False, OVERFLOW=True, **const)
     mean = torch.empty(B, dtype=torch.float32, **kw)
     idx = torch.empty(n_samples, B, dtype=torch.int64, **kw)
     loss = torch.empty(B if target is not None else 0, dtype=s.dtype, **kw)
