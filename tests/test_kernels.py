@@ -70,6 +70,20 @@ def _pruned_case(n, k, block, cap, spread):
     return live
 
 
+@pytest.mark.parametrize("block", [None, 64])
+def test_pruned_threshold_of_tied_scores(block):
+    "Scores on a few levels (the K-th largest score tied many times): the threshold of one chunk (the last of its top list) and of several (the K-th of all lists) keeps every class that a draw can select."
+    g = torch.Generator().manual_seed(7)
+    s = 0.7 * torch.randint(-3, 1, (3, 300), generator=g).float()   # levels -2.1 .. 0, each about 75 times
+    s[:, 10:12] = 3.0                                                  # two above them: the 4th largest is a tied 0
+    z = torch.randn(4, 3, 300, generator=g)
+    mean, idx = (t.cpu() for t in kernels.perturbed_kth_triton(s.to(DEV), 4, 0.3, 4, noise=z.to(DEV), block=block, cap=16))
+    x = s + 0.3 * z
+    ref = x.topk(4, dim=-1).values[..., -1]
+    torch.testing.assert_close(mean, ref.mean(0), rtol=1e-6, atol=1e-5)
+    assert torch.equal(x.gather(-1, idx.unsqueeze(-1)).squeeze(-1), ref)
+
+
 def test_pruned_cases_take_both_paths():
     "The cases above: rows of spread scores fit the tile of live classes (the pruned path), rows of close ones do not (the whole chunk)."
     fits, spills = _pruned_case(100, 6, None, 16, 4.0), _pruned_case(100, 6, None, 16, 0.5)
