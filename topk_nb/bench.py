@@ -881,7 +881,7 @@ def _tiled(sh: dict) -> bool:
 
 
 def _candidates_model(K, mode: str) -> KernelModel:
-    "The candidates kernel as a launch sets it: 'pruned' (the first launch: pruned on rows of at least PRUNE_MIN classes, whole below), 'overflow' (the second launch of a pruned row: the chunks whose live classes overflowed their tile) or 'unpruned' (pruning off: the whole path on every chunk)."
+    "The candidates kernel as a launch sets it: 'pruned' (the first launch: pruned where the plan has a tile, on rows of more than 1024 classes, whole below), 'overflow' (the second launch of a pruned row: the chunks whose live classes overflowed their tile) or 'unpruned' (pruning off: the whole path on every chunk)."
     if mode not in ("pruned", "overflow", "unpruned"):
         raise ValueError(f"mode must be 'pruned', 'overflow' or 'unpruned', got {mode!r}")
     sig = dict(s_ptr="*fp32", noise_ptr="*fp32", seed_ptr="*i64", top_ptr="*fp32", scratch_ptr="*i16", count_ptr="*i32",
@@ -900,8 +900,8 @@ def _candidates_model(K, mode: str) -> KernelModel:
     return KernelModel(
         K._perturbed_candidates_kernel, sig,
         lambda sh: dict(KTH=sh["k"] + 1, N_SAMPLES=10, DRAWS=draws(sh), GIVEN_NOISE=False, PRUNE=prune(sh),
-                        OVERFLOW=over(sh), ONE_CHUNK=_plan(sh)["chunks"] == 1, BLOCK=_plan(sh)["BLOCK"], CAP=max(1, _plan(sh)["CAP"]), SMALL=_plan(sh)["SMALL"],
-                        DS=_plan(sh)["DS"], DC=_plan(sh)["DC"], TINY=_plan(sh)["TINY"], DQ=_plan(sh)["DQ"]),
+                        OVERFLOW=over(sh), ONE_CHUNK=_plan(sh)["chunks"] == 1, BLOCK=_plan(sh)["BLOCK"],
+                        CAP=max(1, _plan(sh)["CAP"]), SMALL=_plan(sh)["SMALL"], DS=_plan(sh)["DS"], DC=_plan(sh)["DC"], TINY=_plan(sh)["TINY"], DQ=_plan(sh)["DQ"]),
         (("for b in range(b_lo, b_hi)", lambda sh: 0),                                                  # given noise
          ("for d0 in range(b_lo, b_hi, DQ)", lambda sh: -(-draws(sh) // _plan(sh)["DQ"])),             # the sixteenth tile
          ("for t in range(KTH)", lambda sh: sh["k"] + 1),
@@ -1145,11 +1145,10 @@ KERNEL_MODELS = _kernel_models()
 _NOISED_SHAPES = (*(dict(B=256, n=n, k=5) for n in (100, 1000, 2048, 4096, 8192, 100_000, 1_000_000)),
                   dict(B=256, n=1000, k=20), dict(B=256, n=4096, k=20), dict(B=256, n=100_000, k=20),
                   dict(B=4096, n=1000, k=5))
-from .kernels import PRUNE_MIN
 _NOISED_LAUNCHES = 7   # op_table(path='cuda') of the registry's noised_bal: 4 Triton kernels (candidates, merge, finish,
-                       # which asserts the labels, gradient), the seed, the step's sum and its gradient (n < PRUNE_MIN;
-                       # pruning adds the chunks' top, the candidates' overflow launch and, on rows of several
-                       # chunks, the row's threshold)
+                       # which asserts the labels, gradient), the seed, the step's sum and its gradient (rows of
+                       # up to 1024 classes; pruning adds the chunks' top, the candidates' overflow launch and, on rows
+                       # of several chunks, the row's threshold)
 _PRUNED_KERNELS = ("chunk_top", "row_top", "perturbed_candidates", "perturbed_candidates, overflow", "perturbed_merge",
                    "finish, hinge", "perturbed_grad")
 _SVM_SHAPES = tuple(dict(B=256, n=n, k=k) for n in (1000, 100_000) for k in (5, 20))

@@ -1594,7 +1594,7 @@ if HAS_TRITON:
                                      OVERFLOW: tl.constexpr, ONE_CHUNK: tl.constexpr, BLOCK: tl.constexpr,
                                      CAP: tl.constexpr, SMALL: tl.constexpr, DS: tl.constexpr, DC: tl.constexpr,
                                      TINY: tl.constexpr, DQ: tl.constexpr):
-        "Program (row, chunk, group): for each of the group's draws, the KTH largest entries of s + epsilon z in the chunk, largest first, and their classes. PRUNE: noise only for the classes that can be among them (ONE_CHUNK: the row's threshold found here), all the group's draws at once, on the narrowest of three tiles that holds them, and the count of those classes; a chunk whose count passes CAP is left to the OVERFLOW launch, which works on the whole chunk where the count says so."
+        "Program (row, chunk, group): for each of the group's draws, the KTH largest entries of s + epsilon z in the chunk, largest first, and their classes. PRUNE: noise only for the classes that can be among them (the row's threshold at top_ptr: ONE_CHUNK, the last of the chunk's top list), all the group's draws at once, on the narrowest of three tiles that holds them, and the count of those classes; a chunk whose count passes CAP is left to the OVERFLOW launch, which works on the whole chunk where the count says so."
         row, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)    # int64 row: (S B + row) n passes 2^31
         b_lo = tl.program_id(2) * DRAWS
         b_hi = tl.minimum(b_lo + DRAWS, N_SAMPLES)
@@ -1766,16 +1766,15 @@ def _select(s: torch.Tensor,                # (B, n) scores, contiguous
     p = _selection_plan(B, n, n_samples, block, cap)
     kw = dict(device=s.device)
     scratch = torch.empty(B * p["chunks"] * p["groups"] * p["CAP"] if p["CAP"] else 1, dtype=torch.int16, **kw)
-    top = torch.empty(B if p["CAP"] else 1, dtype=torch.float32, **kw)
     count = torch.empty(B * p["chunks"] if p["CAP"] else 1, dtype=torch.int32, **kw)   # live classes of each chunk
+    top = s                                                               # (read only when pruning)
     if p["CAP"]:                                                          # pruning: the row's K-th largest score first
-        tops, merge = torch.empty(B, p["chunks"], k, dtype=torch.float32, **kw), triton.next_power_of_2(p["chunks"] * k)
-        _launch(_chunk_top_kernel, (B, p["chunks"]), s, tops, n, p["chunks"], KTH=k, BLOCK=p["BLOCK"], num_warps=p["warps"])
-        if p["chunks"] > 1:                                               # (one chunk: the last of its top)
+        top = torch.empty(B, p["chunks"], k, dtype=torch.float32, **kw)   # one chunk: the last of its list
+        _launch(_chunk_top_kernel, (B, p["chunks"]), s, top, n, p["chunks"], KTH=k, BLOCK=p["BLOCK"], num_warps=p["warps"])
+        if p["chunks"] > 1:                                               # several: the K-th of all lists
+            tops, top, merge = top, torch.empty(B, dtype=torch.float32, **kw), triton.next_power_of_2(p["chunks"] * k)
             _launch(_row_top_kernel, (B,), tops, top, p["chunks"] * k, KTH=k, BLOCK=merge,
                     num_warps=min(16, max(1, merge // 256)))
-        else:
-            top = tops
     cval = torch.empty(n_samples, B, p["chunks"], k, dtype=torch.float32, **kw)
     cidx = torch.empty(n_samples, B, p["chunks"], k, dtype=torch.int64, **kw)
     const = dict(KTH=k, N_SAMPLES=n_samples, DRAWS=p["DRAWS"], GIVEN_NOISE=noise is not None,
