@@ -109,6 +109,26 @@ def test_pruned_selection_takes_each_tile():
     assert torch.equal(idx, ref.indices[..., -1])
 
 
+@pytest.mark.parametrize("block, cap", [(None, 0), (None, 32), (16, 0), (16, 8)])
+@pytest.mark.parametrize("k", [2, 5])
+def test_ties_and_signed_zeros_select_in_class_order(block, cap, k):
+    "Rows of tied entries, -0 among +0 (the noise given as signed zeros): every path (one chunk or four, the whole chunk or each pruned tile) takes the K-th largest and the first class that holds it, as a stable sort does."
+    g = torch.Generator().manual_seed(3)
+    s = torch.full((4, 64), -1.0)
+    s[0, [3, 5]], s[0, 40] = 0.0, 2.0                                  # 2 live classes (a tile's sixteenth, cap 32)
+    s[1, 0], s[1, 10:16] = 1.0, 0.0                                    # 7: its quarter
+    s[2, 4:24] = 0.0                                                   # 20: the whole tile
+    s[3, 2:60] = 0.0                                                   # 58: none, the whole chunk
+    neg = torch.rand(4, 64, generator=g) < 0.5
+    s = torch.where(neg & (s == 0), -0.0, s)                           # signed zeros, equal as numbers
+    z = torch.where(torch.rand(3, 4, 64, generator=g) < 0.5, -0.0, 0.0)   # s + 0.3 z keeps the sign of a zero
+    mean, idx = (t.cpu() for t in kernels.perturbed_kth_triton(s.to(DEV), k, 0.3, 3, noise=z.to(DEV), block=block, cap=cap))
+    x = s + 0.3 * z
+    ref = torch.sort(x, dim=-1, descending=True, stable=True)          # ties in class order
+    torch.testing.assert_close(mean, ref.values[..., k - 1].mean(0), rtol=0, atol=0)
+    assert torch.equal(idx, ref.indices[..., k - 1]), (idx, ref.indices[..., k - 1])
+
+
 def test_pruned_selection_draws_the_same_noise():
     "With the kernels' own noise: pruned or not, chunked or not, the same draws select the same entries, bit for bit."
     s = 4 * torch.randn(3, 600, generator=torch.Generator().manual_seed(4)).to(DEV)

@@ -545,9 +545,9 @@ SASS_CLASSES = ("fp32", "fp64", "mufu", "int", "mem", "warp", "control", "other"
 _FP32 = {"FADD", "FMUL", "FFMA", "FMNMX", "FSETP", "FSEL", "FSET", "FCHK", "FRND", "FSWZADD", "FADD32I", "FMUL32I",
          "FFMA32I", "HADD2", "HMUL2", "HFMA2", "HMNMX2", "HSETP2", "F2I", "I2F", "I2FP", "F2IP", "F2F", "F2FP"}
 _FP64 = {"DADD", "DMUL", "DFMA", "DSETP", "DMNMX", "DSET"}
-_INT = {"IADD3", "IADD", "IMAD", "IMADSP", "IMUL", "IABS", "IMNMX", "VIMNMX", "ISETP", "ISCADD", "LEA", "LOP", "LOP3",
-        "SHF", "SHL", "SHR", "SEL", "MOV", "MOV32I", "PRMT", "POPC", "FLO", "BREV", "BMSK", "VIADD", "IDP", "P2R", "R2P",
-        "PLOP3", "VIADDMNMX", "CS2R", "S2R", "S2UR", "R2UR", "SGXT", "PSETP", "CSMTEST"}
+_INT = {"IADD3", "IADD", "IMAD", "IMADSP", "IMUL", "IABS", "IMNMX", "VIMNMX", "VIMNMX3", "ISETP", "ISCADD", "LEA", "LOP",
+        "LOP3", "SHF", "SHL", "SHR", "SEL", "MOV", "MOV32I", "PRMT", "POPC", "FLO", "BREV", "BMSK", "VIADD", "IDP", "P2R",
+        "R2P", "PLOP3", "VIADDMNMX", "CS2R", "S2R", "S2UR", "R2UR", "SGXT", "PSETP", "CSMTEST"}
 _MEM = {"LDG", "STG", "LDS", "STS", "LDL", "STL", "LD", "ST", "LDC", "ULDC", "ATOM", "ATOMG", "ATOMS", "RED", "LDSM",
         "LDGSTS", "LDGDEPBAR", "UBLKCP", "UTMALDG", "UTMASTG", "CCTL", "MATCH"}
 _WARP = {"SHFL", "BAR", "VOTE", "VOTEU", "REDUX", "WARPSYNC", "MEMBAR", "FENCE", "DEPBAR", "ERRBAR", "ELECT", "SYNCS",

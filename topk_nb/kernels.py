@@ -1518,11 +1518,10 @@ if HAS_TRITON:
         row, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
         lanes = tl.arange(0, BLOCK)
         offs = chunk * BLOCK + lanes
-        x = tl.load(s_ptr + row * n + offs, mask=offs < n, other=-float("inf")).to(tl.float32)
+        key = _key(tl.load(s_ptr + row * n + offs, mask=offs < n, other=-float("inf")).to(tl.float32))   # (BLOCK,)
         for t in range(KTH):
-            v, top = tl.max(x, 0, return_indices=True)                   # one reduction for the value and its place
-            tl.store(top_ptr + (row * n_chunks + chunk) * KTH + t, v)
-            x = tl.where(lanes == top, -float("inf"), x)
+            top, place, key = _take(key, lanes)                          # the largest left, taken out
+            tl.store(top_ptr + (row * n_chunks + chunk) * KTH + t, _unkey(top))
 
     @triton.jit
     def _row_top_kernel(top_ptr, t_ptr, n_cand, KTH: tl.constexpr, BLOCK: tl.constexpr):
@@ -1630,12 +1629,12 @@ if HAS_TRITON:
                         xq, dq, dnq = _noised_tile(sq, cq, tq < count, seed, noise_ptr, d0, b_hi, row, n, n_rows, epsilon, DQ,
                                                    GIVEN_NOISE)          # (DQ, TINY)
                         atq = ((dq.to(tl.int64) * n_rows + row) * n_chunks + chunk) * KTH   # (DQ,) into (S, B, chunks, KTH)
+                        kq = _key(xq)                                        # (DQ, TINY) int32 keys
                         for t in range(KTH):
-                            vq, bq = tl.max(xq, 1, return_indices=True)  # (DQ,) one reduction for all the draws
-                            tl.store(cval_ptr + atq + t, vq, mask=dnq)
+                            topq, bq, kq = _take_rows(kq, tq)    # (DQ,) keys and places: all the draws at once
+                            tl.store(cval_ptr + atq + t, _unkey(topq), mask=dnq)
                             pq = tl.load(scratch_ptr + base + bq, mask=dnq, other=0).to(tl.int32)
                             tl.store(cidx_ptr + atq + t, chunk * BLOCK + pq, mask=dnq)
-                            xq = tl.where(tq[None, :] == bq[:, None], -float("inf"), xq)
                 elif count <= SMALL:                                     # a quarter tile holds them: a quarter of the work
                     ts = tl.arange(0, SMALL)                             # (names of its own: the tiles differ in shape)
                     cs, ss = _live_classes(s_ptr, scratch_ptr, base, ts, count, row, n, chunk, BLOCK)
@@ -1643,12 +1642,12 @@ if HAS_TRITON:
                         xs, ds, dns = _noised_tile(ss, cs, ts < count, seed, noise_ptr, d0, b_hi, row, n, n_rows, epsilon, DS,
                                                    GIVEN_NOISE)          # (DS, SMALL)
                         ats = ((ds.to(tl.int64) * n_rows + row) * n_chunks + chunk) * KTH   # (DS,) into (S, B, chunks, KTH)
+                        ks = _key(xs)                                        # (DS, SMALL)
                         for t in range(KTH):
-                            vs, bs = tl.max(xs, 1, return_indices=True)  # (DS,) one reduction for all the draws
-                            tl.store(cval_ptr + ats + t, vs, mask=dns)
+                            tops, bs, ks = _take_rows(ks, ts)    # (DS,) keys and places: all the draws at once
+                            tl.store(cval_ptr + ats + t, _unkey(tops), mask=dns)
                             ps = tl.load(scratch_ptr + base + bs, mask=dns, other=0).to(tl.int32)
                             tl.store(cidx_ptr + ats + t, chunk * BLOCK + ps, mask=dns)
-                            xs = tl.where(ts[None, :] == bs[:, None], -float("inf"), xs)
                 else:                                                    # the whole tile
                     tile = tl.arange(0, CAP)
                     cls, s_live = _live_classes(s_ptr, scratch_ptr, base, tile, count, row, n, chunk, BLOCK)
@@ -1656,12 +1655,12 @@ if HAS_TRITON:
                         xt, draw, drawn = _noised_tile(s_live, cls, tile < count, seed, noise_ptr, d0, b_hi, row, n, n_rows,
                                                        epsilon, DC, GIVEN_NOISE) # (DC, CAP)
                         at = ((draw.to(tl.int64) * n_rows + row) * n_chunks + chunk) * KTH
+                        kt = _key(xt)                                        # (DC, CAP)
                         for t in range(KTH):
-                            v, best = tl.max(xt, 1, return_indices=True)
-                            tl.store(cval_ptr + at + t, v, mask=drawn)
+                            topt, best, kt = _take_rows(kt, tile)
+                            tl.store(cval_ptr + at + t, _unkey(topt), mask=drawn)
                             place = tl.load(scratch_ptr + base + best, mask=drawn, other=0).to(tl.int32)
                             tl.store(cidx_ptr + at + t, chunk * BLOCK + place, mask=drawn)
-                            xt = tl.where(tile[None, :] == best[:, None], -float("inf"), xt)
         whole = not PRUNE                                                # every class of the chunk, one draw at a time:
         if OVERFLOW:                                                     # without pruning, or where the live classes
             whole = tl.load(count_ptr + row * n_chunks + chunk) > CAP    # overflowed the tile (a launch of its own, so
@@ -1673,13 +1672,12 @@ if HAS_TRITON:
                     z = tl.load(noise_ptr + (b * n_rows + row) * n + offs, mask=inside, other=0.0).to(tl.float32)
                 else:
                     z = _normals(seed, (b * n_rows + row) * ((n + 3) // 4) + quads)   # one Philox call per four classes
-                x = tl.where(inside, s + epsilon * z, -float("inf"))
+                key = _key(tl.where(inside, s + epsilon * z, -float("inf")))   # (BLOCK,)
                 out = ((b * n_rows + row) * n_chunks + chunk) * KTH      # (S, B, chunks, KTH) candidates
                 for t in range(KTH):
-                    v, top = tl.max(x, 0, return_indices=True)           # one reduction for the value and its place
-                    tl.store(cval_ptr + out + t, v)
-                    tl.store(cidx_ptr + out + t, chunk * BLOCK + top)
-                    x = tl.where(lanes == top, -float("inf"), x)
+                    top, place, key = _take(key, lanes)
+                    tl.store(cval_ptr + out + t, _unkey(top))
+                    tl.store(cidx_ptr + out + t, chunk * BLOCK + place)
 
     @triton.jit
     def _perturbed_merge_kernel(cval_ptr, cidx_ptr, s_ptr, y_ptr, margin_ptr, mean_ptr, idx_ptr, loss_ptr, n_rows, n,
@@ -1716,6 +1714,35 @@ if HAS_TRITON:
                 margin = _f64(alpha_bits).to(s_y.dtype)
             hinge = tl.maximum(margin + mean.to(s_y.dtype) - s_y, 0.0)
             tl.store(loss_ptr + row, _f64(scale_bits).to(s_y.dtype) * hinge)
+
+# %% ../nbs/05a_noised_kernels.ipynb #10225be4
+if HAS_TRITON:
+    @triton.jit
+    def _key(x):
+        "The int32 keys of float32 `x`: ordered as the floats, -0 and +0 both 0, a NaN past the infinity of its sign."
+        bits = x.to(tl.int32, bitcast=True)
+        sign = bits >> 31                                                # -1 where the sign bit is set (-0 too), else 0
+        return (bits ^ (sign & 0x7FFFFFFF)) - sign                       # b, or -(b & 0x7FFFFFFF)
+
+    @triton.jit
+    def _unkey(key):
+        "The float32 of a key of `_key` (+0 for 0); a key below -inf's (an entry taken out, a NaN with its sign bit set) reads as -inf."
+        key = tl.maximum(key, -2139095040)                               # the key of -inf: -0x7F800000
+        return tl.where(key < 0, (-key) | (-2147483647 - 1), key).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _take(key, places):
+        "Of the (W,) keys at (W,) int32 `places`: the largest, its first place, and the keys with it taken out (-2^31)."
+        top = tl.max(key, 0)                                             # ()
+        place = tl.min(tl.where(key == top, places, 2147483647), 0)      # () the first place of the largest
+        return top, place, tl.where(places == place, -2147483647 - 1, key)
+
+    @triton.jit
+    def _take_rows(key, places):
+        "`_take` on each row of the (D, W) keys: the largest (D,), its first place (D,), and the keys with them taken out."
+        top = tl.max(key, 1)                                             # (D,)
+        place = tl.min(tl.where(key == top[:, None], places[None, :], 2147483647), 1)   # (D,)
+        return top, place, tl.where(places[None, :] == place[:, None], -2147483647 - 1, key)
 
 # %% ../nbs/05a_noised_kernels.ipynb #6d2caf0e
 def _device_seed(generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
