@@ -57,6 +57,14 @@ def test_pruned_selection_is_topk_of_the_given_noise(n, k, block, cap, spread):
     _pruned_case(n, k, block, cap, spread)
 
 
+def _live(s, z, k, eps):
+    "Each row's live classes as the pruned kernel counts them for a row of one chunk with the noise given: within eps max|z| (1.001) above the least noised value, over the draws, of the row's k largest scores."
+    reach = eps * z.abs().amax(0).amax(1, keepdim=True) * 1.001
+    top = s.topk(k, dim=-1).indices                                    # (rows, k)
+    floor = (s.gather(-1, top) + eps * z.gather(-1, top.expand(z.shape[0], -1, -1))).amin(0).amin(1, keepdim=True)
+    return (s + reach >= floor).sum(1)
+
+
 def _pruned_case(n, k, block, cap, spread):
     "Run one case against topk; return each row's live classes, about as the kernel counts them."
     g = torch.Generator().manual_seed(n + k)
@@ -65,9 +73,7 @@ def _pruned_case(n, k, block, cap, spread):
     ref = (s + 0.3 * z).topk(k, dim=-1)
     torch.testing.assert_close(mean, ref.values[..., -1].mean(0), rtol=1e-6, atol=1e-5)
     assert torch.equal(idx, ref.indices[..., -1])
-    reach = 0.3 * z.abs().amax(0)                                   # about the kernel's: every class within 2 reach of the K-th
-    live = (s + reach.amax(1, keepdim=True) >= s.topk(k, dim=-1).values[:, -1:] - reach.amax(1, keepdim=True)).sum(1)
-    return live
+    return _live(s, z, k, 0.3)                                      # about the kernel's (exactly for one chunk)
 
 
 @pytest.mark.parametrize("block", [None, 64])
@@ -100,8 +106,7 @@ def test_pruned_selection_takes_each_tile():
     s[3] = 0.01 * torch.arange(64.0)                                  # 64: none
     s = s + 1e-3 * torch.rand(4, 64, generator=g)                     # no ties
     z = torch.randn(5, 4, 64, generator=g)
-    reach = 0.3 * z.abs().amax(0).amax(1, keepdim=True) * 1.001       # as the kernel bounds the given noise
-    live = (s + reach >= s.topk(2, dim=-1).values[:, -1:] - reach).sum(1)
+    live = _live(s, z, 2, 0.3)                                        # as the kernel counts them
     assert live[0] <= 2 < live[1] <= 8 < live[2] <= 32 < live[3], live
     mean, idx = (t.cpu() for t in kernels.perturbed_kth_triton(s.to(DEV), 2, 0.3, 5, noise=z.to(DEV), cap=32))
     ref = (s + 0.3 * z).topk(2, dim=-1)
@@ -127,6 +132,21 @@ def test_ties_and_signed_zeros_select_in_class_order(block, cap, k):
     ref = torch.sort(x, dim=-1, descending=True, stable=True)          # ties in class order
     torch.testing.assert_close(mean, ref.values[..., k - 1].mean(0), rtol=0, atol=0)
     assert torch.equal(idx, ref.indices[..., k - 1]), (idx, ref.indices[..., k - 1])
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning")   # the interpreter's min over NaN alone (k = 1)
+@pytest.mark.parametrize("k", [1, 3])
+def test_a_nan_score_ranks_first_as_in_topk(k):
+    "A NaN among the scores of a pruned row is live (no comparison rules it out) and ranks above every number, as in torch.topk: with K = 1 the row's value is NaN, with K = 3 the third entry of topk."
+    g = torch.Generator().manual_seed(8)
+    s, z = 4 * torch.randn(3, 3000, generator=g), torch.randn(4, 3, 3000, generator=g)
+    s[1, 1234] = float("nan")
+    assert kernels._selection_plan(3, 3000, 4, 0, 0)["CAP"] > 0      # the row is pruned
+    mean, idx = (t.cpu() for t in kernels.perturbed_kth_triton(s.to(DEV), k, 0.2, 4, noise=z.to(DEV)))
+    ref = (s + 0.2 * z).topk(k, dim=-1)
+    torch.testing.assert_close(mean, ref.values[..., -1].mean(0), rtol=1e-6, atol=1e-5, equal_nan=True)
+    assert torch.equal(idx, ref.indices[..., -1])
+    assert torch.isnan(mean[1]) == (k == 1)
 
 
 def test_pruned_selection_draws_the_same_noise():
@@ -465,15 +485,18 @@ kernels_and_constants = [(K._perturbed_merge_kernel, merge, {"KTH": 5, "N_SAMPLE
                          for sorted_ in (True, False)]
 kernels_and_constants += [(K._perturbed_candidates_kernel, cand, {"KTH": 5, "N_SAMPLES": 10, "DRAWS": 3, "DS": 16, "DC": 4,
                                                                   "GIVEN_NOISE": given, "PRUNE": prune, "OVERFLOW": over,
-                                                                  "ONE_CHUNK": one, "BLOCK": 1024, "CAP": 256, "SMALL": 64,
-                                                                  "TINY": 16, "DQ": 16})
-                          for given in (False, True)
-                          for prune, over, one in ((False, False, True), (True, False, False), (True, False, True),
-                                                   (False, True, False))]
-kernels_and_constants += [(K._chunk_top_kernel, ptrs(["s_ptr", "top_ptr"], ["*fp32", "*fp32"]) | dict(n="i32", n_chunks="i32"),
-                           {"KTH": 5, "BLOCK": 1024}),
-                          (K._row_top_kernel, ptrs(["top_ptr", "t_ptr"], ["*fp32", "*fp32"]) | dict(n_cand="i32"),
-                           {"KTH": 5, "BLOCK": 64})]
+                                                                  "BLOCK": 1024, "CAP": 256, "SMALL": 64, "TINY": 16,
+                                                                  "DQ": 16})
+                          for given in (False, True) for prune, over in ((False, False), (True, False), (False, True))]
+floor = ptrs(["s_ptr", "noise_ptr", "seed_ptr", "top_ptr", "cls_ptr", "floor_ptr"],
+             ["*fp32", "*fp32", "*i64", "*fp32", "*i32", "*fp32"]) | dict(n="i32", n_rows="i32", epsilon="fp32")
+kernels_and_constants += [(K._chunk_top_kernel, floor | dict(n_chunks="i32"),
+                           {"KTH": kth, "N_SAMPLES": 10, "KPAD": kpad, "DT": 16, "GIVEN_NOISE": given, "FLOOR": one,
+                            "BLOCK": 1024})
+                          for kth, kpad in ((5, 8), (21, 32)) for given in (False, True) for one in (True, False)]
+kernels_and_constants += [(K._row_top_kernel, floor | dict(n_cand="i32"),
+                           {"KTH": 5, "N_SAMPLES": 10, "KPAD": 8, "DT": 16, "GIVEN_NOISE": given, "BLOCK": 64})
+                          for given in (False, True)]
 kernels_and_constants += [(K._perturbed_grad_kernel, grad, {"N_SAMPLES": 3, "HINGE": hinge, "REDUCTION": reduction,
                                                             "HAS_WEIGHT": reduction == 1, "BLOCK": 1024})
                           for hinge, reduction in ((False, -1), (True, -1), (True, 1))]

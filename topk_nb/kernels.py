@@ -1513,25 +1513,48 @@ RANDN_BOUND = 5.68        # |z| <= sqrt(-2 ln 1e-7) = 5.6777 (Box-Muller of u1 >
 
 if HAS_TRITON:
     @triton.jit
-    def _chunk_top_kernel(s_ptr, top_ptr, n, n_chunks, KTH: tl.constexpr, BLOCK: tl.constexpr):
-        "Program (row, chunk): the KTH largest scores of the chunk (no noise); `_row_top_kernel` takes the row's KTH-th from them."
+    def _chunk_top_kernel(s_ptr, noise_ptr, seed_ptr, top_ptr, cls_ptr, floor_ptr, n, n_rows, n_chunks, epsilon,
+                          KTH: tl.constexpr, N_SAMPLES: tl.constexpr, KPAD: tl.constexpr, DT: tl.constexpr,
+                          GIVEN_NOISE: tl.constexpr, FLOOR: tl.constexpr, BLOCK: tl.constexpr):
+        "Program (row, chunk): the KTH largest scores of the chunk (no noise), largest first, and their classes; `_row_top_kernel` takes the row's KTH largest from them. FLOOR (a row of one chunk, whose list is the row's): the pruning threshold, the least noised value of those classes over the draws."
         row, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
         lanes = tl.arange(0, BLOCK)
         offs = chunk * BLOCK + lanes
         key = _key(tl.load(s_ptr + row * n + offs, mask=offs < n, other=-float("inf")).to(tl.float32))   # (BLOCK,)
+        tj = tl.arange(0, KPAD)
+        jcls = tl.zeros([KPAD], dtype=tl.int32)                          # (KPAD,) the classes, for FLOOR
         for t in range(KTH):
             top, place, key = _take(key, lanes)                          # the largest left, taken out
             tl.store(top_ptr + (row * n_chunks + chunk) * KTH + t, _unkey(top))
+            tl.store(cls_ptr + (row * n_chunks + chunk) * KTH + t, (chunk * BLOCK + place).to(tl.int32))
+            jcls = tl.where(tj == t, (chunk * BLOCK + place).to(tl.int32), jcls)
+        if FLOOR:
+            floor = float("inf")
+            for d0 in range(0, N_SAMPLES, DT):
+                floor = tl.minimum(floor, _noised_min(s_ptr, noise_ptr, seed_ptr, jcls, tj < KTH, d0, row, n, n_rows,
+                                                      epsilon, N_SAMPLES, DT, GIVEN_NOISE))
+            tl.store(floor_ptr + row, floor)
 
     @triton.jit
-    def _row_top_kernel(top_ptr, t_ptr, n_cand, KTH: tl.constexpr, BLOCK: tl.constexpr):
-        "Program `row`: the row's KTH-th largest score, the KTH-th largest of its chunks' KTH largest."
+    def _row_top_kernel(s_ptr, noise_ptr, seed_ptr, top_ptr, cls_ptr, floor_ptr, n, n_rows, n_cand, epsilon,
+                        KTH: tl.constexpr, N_SAMPLES: tl.constexpr, KPAD: tl.constexpr, DT: tl.constexpr,
+                        GIVEN_NOISE: tl.constexpr, BLOCK: tl.constexpr):
+        "Program `row`: the row's KTH largest scores, the KTH largest of its chunks' lists, and the pruning threshold: the least noised value of their classes over the draws."
         row = tl.program_id(0).to(tl.int64)
-        lanes = tl.arange(0, BLOCK)
+        lanes = tl.arange(0, BLOCK)                                      # (BLOCK,) the chunks' lists, one after another
         x = tl.load(top_ptr + row * n_cand + lanes, mask=lanes < n_cand, other=-float("inf"))
-        for _ in range(KTH - 1):
-            x = tl.where(lanes == tl.argmax(x, 0), -float("inf"), x)
-        tl.store(t_ptr + row, tl.max(x, 0))
+        cls = tl.load(cls_ptr + row * n_cand + lanes, mask=lanes < n_cand, other=0)
+        tj = tl.arange(0, KPAD)
+        jcls = tl.zeros([KPAD], dtype=tl.int32)                          # (KPAD,) the row's K classes
+        for t in range(KTH):
+            best = tl.argmax(x, 0)
+            jcls = tl.where(tj == t, tl.sum(tl.where(lanes == best, cls, 0), 0), jcls)
+            x = tl.where(lanes == best, -float("inf"), x)
+        floor = float("inf")
+        for d0 in range(0, N_SAMPLES, DT):
+            floor = tl.minimum(floor, _noised_min(s_ptr, noise_ptr, seed_ptr, jcls, tj < KTH, d0, row, n, n_rows,
+                                                  epsilon, N_SAMPLES, DT, GIVEN_NOISE))
+        tl.store(floor_ptr + row, floor)
 
     @triton.jit
     def _box_muller(w1, w2):
@@ -1587,13 +1610,22 @@ if HAS_TRITON:
         return tl.where(drawn[:, None] & valid[None, :], s_live[None, :] + epsilon * zt, -float("inf")), draw, drawn
 
     @triton.jit
+    def _noised_min(s_ptr, noise_ptr, seed_ptr, jcls, inj, d0, row, n, n_rows, epsilon, N_SAMPLES: tl.constexpr,
+                    DT: tl.constexpr, GIVEN_NOISE: tl.constexpr):
+        "The least of s_j + epsilon z_j over the (KPAD,) classes `jcls` where `inj` and the draws d0 .. d0 + DT - 1: the numbers of `_noised_tile`, which the tiles select on."
+        js = tl.load(s_ptr + row * n + jcls, mask=inj, other=0.0).to(tl.float32)
+        xj, dj, dnj = _noised_tile(js, jcls, inj, tl.load(seed_ptr), noise_ptr, d0, N_SAMPLES, row, n, n_rows, epsilon,
+                                   DT, GIVEN_NOISE)                      # (DT, KPAD)
+        return tl.min(tl.where(dnj[:, None] & inj[None, :], xj, float("inf")))
+
+    @triton.jit
     def _perturbed_candidates_kernel(s_ptr, noise_ptr, seed_ptr, top_ptr, scratch_ptr, count_ptr, cval_ptr, cidx_ptr,
                                      n_rows, n, n_chunks, epsilon, bound, KTH: tl.constexpr, N_SAMPLES: tl.constexpr,
                                      DRAWS: tl.constexpr, GIVEN_NOISE: tl.constexpr, PRUNE: tl.constexpr,
-                                     OVERFLOW: tl.constexpr, ONE_CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                                     OVERFLOW: tl.constexpr, BLOCK: tl.constexpr,
                                      CAP: tl.constexpr, SMALL: tl.constexpr, DS: tl.constexpr, DC: tl.constexpr,
                                      TINY: tl.constexpr, DQ: tl.constexpr):
-        "Program (row, chunk, group): for each of the group's draws, the KTH largest entries of s + epsilon z in the chunk, largest first, and their classes. PRUNE: noise only for the classes that can be among them (the row's threshold at top_ptr: ONE_CHUNK, the last of the chunk's top list), all the group's draws at once, on the narrowest of three tiles that holds them, and the count of those classes; a chunk whose count passes CAP is left to the OVERFLOW launch, which works on the whole chunk where the count says so."
+        "Program (row, chunk, group): for each of the group's draws, the KTH largest entries of s + epsilon z in the chunk, largest first, and their classes. PRUNE: noise only for the classes that can be among them (not below top_ptr's threshold, the least noised value of the row's KTH largest scores over the draws, less the noise's bound), all the group's draws at once, on the narrowest of three tiles that holds them, and the count of those classes; a chunk whose count passes CAP is left to the OVERFLOW launch, which works on the whole chunk where the count says so."
         row, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)    # int64 row: (S B + row) n passes 2^31
         b_lo = tl.program_id(2) * DRAWS
         b_hi = tl.minimum(b_lo + DRAWS, N_SAMPLES)
@@ -1602,10 +1634,9 @@ if HAS_TRITON:
         inside = offs < n
         seed = tl.load(seed_ptr)
         if PRUNE:
-            if ONE_CHUNK:                                                # the row's KTH-th largest score: the last
-                kth = tl.load(top_ptr + row * KTH + KTH - 1)             # of its one chunk's top (`_chunk_top_kernel`)
-            else:
-                kth = tl.load(top_ptr + row)                             # `_row_top_kernel`'s, of the chunks' tops
+            floor = tl.load(top_ptr + row)                               # the least noised value of the row's KTH
+                                                                         # largest scores (`_chunk_top_kernel`, or
+                                                                         # `_row_top_kernel` for several chunks)
             s = tl.load(s_ptr + row * n + offs, mask=inside, other=0.0).to(tl.float32)   # (BLOCK,) the chunk's scores
             if GIVEN_NOISE:                                              # the largest |z| of the program's draws
                 zmax = 0.0
@@ -1615,7 +1646,8 @@ if HAS_TRITON:
                 reach = epsilon * (zmax * 1.001)                         # the margin covers the rounding of s + epsilon z
             else:
                 reach = epsilon * bound                                  # bound >= |z| for every z that tl.randn draws
-            live = inside & (s + reach >= kth - reach)                   # the others are below KTH entries in every draw
+            live = inside & ~(s + reach < floor)                         # the others are below KTH entries in every
+                                                                         # draw (a NaN lives)
             count = tl.sum(live.to(tl.int32), 0)
             tl.store(count_ptr + row * n_chunks + chunk, count)          # (one program a chunk) for the OVERFLOW launch
             if count <= CAP:                                             # the live classes, in class order, in one tile
@@ -1760,8 +1792,9 @@ TILE = 4096               # values of the (draws, live classes) tile a pruned pr
 def _selection_plan(B: int, n: int, n_samples: int,
                     block: int,  # classes per chunk (0: one block up to MAX_ROW, chunks of MAX_ROW beyond)
                     cap: int,    # live classes a pruned chunk holds in its tile (0: by the chunk's size; -1: no pruning)
+                    k: int = 1,  # the K of top_K: the width of the pruning threshold's tile
                     ) -> dict:
-    "How the selection kernels cut a (B, n) problem: the chunk, the chunks per row, the tile of live classes (0: no pruning), the draws per program."
+    "How the selection kernels cut a (B, n) problem: the chunk, the chunks per row, the tile of live classes (0: no pruning), the draws per program, the tiles' draws at a time."
     block = max(4, block or MAX_ROW)                                     # whole groups of four classes
     BLOCK, chunks = (max(4, triton.next_power_of_2(n)), 1) if n <= block else (block, triton.cdiv(n, block))
     if cap == 0:
@@ -1777,7 +1810,8 @@ def _selection_plan(B: int, n: int, n_samples: int,
     return dict(BLOCK=BLOCK, chunks=chunks, CAP=CAP, DRAWS=draws, groups=triton.cdiv(n_samples, draws),
                 warps=warps, maxnreg=64 if warps == 16 and CAP else None,   # pruned, 16 warps: two programs an SM
                                                                             # (64 K registers); the whole chunk: ptxas's
-                SMALL=small, DS=tile_draws(small), DC=tile_draws(max(CAP, 1)), TINY=tiny, DQ=tile_draws(tiny))
+                SMALL=small, DS=tile_draws(small), DC=tile_draws(max(CAP, 1)), TINY=tiny, DQ=tile_draws(tiny),
+                KPAD=triton.next_power_of_2(k), DT=tile_draws(triton.next_power_of_2(k)))   # the threshold's tile
 
 
 def _select(s: torch.Tensor,                # (B, n) scores, contiguous
@@ -1790,22 +1824,26 @@ def _select(s: torch.Tensor,                # (B, n) scores, contiguous
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     "Launch the kernels (for a long pruned row the chunks' top first), the candidates (pruned: then the chunks whose live classes overflowed their tile) and the merge: mean_b top_K(s + eps Z_b) (B,) float32, the indices (S, B), and the hinge loss (B,) when `target` is given."
     (B, n), z = s.shape, s if noise is None else noise
-    p = _selection_plan(B, n, n_samples, block, cap)
+    p = _selection_plan(B, n, n_samples, block, cap, k)
     kw = dict(device=s.device)
     scratch = torch.empty(B * p["chunks"] * p["groups"] * p["CAP"] if p["CAP"] else 1, dtype=torch.int16, **kw)
     count = torch.empty(B * p["chunks"] if p["CAP"] else 1, dtype=torch.int32, **kw)   # live classes of each chunk
     top = s                                                               # (read only when pruning)
-    if p["CAP"]:                                                          # pruning: the row's K-th largest score first
-        top = torch.empty(B, p["chunks"], k, dtype=torch.float32, **kw)   # one chunk: the last of its list
-        _launch(_chunk_top_kernel, (B, p["chunks"]), s, top, n, p["chunks"], KTH=k, BLOCK=p["BLOCK"], num_warps=p["warps"])
-        if p["chunks"] > 1:                                               # several: the K-th of all lists
-            tops, top, merge = top, torch.empty(B, dtype=torch.float32, **kw), triton.next_power_of_2(p["chunks"] * k)
-            _launch(_row_top_kernel, (B,), tops, top, p["chunks"] * k, KTH=k, BLOCK=merge,
-                    num_warps=min(16, max(1, merge // 256)))
+    if p["CAP"]:                                                          # pruning: the row's K largest scores first,
+        tops = torch.empty(B, p["chunks"], k, dtype=torch.float32, **kw)  # and the threshold: their least noised value
+        cls = torch.empty(B, p["chunks"], k, dtype=torch.int32, **kw)
+        top = torch.empty(B, dtype=torch.float32, **kw)
+        floor = dict(KTH=k, N_SAMPLES=n_samples, KPAD=p["KPAD"], DT=p["DT"], GIVEN_NOISE=noise is not None)
+        _launch(_chunk_top_kernel, (B, p["chunks"]), s, z, seed, tops, cls, top, n, B, p["chunks"], epsilon,
+                FLOOR=p["chunks"] == 1, BLOCK=p["BLOCK"], num_warps=p["warps"], **floor)   # one chunk: its list
+        if p["chunks"] > 1:                                               # several: the K largest of all lists
+            merge = triton.next_power_of_2(p["chunks"] * k)
+            _launch(_row_top_kernel, (B,), s, z, seed, tops, cls, top, n, B, p["chunks"] * k, epsilon, BLOCK=merge,
+                    num_warps=min(16, max(1, merge // 256)), **floor)
     cval = torch.empty(n_samples, B, p["chunks"], k, dtype=torch.float32, **kw)
     cidx = torch.empty(n_samples, B, p["chunks"], k, dtype=torch.int64, **kw)
     const = dict(KTH=k, N_SAMPLES=n_samples, DRAWS=p["DRAWS"], GIVEN_NOISE=noise is not None,
-                 ONE_CHUNK=p["chunks"] == 1, BLOCK=p["BLOCK"], CAP=max(p["CAP"], 1),
+                 BLOCK=p["BLOCK"], CAP=max(p["CAP"], 1),
                  SMALL=p["SMALL"], DS=p["DS"], DC=p["DC"], TINY=p["TINY"], DQ=p["DQ"], num_warps=p["warps"])
     args = (s, z, seed, top, scratch, count, cval, cidx, B, n, p["chunks"], epsilon, RANDN_BOUND)
     grid = (B, p["chunks"], p["groups"])
