@@ -1260,7 +1260,7 @@ class Budget(NamedTuple):
 BUDGETS = {
     "noised_bal, n < 2048, k = 5": Budget("noised_bal", lambda sh: sh["k"] == 5 and sh["B"] == 256, 2.0),   # the target:
                                           # <= 2x at every n, B = 256 (B = 4096: a row of the table)
-    "noised_bal, pruned, k = 5": Budget("noised_bal, pruned", lambda sh: sh["k"] == 5, 2.0),
+    "noised_bal, pruned, k = 5": Budget("noised_bal, pruned", lambda sh: sh["k"] == 5 and sh["B"] == 256, 2.0),
     "noised_bal, pruned, k = 20": Budget("noised_bal, pruned", lambda sh: sh["k"] == 20, 3.0),
     "noised_bal, k = 20": Budget("noised_bal", lambda sh: sh["k"] == 20, 3.0),
     "smooth_svm, n = 1000, k <= 20": Budget("smooth_svm", lambda sh: sh["n"] == 1000 and sh["k"] <= 20, 3.0),

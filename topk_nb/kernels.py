@@ -28,7 +28,7 @@ except ImportError:                            # pragma: no cover - CPU-only tor
 _OPS = "topk_nb" if __name__.startswith("topk_nb") else "topk_nb_chapter"
 
 # %% auto #0
-__all__ = ['MAX_ROW', 'MAX_KTH', 'ROWS', 'REDUCTION_CODES', 'kth_max_row', 'force_triton', 'triton_ok', 'count_launches', 'f64_bits', 'SVM_MAX_K', 'SVM32_MAX_K', 'SVMW_PROGRAMS', 'svm_triton_ok', 'svm_blocks', 'smooth_svm_triton', 'smooth_svm_fused', 'svm32_plan', 'svm32_tiles', 'svmw_plan', 'RANDN_BOUND', 'PRUNE_MIN', 'TARGET_PROGRAMS', 'TILE', 'perturbed_kth_triton', 'triton_sampled_topk_value', 'triton_noised_hinge', 'noised_hinge_fused']
+__all__ = ['MAX_ROW', 'MAX_KTH', 'ROWS', 'REDUCTION_CODES', 'kth_max_row', 'force_triton', 'triton_ok', 'count_launches', 'f64_bits', 'SVM_MAX_K', 'SVM32_MAX_K', 'SVMW_PROGRAMS', 'svm_triton_ok', 'svm_blocks', 'smooth_svm_triton', 'smooth_svm_fused', 'svm32_plan', 'svm32_tiles', 'svmw_plan', 'RANDN_BOUND', 'PRUNE_MIN', 'PRUNE_MIN_FULL', 'TARGET_PROGRAMS', 'TILE', 'perturbed_kth_triton', 'triton_sampled_topk_value', 'triton_noised_hinge', 'noised_hinge_fused']
 
 # %% ../nbs/02a_kernels.ipynb #c63387a8
 _FORCE = threading.local()
@@ -1785,6 +1785,7 @@ def _device_seed(generator: torch.Generator | None, device: torch.device) -> tor
 
 # %% ../nbs/05a_noised_kernels.ipynb #ab2af40b
 PRUNE_MIN = 2048          # chunks of at least this many classes draw noise only for the classes that can be selected
+PRUNE_MIN_FULL = 1024     # ... and of at least this many when the batch alone fills the grid (B >= TARGET_PROGRAMS)
 TARGET_PROGRAMS = 1024    # the draws of a row are split over programs until the grid has about this many
 TILE = 4096               # values of the (draws, live classes) tile a pruned program holds
 
@@ -1797,8 +1798,9 @@ def _selection_plan(B: int, n: int, n_samples: int,
     "How the selection kernels cut a (B, n) problem: the chunk, the chunks per row, the tile of live classes (0: no pruning), the draws per program, the tiles' draws at a time."
     block = max(4, block or MAX_ROW)                                     # whole groups of four classes
     BLOCK, chunks = (max(4, triton.next_power_of_2(n)), 1) if n <= block else (block, triton.cdiv(n, block))
-    if cap == 0:
-        cap = min(BLOCK // 4, 1024) if BLOCK >= PRUNE_MIN else -1
+    if cap == 0:                                                          # the whole-row kernel's instructions are the
+        full = B * chunks >= TARGET_PROGRAMS                              # time when its programs fill the grid
+        cap = min(BLOCK // 4, 1024) if BLOCK >= (PRUNE_MIN_FULL if full else PRUNE_MIN) else -1
     CAP = triton.next_power_of_2(cap) if 0 < cap < BLOCK else 0
     small, tiny = max(CAP // 4, 1), max(CAP // 16, 1)                     # the narrower tiles: a quarter, a sixteenth
     if CAP:                                                               # one program per chunk: it compacts once
