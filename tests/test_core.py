@@ -97,3 +97,84 @@ def test_brute_log_esp_matches_exact_values():
     x = torch.tensor([float(v) for v in e], dtype=torch.float64).log()
     exact = torch.tensor([float(brute_esp(e, j)) for j in range(5)], dtype=torch.float64).log()
     torch.testing.assert_close(brute_log_esp(x, 4), exact, rtol=1e-14, atol=1e-14)
+
+
+# torchmetrics is the field's reference for these metrics; where the semantics chosen here differ (ties, NaN
+# rows, a predicted class absent from the targets at k = 1), the tests say how and check the difference exactly.
+torchmetrics = pytest.importorskip("torchmetrics")
+from torchmetrics.classification import MulticlassAccuracy
+
+
+def _tm(scores, target, k, average):
+    return MulticlassAccuracy(scores.shape[1], top_k=k, average=average)(scores.float(), target).item()
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_metrics_agree_with_torchmetrics_on_random_scores(seed):
+    g = torch.Generator().manual_seed(seed)
+    n = 12
+    scores = torch.randn(200, n, generator=g)
+    target = torch.cat([torch.arange(n), torch.randint(0, n, (188,), generator=g)])     # every class present
+    for k in (1, 3, 5):
+        assert topk_accuracy(scores, target, k)[k] == pytest.approx(_tm(scores, target, k, "micro"), abs=1e-6)
+        assert macro_topk_accuracy(scores, target, k)[k] == pytest.approx(_tm(scores, target, k, "macro"), abs=1e-6)
+
+
+def test_expected_ties_are_torchmetrics_averaged_over_the_orders_of_the_classes():
+    # torchmetrics breaks ties by position; over every permutation of the columns, each order of tied classes is
+    # equally likely, so the mean of its accuracy over the permutations is the random tie-break's expectation
+    import itertools
+    g = torch.Generator().manual_seed(0)
+    n = 5
+    scores = torch.randint(0, 3, (40, n), generator=g).float()                          # many ties
+    target = torch.randint(0, n, (40,), generator=g)
+    perms = list(itertools.permutations(range(n)))
+    for k in (1, 2, 3):
+        ref = 0.0
+        for p in perms:
+            p = torch.tensor(p)                                                     # column j goes to p[j]
+            moved = torch.empty_like(scores); moved[:, p] = scores
+            ref += _tm(moved, p[target], k, "micro")
+        assert topk_accuracy(scores, target, k)[k] == pytest.approx(ref / len(perms), abs=1e-6)
+    # the constant model scores chance
+    assert topk_accuracy(torch.zeros(6, n), torch.arange(6) % n, 2)[2] == pytest.approx(2 / n)
+
+
+def test_nan_rows_are_misses_and_the_rest_agree_with_torchmetrics():
+    g = torch.Generator().manual_seed(1)
+    scores = torch.randn(30, 6, generator=g)
+    target = torch.randint(0, 6, (30,), generator=g)
+    scores[[2, 7, 11], target[[2, 7, 11]]] = float("nan")                                # NaN as the target's own score
+    scores[[4, 9], 0] = float("nan")
+    finite = ~scores.isnan().any(1)
+    for k in (1, 2, 5):
+        ours = topk_accuracy(scores, target, k)[k]
+        assert ours * 30 == pytest.approx(_tm(scores[finite], target[finite], k, "micro") * int(finite.sum()), abs=1e-5)
+        assert topk_correct(scores, target, k)[0][~finite].eq(0).all()
+    assert topk_accuracy(torch.tensor([[float("nan"), 0.0], [0.0, 1.0]]), torch.tensor([0, 0]), 1) == {1: 0.0}
+
+
+def test_macro_leaves_out_a_predicted_class_absent_from_the_targets():
+    g = torch.Generator().manual_seed(2)
+    scores = torch.randn(12, 4, generator=g)
+    target = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2])                          # class 3 absent
+    scores[:3, 3] = 10.0                                                              # but predicted
+    per_class = MulticlassAccuracy(4, top_k=1, average="none")(scores, target)[:3]
+    assert macro_topk_accuracy(scores, target, 1)[1] == pytest.approx(per_class.mean().item(), abs=1e-6)
+    # torchmetrics counts class 3 as 0 at top_k = 1 (mean over 4 classes) and leaves it out at top_k > 1
+    assert _tm(scores, target, 1, "macro") == pytest.approx(per_class.sum().item() / 4, abs=1e-6)
+    assert macro_topk_accuracy(scores, target, 2)[2] == pytest.approx(_tm(scores, target, 2, "macro"), abs=1e-6)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: topk_accuracy(torch.randn(4, 5), torch.tensor([0, 1, 2, 3]), 2.0), "k must be an integer, got float"),
+    (lambda: topk_accuracy(torch.randn(5), torch.tensor(1), 1), "scores must have shape (B, n)"),
+    (lambda: macro_topk_accuracy(torch.randn(5), torch.tensor(1), 1), "scores must have shape (B, n)"),
+    (lambda: topk_accuracy(torch.randn(4, 5, device="meta"), torch.zeros(4, dtype=torch.long, device="meta"), 1),
+     "cannot be on the meta device"),
+    (lambda: topk_correct(torch.randn(4, 5), torch.tensor([0, 1, 2, 3]), 1, ties="random"), "ties must be one of"),
+])
+def test_metric_bad_input_messages(call, message):
+    with pytest.raises((ValueError, TypeError)) as info:
+        call()
+    assert message in str(info.value)

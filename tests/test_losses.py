@@ -119,3 +119,18 @@ def test_names_line_up():
     # the earlier names are the same objects
     assert topk_nb.SmoothTopkSVM is topk_nb.SmoothSVM and topk_nb.smooth_topk_svm is topk_nb.smooth_svm
     assert topk_nb.NoisedImbalTopK is topk_nb.NoisedImbal and topk_nb.CrossEntropy is topk_nb.CE
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if "k" in LOSSES[n].defaults])
+@pytest.mark.parametrize("conventions", [{"ignore_index": -100}, {"weight": "w"}, {"weight": "w", "ignore_index": 3}])
+def test_mixture_averages_as_its_losses_do(name, conventions):
+    # a mixture of means over the counted, class-weighted samples equals the same mixture of the modules by hand
+    s, y = problem(7)
+    y[[1, 4]] = -100 if conventions.get("ignore_index") == -100 else y[[1, 4]]
+    kw = {**conventions, **({"weight": torch.linspace(0.5, 2.0, 8)} if "weight" in conventions else {})}
+    for reduction in ("mean", "sum", "none"):
+        mix = get_loss(name, k={1: 0.25, 3: 0.75}, reduction=reduction, **kw, **extra(name))
+        shared = extra(name)                     # the noised losses: one generator, drawn from by k = 1, then k = 3
+        by_hand = (0.25 * get_loss(name, k=1, reduction=reduction, **kw, **shared)(s, y)
+                   + 0.75 * get_loss(name, k=3, reduction=reduction, **kw, **shared)(s, y))
+        torch.testing.assert_close(mix(s, y), by_hand)

@@ -188,17 +188,39 @@ def scores_without_target(scores: torch.Tensor, target: torch.Tensor) -> torch.T
     return scores.gather(1, cols + (cols >= target[:, None]).long())
 
 # %% ../nbs/00_core.ipynb #847fcfe7
-def target_rank(scores: torch.Tensor, target: torch.Tensor, ties: str = "pessimistic") -> torch.Tensor:
-    "Number of classes ranked above the target of each sample (0 = top-1); ties count against it if pessimistic."
-    scores = check_scores(scores, check=False)
-    target = check_target(target, scores.shape[1], scores.shape[0])
-    s_y = scores.gather(1, target[:, None])
-    if ties == "pessimistic":
-        return (scores >= s_y).sum(1) - 1
-    if ties == "optimistic":
-        return (scores > s_y).sum(1)
-    raise ValueError(f"ties must be 'pessimistic' or 'optimistic', got {ties!r}")
+_TIES = ("expected", "pessimistic", "optimistic")
 
+
+def _metric_scores(scores, target, caller: str) -> tuple[torch.Tensor, torch.Tensor]:
+    "Scores (B, n) with values (not on the meta device; NaN allowed: such a row is a miss) and class indices (B,) in range."
+    scores = check_scores(scores, check=False)
+    if scores.device.type == "meta":
+        raise ValueError(f"{caller} reads the scores' values, so they cannot be on the meta device")
+    return scores, check_target(target, scores.shape[1], scores.shape[0])
+
+
+def _above_and_tied(scores: torch.Tensor,   # (B, n) scores
+                    target: torch.Tensor,   # (B,) class indices
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    "For each row: the classes scoring strictly above the target (B,), the other classes tied with it (B,), and whether the row has a NaN (B,)."
+    s_y = scores.gather(1, target[:, None])                                   # (B, 1)
+    above = (scores > s_y).sum(1)                                             # (B,)
+    tied = (scores == s_y).sum(1) - 1                                         # (B,): the target itself left out
+    return above, tied, scores.isnan().any(1)
+
+
+def target_rank(scores: torch.Tensor,        # (B, n) scores
+                target: torch.Tensor,        # (B,) class indices
+                ties: str = "pessimistic",   # tied classes rank above the target ("pessimistic"), below it ("optimistic"),
+                                             # or half of them above ("expected": the mean rank under a random tie-break)
+                ) -> torch.Tensor:
+    "Number of classes ranked above the target of each sample (0 = top-1); n for a row with a NaN score (never in a top-k)."
+    if ties not in _TIES:
+        raise ValueError(f"ties must be one of {_TIES}, got {ties!r}")
+    scores, target = _metric_scores(scores, target, "target_rank")
+    above, tied, nan = _above_and_tied(scores, target)
+    rank = above + tied if ties == "pessimistic" else above if ties == "optimistic" else above + tied / 2
+    return torch.where(nan, scores.shape[1], rank)
 
 # %% ../nbs/00_core.ipynb #29ec5fec
 def _check_ks(k, n: int, ks=None, caller: str = "topk_accuracy") -> tuple[int, ...]:
@@ -207,7 +229,9 @@ def _check_ks(k, n: int, ks=None, caller: str = "topk_accuracy") -> tuple[int, .
         warnings.warn(f"{caller}(ks=...) is deprecated: pass k=... (one k or several), as the losses take k",
                       FutureWarning, stacklevel=3)
         k = ks
-    k = (k,) if isinstance(k, Integral) else tuple(k)
+    if isinstance(k, torch.Tensor): k = k.tolist()
+    if isinstance(k, (str, bytes)) or not isinstance(k, Iterable): k = (check_int(k, "k"),)   # one k, of the right type
+    k = tuple(k)
     if not k: raise ValueError("k must name at least one k, got an empty sequence")
     return tuple(check_int(one, "each k", 1, n) for one in k)
 
@@ -215,41 +239,50 @@ def _check_ks(k, n: int, ks=None, caller: str = "topk_accuracy") -> tuple[int, .
 def topk_correct(scores: torch.Tensor,                   # (B, n) scores
                  target: torch.Tensor,                   # (B,) class indices
                  k: int | Sequence[int] = (1, 5),        # one k, or several
-                 ties: str = "pessimistic",              # ties with the target count against it, or for it ("optimistic")
+                 ties: str = "expected",                 # "expected": the chance that a random tie-break puts the target in
+                                                         # the top k; "pessimistic" / "optimistic": ties count against / for it
                  *, ks: int | Sequence[int] | None = None,   # the earlier name of k (deprecated)
                  ) -> torch.Tensor:
-    "Boolean tensor `(len(k), B)`: is the target among the top-k classes, for each k (Berrada 2018, eq. 5)."
-    rank = target_rank(scores, target, ties)
+    "`(len(k), B)`: is the target among the top-k classes, for each k (Berrada 2018, eq. 5); a row with a NaN score is a miss. Float in [0, 1] for ties=\"expected\", bool otherwise."
+    if ties not in _TIES:
+        raise ValueError(f"ties must be one of {_TIES}, got {ties!r}")
+    scores, target = _metric_scores(scores, target, "topk_correct")
     k = _check_ks(k, scores.shape[1], ks, "topk_correct")
-    return rank[None, :] < torch.tensor(k, device=rank.device)[:, None]
+    above, tied, nan = _above_and_tied(scores, target)                        # (B,) each
+    kk = torch.tensor(k, device=scores.device)[:, None]                       # (len(k), 1)
+    if ties == "expected":                                                     # the target's place is uniform in above..above + tied
+        hit = ((kk - above) / (tied + 1)).clamp(0, 1)                         # (len(k), B)
+        return torch.where(nan, 0.0, hit.to(torch.float64 if scores.dtype == torch.float64 else torch.float32))
+    rank = above + tied if ties == "pessimistic" else above                    # (B,)
+    return (rank < kk) & ~nan
 
 # %% ../nbs/00_core.ipynb #fe534744
 def topk_accuracy(scores: torch.Tensor,                  # (B, n) scores
                   target: torch.Tensor,                  # (B,) class indices
                   k: int | Sequence[int] = (1, 5),       # one k, or several
-                  ties: str = "pessimistic",             # ties with the target count against it, or for it ("optimistic")
+                  ties: str = "expected",                # "expected" (a random tie-break's mean), "pessimistic" or "optimistic"
                   *, ks: int | Sequence[int] | None = None,   # the earlier name of k (deprecated)
                   ) -> dict[int, float]:
-    "Top-k accuracy (fraction in [0, 1]) for each k in `k`: {k: accuracy}."
-    k = _check_ks(k, scores.shape[1], ks, "topk_accuracy")
+    "Top-k accuracy (fraction in [0, 1]) for each k in `k`: {k: accuracy}; a row with a NaN score counts as a miss."
+    k = _check_ks(k, check_scores(scores, check=False).shape[1], ks, "topk_accuracy")
     correct = topk_correct(scores, target, k, ties)
-    return {one: c.float().mean().item() for one, c in zip(k, correct)}
+    return {one: c.double().mean().item() for one, c in zip(k, correct)}
 
 # %% ../nbs/00_core.ipynb #7bdc71ea
 def macro_topk_accuracy(scores: torch.Tensor,            # (B, n) scores
                         target: torch.Tensor,            # (B,) class indices
                         k: int | Sequence[int] = (1, 5), # one k, or several
-                        ties: str = "pessimistic",       # ties with the target count against it, or for it ("optimistic")
+                        ties: str = "expected",          # "expected" (a random tie-break's mean), "pessimistic" or "optimistic"
                         *, ks: int | Sequence[int] | None = None,   # the earlier name of k (deprecated)
                         ) -> dict[int, float]:
-    "Macro-average top-k accuracy: top-k accuracy of each class present in `target`, averaged over those classes (Garcin 2022, section 4.5)."
-    k = _check_ks(k, scores.shape[1], ks, "macro_topk_accuracy")
-    correct = topk_correct(scores, target, k, ties).float()
+    "Macro-average top-k accuracy: the top-k accuracy of each class present in `target`, averaged over those classes (Garcin 2022, section 4.5); a class absent from `target` is left out even if predicted."
+    k = _check_ks(k, check_scores(scores, check=False).shape[1], ks, "macro_topk_accuracy")
+    correct = topk_correct(scores, target, k, ties).double()                   # (len(k), B)
     n = scores.shape[1]
-    per_class_hits = torch.zeros(len(k), n, device=correct.device).index_add_(1, target.long(), correct)
-    per_class_count = torch.bincount(target.long(), minlength=n).to(correct)
+    per_class_hits = torch.zeros(len(k), n, dtype=torch.float64, device=correct.device).index_add_(1, target.long(), correct)
+    per_class_count = torch.bincount(target.long(), minlength=n).to(correct)   # (n,)
     present = per_class_count > 0
-    per_class_acc = per_class_hits[:, present] / per_class_count[present]
+    per_class_acc = per_class_hits[:, present] / per_class_count[present]      # (len(k), classes present)
     return {one: acc.mean().item() for one, acc in zip(k, per_class_acc)}
 
 # %% ../nbs/00_core.ipynb #f3947662

@@ -111,7 +111,10 @@ def get_loss(name: str, **params) -> nn.Module:
 class TopkMixture(nn.Module):
     "Mixture sum_k p_k loss_k over k of a registered top-k loss; weights as {k: p_k} or (p_1, ..., p_kmax)."
 
-    def __init__(self, name: str, weights, reduction: str = "mean", **params):
+    def __init__(self, name: str,               # a registered top-k loss
+                 weights,                       # {k: p_k} or (p_1, ..., p_kmax): non-negative, normalised to sum to 1
+                 reduction: str = "mean",       # 'mean' (over the counted samples, weighted as the loss weighs them), 'sum' or 'none'
+                 **params):                     # the loss's other keywords (weight, ignore_index, tau, ...), shared by every k
         super().__init__()
         if name not in LOSSES or "k" not in LOSSES[name].defaults:
             topk = [n for n, e in LOSSES.items() if "k" in e.defaults]
@@ -123,14 +126,25 @@ class TopkMixture(nn.Module):
         total = sum(p for _, p in pairs)
         self.ks = tuple(k for k, _ in pairs)
         self.weights = tuple(p / total for _, p in pairs)
-        self.name, self.reduction = name, check_reduction(reduction)
-        self.losses = nn.ModuleList(get_loss(name, k=k, reduction="none", **params) for k in self.ks)
+        self.name = name
+        # each k reduces as the mixture does: the mean's denominator (the samples not ignored, weighted by their
+        # class) is the same for every k, so the mixture of the means is the mean of the mixture
+        self.losses = nn.ModuleList(get_loss(name, k=k, reduction=check_reduction(reduction), **params) for k in self.ks)
+
+    @property
+    def reduction(self) -> str:
+        return self.losses[0].reduction
+
+    @reduction.setter
+    def reduction(self, value: str):
+        value = check_reduction(value)
+        for loss in self.losses: loss.reduction = value
 
     def forward(self, scores, target):
-        return reduce_loss(sum(p * loss(scores, target) for p, loss in zip(self.weights, self.losses)), self.reduction)
+        return sum(p * loss(scores, target) for p, loss in zip(self.weights, self.losses))
 
     def extra_repr(self):
-        return f"name={self.name!r}, weights={dict(zip(self.ks, [round(p, 4) for p in self.weights]))}"
+        return f"name={self.name!r}, weights={dict(zip(self.ks, [round(p, 4) for p in self.weights]))}, reduction={self.reduction!r}"
 
 # %% ../nbs/08_losses.ipynb #cbffa8fa
 def loss_table() -> str:

@@ -224,14 +224,15 @@ def lr_at(config: TrainConfig, epoch: int) -> float:
 # %% ../nbs/12_train.ipynb #1daf627d
 def class_hits(scores: torch.Tensor, target: torch.Tensor, ks, multicrop: str = "marginals",
                tau: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    "Per-class top-k hits (len(ks), n) and per-class counts (n,) of one batch; scores (B, n) or crop scores (B, n_crops, n)."
+    "Per-class top-k hits (len(ks), n) float64 and per-class counts (n,) of one batch; scores (B, n) or crop scores (B, n_crops, n)."
     n = scores.shape[-1]
     target = target.long()
     if scores.ndim == 3:   # the marginals differ with k, and so may the top-k sets: one prediction per k
         correct = torch.stack([(predict_topk(scores, k, multicrop, tau) == target[:, None]).any(1) for k in ks])
     else:
         correct = topk_correct(scores, target, ks)
-    hits = torch.zeros(len(ks), n, dtype=torch.long, device=scores.device).index_add_(1, target, correct.long())
+    correct = correct.double()                          # (len(ks), B): 0 or 1, or a tie's chance (core.topk_correct)
+    hits = torch.zeros(len(ks), n, dtype=torch.float64, device=scores.device).index_add_(1, target, correct)
     return hits, torch.bincount(target, minlength=n)
 
 # %% ../nbs/12_train.ipynb #99d5b491
@@ -240,7 +241,7 @@ def metrics_from_hits(hits: torch.Tensor, counts: torch.Tensor, ks) -> dict[str,
     present = counts > 0
     total = int(counts.sum())
     if total == 0: raise ValueError("cannot compute accuracies of an empty evaluation set")
-    out = {f"top{k}": int(h.sum()) / total for k, h in zip(ks, hits)}
+    out = {f"top{k}": h.sum().item() / total for k, h in zip(ks, hits)}
     out.update({f"macro_top{k}": (h[present].double() / counts[present]).mean().item() for k, h in zip(ks, hits)})
     out["n"] = total
     return out
@@ -284,7 +285,7 @@ def evaluate(model: nn.Module, loader, ks=(1, 5), device: str | torch.device | N
         width = torch.tensor([0 if counts is None else counts.numel()], device=device)
         dist.all_reduce(width, op=dist.ReduceOp.MAX)
         if counts is None:
-            hits = torch.zeros(len(ks), int(width), dtype=torch.long, device=device)
+            hits = torch.zeros(len(ks), int(width), dtype=torch.float64, device=device)
             counts = torch.zeros(int(width), dtype=torch.long, device=device)
         dist.all_reduce(hits); dist.all_reduce(counts)
     if counts is None: raise ValueError("the evaluation loader yielded no batch")
