@@ -350,3 +350,220 @@ def test_topk_accuracy_takes_k_and_still_ks_with_a_warning():
     assert topk_nb.topk_accuracy(s, y, k=(1, 3)) == pytest.approx(ref)
     with pytest.warns(FutureWarning, match="pass k="):
         assert topk_nb.topk_accuracy(s, y, ks=(1, 3)) == pytest.approx(ref)
+
+
+# ---- no silent difference: the authors' class names, probability targets, attributes, meta, double backward
+
+@pytest.mark.parametrize("make, ours", [
+    (lambda **kw: topk_nb.BalNoisedTopK(3, 0.0, **kw), lambda **kw: topk_nb.NoisedBal(k=3, epsilon=0.0, **kw)),
+    (lambda **kw: topk_nb.ImbalNoisedTopK(3, 0.0, 0.3, COUNTS, scale=2.0, **kw),
+     lambda **kw: topk_nb.NoisedImbal(class_counts=COUNTS, k=3, epsilon=0.0, max_m=0.3, scale=2.0, **kw)),
+])
+def test_pytopk_class_names_keep_the_conventions(make, ours):
+    # epsilon = 0: no noise, so the two spellings must agree exactly under every convention
+    s, y = problem(4, batch=8)
+    y[[1, 5]] = -100
+    w = torch.linspace(0.2, 2.0, N_CLASSES)
+    probs = torch.softmax(torch.randn(8, N_CLASSES, dtype=torch.float64), 1)
+    cases = [({"weight": w}, s, y.clamp_min(0)), ({"ignore_index": 3}, s, y.clamp_min(0)), ({}, s, y),
+             ({"weight": w, "reduction": "sum"}, s, y), ({"label_smoothing": 0.2}, s, y.clamp_min(0)), ({}, s, probs),
+             ({}, s[0], y.clamp_min(0)[0]), ({"reduction": "none"}, s.reshape(2, 4, N_CLASSES).transpose(1, 2), y.clamp_min(0).reshape(2, 4))]
+    for kw, scores, target in cases:
+        torch.testing.assert_close(make(**kw)(scores, target), ours(**kw)(scores, target))
+    assert not torch.allclose(make(weight=w)(s, y.clamp_min(0)), make()(s, y.clamp_min(0)))   # the weight takes effect
+
+
+def test_pytopk_class_names_weigh_the_same_noise_as_pytopk():
+    # with noise, the weighted pytopk spelling is pytopk's per-sample loss on the same draws, weighted as nn does
+    import pytopk
+    s, y = problem(5, batch=8, dtype=torch.float32)
+    w = torch.linspace(0.2, 2.0, N_CLASSES)
+    torch.manual_seed(9); ref = pytopk.BalNoisedTopK(2, 0.5)
+    torch.manual_seed(9); z = torch.randn(*s.shape, 5)
+    ours = topk_nb.BalNoisedTopK(2, 0.5, reduction="none")(s, y, z.permute(2, 0, 1))
+    weighted = topk_nb.BalNoisedTopK(2, 0.5, weight=w)(s, y, z.permute(2, 0, 1))
+    torch.testing.assert_close(weighted, (w[y] * ours).sum() / w[y].sum())
+    torch.manual_seed(9); theirs = ref(s, y)
+    torch.testing.assert_close(ours.mean(), theirs, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", [n for n in LOSSES if n != "ce"])
+def test_label_smoothing_applies_to_probability_targets(name):
+    # nn.CrossEntropyLoss smooths probability targets too: (1 - eps) t + eps / n
+    s, y = problem(6)
+    probs = torch.softmax(torch.randn(6, N_CLASSES, dtype=torch.float64, generator=torch.Generator().manual_seed(1)), 1)
+    smoothed = 0.7 * probs + 0.3 / N_CLASSES
+    a = get_loss(name, label_smoothing=0.3, **extra(name))(s, probs)
+    b = get_loss(name, **extra(name))(s, smoothed)
+    torch.testing.assert_close(a, b)
+    assert not torch.allclose(a, get_loss(name, **extra(name))(s, probs))
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+@pytest.mark.parametrize("attribute, value, message", [
+    ("reduction", "avg", "reduction must be one of"), ("label_smoothing", 2, "label_smoothing must be a finite number in [0.0, 1.0]"),
+    ("ignore_index", 1.5, "ignore_index must be an integer"), ("weight", torch.tensor([-1.0, 2.0]), "weight must be a 1-D tensor"),
+    ("max_support", 0, "max_support must be an integer in [1, inf]"),
+])
+def test_conventions_are_checked_when_set(name, attribute, value, message):
+    crit = get_loss(name, **extra(name))
+    before = getattr(crit, attribute)
+    with pytest.raises((ValueError, TypeError), match=message.replace("[", r"\[").replace("]", r"\]")):
+        setattr(crit, attribute, value)
+    assert getattr(crit, attribute) is before or torch.equal(getattr(crit, attribute), before)
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_hyper_parameters_are_checked_when_set(name):
+    crit = get_loss(name, **extra(name))
+    for key in CHANGES[name]:
+        bad = -1 if key != "label_smoothing" else 2.0
+        with pytest.raises((ValueError, TypeError), match=key):
+            setattr(crit, key, bad)
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_meta_scores_give_a_meta_loss_as_cross_entropy(name, reduction):
+    s, y = torch.empty(4, N_CLASSES, 3, device="meta"), torch.zeros(4, 3, dtype=torch.long, device="meta")
+    ref = nn.CrossEntropyLoss(reduction=reduction)(s, y)
+    out = get_loss(name, reduction=reduction, **extra(name))(s, y)
+    assert out.device.type == "meta" and out.shape == ref.shape and out.dtype == ref.dtype
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_double_backward_matches_autograd_of_the_gradient(name):
+    # a Hessian-vector product through every loss: finite differences of the gradient along v (float64)
+    s, y = problem(8)
+    crit = get_loss(name, **extra(name))
+    v = torch.randn_like(s)
+
+    def grad_at(x):
+        if LOSSES[name].stochastic: crit.generator = torch.Generator().manual_seed(3)
+        x = x.detach().requires_grad_()
+        (g,) = torch.autograd.grad(crit(x, y), x, create_graph=True)
+        return x, g
+
+    x, g = grad_at(s)
+    (hv,) = torch.autograd.grad((g * v).sum(), x, allow_unused=True)
+    hv = torch.zeros_like(s) if hv is None else hv
+    h = 1e-6
+    fd = (grad_at(s + h * v)[1] - grad_at(s - h * v)[1]) / (2 * h)
+    torch.testing.assert_close(hv, fd.detach(), rtol=1e-4, atol=1e-5)
+
+
+def test_smooth_topk_positional_signature_and_state():
+    s, y = problem(9)
+    crit = topk_nb.SmoothTopkSVM(N_CLASSES, None, 0.5, 3)          # smooth-topk's order: n_classes, alpha, tau, k
+    torch.testing.assert_close(crit(s, y), topk_nb.SmoothSVM(k=3, tau=0.5, alpha=1.0)(s, y))
+    crit.load_state_dict({"labels": torch.arange(N_CLASSES)})    # smooth-topk's state: its labels buffer
+    with pytest.raises(ValueError, match="n_classes=8"):
+        topk_nb.SmoothTopkSVM(N_CLASSES)(torch.randn(2, 5), torch.tensor([0, 1]))
+    import inspect
+    assert list(inspect.signature(topk_nb.SmoothTopkSVM).parameters)[:4] == ["n_classes", "alpha", "tau", "k"]
+    assert list(inspect.signature(topk_nb.BalNoisedTopK).parameters)[:3] == ["k", "epsilon", "n_sample"]
+
+
+def test_pytopk_imbalanced_state_dict_loads():
+    import pytopk
+    theirs = pytopk.ImbalNoisedTopK(2, 0.1, 0.3, COUNTS.tolist())
+    ours = topk_nb.ImbalNoisedTopK(2, 0.1, 0.2, [1] * N_CLASSES)
+    ours.load_state_dict(theirs.state_dict())
+    torch.testing.assert_close(ours.margins.float(), theirs.m_list)
+    s, y = problem(10, dtype=torch.float32)
+    torch.manual_seed(4); a = theirs(s, y)
+    torch.manual_seed(4); b = ours(s, y)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_masked_classes_at_minus_inf_as_in_cross_entropy(name):
+    # -inf logits (masked classes) are accepted where the loss is defined: the value and gradient are the limit,
+    # equal to those with the masked scores far below the rest (float64); a masked target is refused naming the way out
+    g = torch.Generator().manual_seed(11)
+    s = 2 * torch.randn(6, 12, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 8, (6,), generator=g)
+    mask = torch.zeros_like(s, dtype=torch.bool); mask[:, 8:] = True; mask[0, 7] = True; y[0] = 1
+    kw = {"class_counts": torch.arange(1, 13) * 5} if LOSSES[name].needs_class_counts else {}
+    values, grads = [], []
+    for fill in (float("-inf"), -1e4):
+        if LOSSES[name].stochastic: kw["generator"] = torch.Generator().manual_seed(0)
+        x = s.masked_fill(mask, fill).requires_grad_()
+        loss = get_loss(name, **kw)(x, y)
+        loss.backward()
+        values.append(loss.detach()); grads.append(x.grad)
+    torch.testing.assert_close(values[0], values[1]); torch.testing.assert_close(grads[0], grads[1])
+    assert torch.isfinite(grads[0]).all()
+    y[0] = 9                                                             # a masked target: the loss is infinite
+    if LOSSES[name].stochastic: kw["generator"] = torch.Generator().manual_seed(0)
+    with pytest.raises(ValueError, match="check_finite=False"):
+        get_loss(name, **kw)(s.masked_fill(mask, float("-inf")), y)
+    with pytest.raises(ValueError, match=r"NaN or \+inf"):
+        get_loss(name, **kw)(s.masked_fill(mask, float("inf")), y)
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_torch_func_grad_matches_autograd(name):
+    # torch.func.grad of every registry loss is autograd's gradient (stochastic losses: the same draws, which the
+    # sync-free path makes dense, as it does under a transform)
+    from topk_nb.core import force_sync_free
+    s, y = problem(12)
+    y[2] = -100
+    kw = {**extra(name), "weight": torch.linspace(0.5, 2.0, N_CLASSES)}
+    crit = get_loss(name, **kw)
+
+    def reseed():
+        if LOSSES[name].stochastic: crit.generator = torch.Generator().manual_seed(3)
+
+    reseed()
+    g_func = torch.func.grad(lambda x: crit(x, y))(s)
+    reseed()
+    x = s.clone().requires_grad_()
+    with force_sync_free():
+        crit(x, y).backward()
+    torch.testing.assert_close(g_func, x.grad)
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_torch_func_vmap_matches_the_batch(name):
+    # vmap over samples, each (1, n) with its label, gives the per-sample losses of the whole batch (noised losses
+    # without noise, epsilon = 0, so that both sides draw nothing); the gradient of each sample's loss too
+    s, y = problem(13)
+    kw = {**extra(name), **({"epsilon": 0.0} if LOSSES[name].stochastic else {})}
+    crit = get_loss(name, reduction="none", **kw)
+    per_sample = torch.func.vmap(lambda x, t: crit(x[None], t[None])[0])(s, y)
+    torch.testing.assert_close(per_sample, crit(s, y))
+    grads = torch.func.vmap(torch.func.grad(lambda x, t: crit(x[None], t[None])[0]))(s, y)
+    x = s.clone().requires_grad_()
+    crit(x, y).sum().backward()
+    torch.testing.assert_close(grads, x.grad)
+
+
+def test_vmap_still_checks_the_labels():
+    crit = topk_nb.SmoothSVM(k=3)
+    s, y = problem(14)
+    y[1] = N_CLASSES                                                     # out of range
+    with pytest.raises(RuntimeError, match=r"target must hold class indices in \[0, 7\]"):
+        torch.func.vmap(lambda x, t: crit(x[None], t[None]))(s, y)
+
+
+def test_noised_losses_under_vmap_draw_as_vmap_says():
+    s, y = problem(15)
+    crit = topk_nb.NoisedBal(k=2, reduction="none")
+    with pytest.raises(RuntimeError, match="randomness"):                # PyTorch's own rule for random draws
+        torch.func.vmap(lambda x, t: crit(x[None], t[None]))(s, y)
+    out = torch.func.vmap(lambda x, t: crit(x[None], t[None]), randomness="different")(s, y)
+    assert out.shape == (6, 1) and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("module", [e.module for e in LOSSES.values()]
+                         + [topk_nb.SmoothTopkSVM, topk_nb.BalNoisedTopK, topk_nb.ImbalNoisedTopK])
+def test_help_explains_every_argument_on_its_first_screen(module):
+    import inspect
+    import pydoc
+    from topk_nb.core import ARGUMENTS, CONVENTIONS
+    first_screen = "\n".join(pydoc.render_doc(module, renderer=pydoc.plaintext).splitlines()[:40])
+    for name in inspect.signature(module).parameters:
+        meanings = [m for m in (ARGUMENTS.get(name), CONVENTIONS.get(name)) if m]
+        assert meanings, f"{module.__name__}: {name} is not explained"
+        assert any(f"{name}" in first_screen and m[:40] in first_screen for m in meanings), (module.__name__, name)

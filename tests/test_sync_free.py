@@ -96,3 +96,15 @@ def test_compiles_as_one_graph_and_equals_eager(name):
         eager = run(lambda x, t: crit(x, t))
     torch.testing.assert_close(compiled[0], eager[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(compiled[1], eager[1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["ce", "smooth_svm", "noised_bal", "topk_transition"])
+def test_compiled_label_out_of_range_names_the_target(name):
+    # compiled, a bad label meets the loss's own assert ("target must hold class indices in [0, n - 1]"), not the
+    # generated code's index bounds check ("index out of bounds: 0 <= tmp6 < 40L")
+    s, y = problem(4)
+    y[3] = 40
+    torch._dynamo.reset()
+    compiled = torch.compile(build(name, ignore_index=-1), fullgraph=True)
+    with pytest.raises(RuntimeError, match=r"class indices in \[0, 39\]|Target 40 is out of bounds"):
+        compiled(s, y)

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .core import (LossModule, all_kept, check_finite, check_int, check_k, check_real, check_reduction, check_scores, check_target,
+from .core import (LossModule, all_kept, device_assert, transformed, check_finite, check_int, check_k, check_real, check_reduction, check_scores, check_target,
                           check_loss_finite, check_weight, flatten_classes, loss_dtype, reduce_loss, selected_hinge, sync_free,
                           twice_differentiable)
 from .noised import margins_from_counts
@@ -26,7 +26,7 @@ __all__ = ['cross_entropy', 'focal_loss', 'cvx_topk_hinge', 'CrossEntropy', 'Foc
 # %% ../nbs/06_baselines.ipynb #2ddac4da
 def one_hot(labels: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
     "One-hot rows (B, n) of `labels` (B,) in `dtype`; unlike F.one_hot, it reads no value back from the device."
-    return torch.zeros((labels.shape[0], n), dtype=dtype, device=labels.device).scatter_(1, labels[:, None], 1.0)
+    return torch.zeros((labels.shape[0], n), dtype=dtype, device=labels.device).scatter(1, labels[:, None], 1.0)
 
 # %% ../nbs/06_baselines.ipynb #99fc43ae
 def working_scores(scores: torch.Tensor) -> torch.Tensor:
@@ -62,7 +62,7 @@ def expected_loss(loss_fn: Callable, scores: torch.Tensor, probs: torch.Tensor, 
     "Per-sample sum_j t_j loss_fn(scores, j): a single-label loss extended to probabilities (Mixup targets)."
     if sync_free(probs):                                   # no read-back: every class the bound allows
         support = min(check_int(max_support, "max_support", 1), probs.shape[1])
-        torch._assert_async(((probs > 0).sum(1) <= support).all(), f"target puts mass on more than max_support={max_support} classes")
+        device_assert(((probs > 0).sum(1) <= support).all(), f"target puts mass on more than max_support={max_support} classes")
     else:
         support = int((probs > 0).sum(1).max().item()) if probs.numel() else 0
     if support > check_int(max_support, "max_support", 1):
@@ -77,7 +77,7 @@ def expected_loss(loss_fn: Callable, scores: torch.Tensor, probs: torch.Tensor, 
 def ce(scores: torch.Tensor, target: torch.Tensor, label_smoothing: float = 0.0,
                   reduction: str = "mean", check_finite: bool | None = None) -> torch.Tensor:
     "Cross-entropy -sum_i t_i log softmax(s)_i with class indices or probabilities and optional label smoothing."
-    scores = check_scores(scores, "scores", ndim=2, min_classes=2, check=check_finite)
+    scores = check_scores(scores, "scores", ndim=2, min_classes=2, check=check_finite, masked=True)
     labels, probs = split_target(target, scores)
     label_smoothing = check_real(label_smoothing, "label_smoothing", 0.0, 1.0)
     reduction = check_reduction(reduction)
@@ -125,14 +125,15 @@ class _FocalLabels(torch.autograd.Function):
 def focal(scores: torch.Tensor, target: torch.Tensor, gamma: float = 2.0, reduction: str = "mean",
                check_finite: bool | None = None) -> torch.Tensor:
     "Focal loss -sum_i t_i (1 - q_i)^gamma log q_i, q = softmax(s) (Lin et al. 2017); gamma = 0 is cross-entropy."
-    scores = check_scores(scores, "scores", ndim=2, min_classes=2, check=check_finite)
+    scores = check_scores(scores, "scores", ndim=2, min_classes=2, check=check_finite, masked=True)
     labels, probs = split_target(target, scores)
     gamma = check_real(gamma, "gamma", 0.0)
     reduction = check_reduction(reduction)
     with torch.autocast(scores.device.type, enabled=False):
         s = working_scores(scores)
         if labels is not None:
-            loss = _FocalLabels.apply(s, labels, gamma)
+            focal_labels = _focal_formula if transformed(s) else _FocalLabels.apply   # torch.func: the plain formula
+            loss = focal_labels(s, labels, gamma)
         else:
             log_q = F.log_softmax(s, dim=1)
             one_minus_q = (-torch.expm1(log_q)).clamp_min(torch.finfo(s.dtype).tiny)
@@ -141,7 +142,6 @@ def focal(scores: torch.Tensor, target: torch.Tensor, gamma: float = 2.0, reduct
 
 
 focal_loss = focal    # the earlier name, kept
-
 
 # %% ../nbs/06_baselines.ipynb #87aa29fc
 def normal_range(dtype: torch.dtype, # the dtype of the logits
@@ -180,7 +180,7 @@ class _RaisedCE(torch.autograd.Function):
 def _ldam_hard(scores, labels, margins, scale, reduction="none"):
     shifted = scores.scatter_add(1, labels[:, None], -margins[labels][:, None])     # s - m_y e_y: one pass, (B, n)
     z = scale * shifted                                                             # (B, n)
-    if z.device.type == "cpu":                                                      # no subnormal exponentials (above)
+    if z.device.type == "cpu" and not transformed(z):                                                    # no subnormal exponentials (above)
         return reduce_loss(_RaisedCE.apply(z, labels, normal_range(z.dtype, z.shape[1])), reduction)
     return F.cross_entropy(z, labels, reduction=reduction)
 
@@ -193,7 +193,7 @@ def ldam(scores: torch.Tensor, target: torch.Tensor, class_counts, max_m: float 
 
 def _ldam(scores, target, margins, scale, reduction, max_support, check_finite):
     "`ldam` with the margins (n,) given."
-    scores = check_scores(scores, "scores", ndim=2, min_classes=2, check=check_finite)
+    scores = check_scores(scores, "scores", ndim=2, min_classes=2, check=check_finite, masked=True)
     labels, probs = split_target(target, scores)
     if margins.numel() != scores.shape[1]:
         raise ValueError(f"class_counts must have one entry per class: {scores.shape[1]} expected, got {margins.numel()}")
@@ -212,7 +212,7 @@ def _ldam(scores, target, margins, scale, reduction, max_support, check_finite):
 def cvx_hinge(scores: torch.Tensor, target: torch.Tensor, k: int = 5, alpha: float = 1.0,
                    reduction: str = "mean", max_support: int = 8, check_finite: bool | None = None) -> torch.Tensor:
     "Lapin's convexified top-k hinge (mean of the k largest of s + alpha (1 - delta_y), minus s_y)_+ (Garcin 2022, Table 1)."
-    scores = check_scores(scores, "scores", ndim=2, min_classes=2, check=check_finite)
+    scores = check_scores(scores, "scores", ndim=2, min_classes=2, check=check_finite, masked=True)
     labels, probs = split_target(target, scores)
     k = check_k(k, scores.shape[1])
     alpha = check_real(alpha, "alpha", 0.0)
@@ -220,7 +220,7 @@ def cvx_hinge(scores: torch.Tensor, target: torch.Tensor, k: int = 5, alpha: flo
 
     def hard(s, lab, reduction="none"):
         d, y = s.detach(), lab[:, None]
-        violations = (d - d.gather(1, y)).add_(alpha).scatter_(1, y, 0.0)  # (B, n): alpha + s_j - s_y, 0 at y
+        violations = (d - d.gather(1, y)).add_(alpha).scatter(1, y, torch.zeros_like(d[:, :1]))  # (B, n): alpha + s_j - s_y, 0 at y
         top = violations.topk(k, dim=1)
         return selected_hinge(s, lab, top.indices, top.values.mean(1), 1 / k)
 
@@ -305,7 +305,7 @@ class _SawadaLabels(torch.autograd.Function):
 
 # %% ../nbs/06_baselines.ipynb #29ce85f0
 def _check_grouping_input(scores, target, k, reduction, check_finite):
-    scores = check_scores(scores, "scores", ndim=2, min_classes=2, check=check_finite)
+    scores = check_scores(scores, "scores", ndim=2, min_classes=2, check=check_finite, masked=True)
     labels, probs = split_target(target, scores)
     return scores, labels, probs, check_k(k, scores.shape[1]), check_reduction(reduction)
 
@@ -317,11 +317,10 @@ def topk_grouping(scores: torch.Tensor, target: torch.Tensor, k: int = 5, reduct
     with torch.autocast(scores.device.type, enabled=False):
         s = working_scores(scores)
         if labels is not None:
-            loss = _SawadaLabels.apply(s, labels, k, False, False)
+            loss = (_sawada_formula if transformed(s) else _SawadaLabels.apply)(s, labels, k, False, False)
         else:
             loss = _grouping_terms(s, probs.to(s.dtype), k)[0]
     return reduce_loss(loss, reduction).to(loss_dtype(scores))
-
 
 # %% ../nbs/06_baselines.ipynb #997cc248
 def topk_transition(scores: torch.Tensor, target: torch.Tensor, k: int = 5, detach_weight: bool = False,
@@ -331,7 +330,7 @@ def topk_transition(scores: torch.Tensor, target: torch.Tensor, k: int = 5, deta
     with torch.autocast(scores.device.type, enabled=False):
         s = working_scores(scores)
         if labels is not None:
-            loss = _SawadaLabels.apply(s, labels, k, True, detach_weight)
+            loss = (_sawada_formula if transformed(s) else _SawadaLabels.apply)(s, labels, k, True, detach_weight)
         else:
             grouping, ce, log_q_group = _grouping_terms(s, probs.to(s.dtype), k)
             weight = log_q_group.exp()
@@ -367,10 +366,15 @@ class CE(LossModule):
         "The loss of `scores` (B, n) or (B, n, d_1, ...) for `target` class indices or probabilities: F.cross_entropy with this module's settings."
         out_dtype = loss_dtype(scores)
         s, t, _ = flatten_classes(scores, target)                         # validates the shapes
-        check_scores(s, "scores", ndim=2, min_classes=2, check=self.check_finite)   # (N, n): the classes along dim 1
+        if s.device.type == "meta":                                        # shapes only: F.cross_entropy's own meta result
+            return F.cross_entropy(scores, target, weight=self.weight, ignore_index=self.ignore_index,
+                                   reduction=self.reduction, label_smoothing=self.label_smoothing)
+        check_scores(s, "scores", ndim=2, min_classes=2, check=self.check_finite, masked=True)   # (N, n): the classes along dim 1
         check_weight(self.weight, s.shape[1])
         if not t.is_floating_point() and not all_kept(t, s.shape, self.ignore_index):   # that read the range
-            check_target(torch.where(t == self.ignore_index, 0, t), s.shape[1], s.shape[0])
+            checked = check_target(torch.where(t == self.ignore_index, 0, t), s.shape[1], s.shape[0])
+            if torch.compiler.is_compiling():                              # traced: in-range indices, so that a bad label
+                target = torch.where(t == self.ignore_index, t, checked).reshape(target.shape)   # meets the assert first
         with torch.autocast(scores.device.type, enabled=False):
             s = working_scores(scores)
             t = target.to(s.dtype) if target.is_floating_point() else target

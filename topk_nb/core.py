@@ -21,21 +21,43 @@ import torch
 import torch.nn as nn
 
 # %% auto #0
-__all__ = ['FLOAT_DTYPES', 'REDUCTIONS', 'CONVENTIONS', 'PEER_SPELLINGS', 'sync_free', 'thread_flag', 'force_sync_free',
-           'check_int', 'check_real', 'check_finite', 'check_scores', 'check_target', 'check_k', 'check_loss_input',
-           'check_reduction', 'reduce_loss', 'scores_without_target', 'target_rank', 'topk_correct', 'topk_accuracy',
-           'macro_topk_accuracy', 'brute_esp', 'brute_log_esp', 'log_binom', 'workspace', 'time_fn', 'median_time',
-           'fwd_bwd', 'twice_differentiable', 'selected_hinge', 'flatten_classes', 'check_weight', 'LossModule',
-           'loss_dtype', 'check_loss_finite', 'all_kept', 'check_labels']
+__all__ = ['FLOAT_DTYPES', 'REDUCTIONS', 'CONVENTIONS', 'ARGUMENTS', 'PEER_SPELLINGS', 'ATTRIBUTE_CHECKS', 'transformed', 'plain',
+           'device_assert', 'sync_free', 'thread_flag', 'force_sync_free', 'check_int', 'check_real', 'check_finite',
+           'check_scores', 'check_target', 'check_k', 'check_loss_input', 'check_reduction', 'reduce_loss',
+           'scores_without_target', 'target_rank', 'topk_correct', 'topk_accuracy', 'macro_topk_accuracy', 'brute_esp',
+           'brute_log_esp', 'log_binom', 'workspace', 'time_fn', 'median_time', 'fwd_bwd', 'twice_differentiable',
+           'selected_hinge', 'flatten_classes', 'check_weight', 'LossModule', 'loss_dtype', 'check_loss_finite',
+           'all_kept', 'check_labels', 'conventions_loss']
 
 # %% ../nbs/00_core.ipynb #576df6fa
 _SYNC_FREE = threading.local()
 _KEPT = threading.local()                      # on while a module's labels are known to be classes (see `all_kept`)
 
 
+def transformed(t: torch.Tensor) -> bool:
+    "True when `t` is a `torch.func` transform's wrapper (grad, vmap, jacrev, ...): no read-back, no custom autograd.Function."
+    return not torch.compiler.is_compiling() and torch._C._functorch.is_functorch_wrapped_tensor(t)
+
+
+def plain(t: torch.Tensor) -> torch.Tensor:
+    "The data under `t`'s `torch.func` wrappers (a vmapped tensor's whole batch), for checks only; `t` itself otherwise."
+    if torch.compiler.is_compiling(): return t        # traced code has no wrappers, and dynamo does not trace this call
+    while torch._C._functorch.is_functorch_wrapped_tensor(t):
+        t = torch._C._functorch.get_unwrapped(t)
+    return t
+
+
+def device_assert(ok: torch.Tensor,   # bool: what must hold, a scalar (or a transform's batch of them)
+                  message: str) -> None:
+    "`torch._assert_async(ok, message)` without a read-back; on the data under a `torch.func` wrapper, which has no rule for it."
+    ok = plain(ok)
+    torch._assert_async(ok if ok.numel() == 1 else ok.all(), message)
+
+
 def sync_free(t: torch.Tensor) -> bool:
-    "True when work on `t` must not read values back to the host: an accelerator tensor, `torch.compile` tracing, or `force_sync_free()`."
-    return t.device.type != "cpu" or torch.compiler.is_compiling() or getattr(_SYNC_FREE, "on", False)
+    "True when work on `t` must not read values back to the host: an accelerator tensor, `torch.compile` tracing, a `torch.func` transform, or `force_sync_free()`."
+    return (t.device.type != "cpu" or torch.compiler.is_compiling() or getattr(_SYNC_FREE, "on", False)
+            or torch._C._functorch.is_functorch_wrapped_tensor(t))
 
 # %% ../nbs/00_core.ipynb #9875e70f
 @contextlib.contextmanager
@@ -98,18 +120,19 @@ def _sum_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
-def check_finite(t: torch.Tensor, name: str, check: bool | None = None) -> torch.Tensor:
-    "Raise if `t` has NaN or infinite entries; by default only on the host path (see `sync_free`), always when `check` is True."
+def check_finite(t: torch.Tensor, name: str, check: bool | None = None,
+                 masked: bool = False) -> torch.Tensor:   # -inf entries allowed (masked classes, as nn.CrossEntropyLoss takes them)
+    "Raise if `t` has NaN or infinite entries (-inf allowed if `masked`); by default only on the host path (see `sync_free`), always when `check` is True."
     if check is None: check = not sync_free(t)
     if check and t.numel() and not math.isfinite(t.sum(dtype=_sum_dtype(t)).item()):   # a NaN or an infinity makes the sum one
-        bad = (~torch.isfinite(t)).sum().item()                  # or the sum overflowed: count exactly
-        if bad: raise ValueError(f"{name} must be finite, but {bad} of its {t.numel()} entries are NaN or infinite")
+        bad = ((t != -math.inf) & ~torch.isfinite(t) if masked else ~torch.isfinite(t)).sum().item()   # or it overflowed: count
+        if bad: raise ValueError(f"{name} must be finite{' or -inf' if masked else ''}, but {bad} of its {t.numel()} entries are "
+                                 f"NaN or {'+inf' if masked else 'infinite'}")
     return t
-
 
 # %% ../nbs/00_core.ipynb #3702101d
 def check_scores(scores, name: str = "scores", ndim: int | None = 2, min_classes: int = 1,
-                 check: bool | None = None) -> torch.Tensor:
+                 check: bool | None = None, masked: bool = False) -> torch.Tensor:
     "Validate a floating score tensor: its type, dtype, number of dims, class count and finiteness."
     if not isinstance(scores, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(scores).__name__}")
@@ -123,8 +146,7 @@ def check_scores(scores, name: str = "scores", ndim: int | None = 2, min_classes
     if scores.shape[-1] < min_classes:
         raise ValueError(f"{name} must have at least {min_classes} entries along its last dimension "
                          f"(the classes), got shape {tuple(scores.shape)}")
-    return check_finite(scores, name, check)
-
+    return check_finite(scores, name, check, masked)
 
 # %% ../nbs/00_core.ipynb #caddf574
 def check_target(target, n: int, batch: int, name: str = "target") -> torch.Tensor:
@@ -138,14 +160,15 @@ def check_target(target, n: int, batch: int, name: str = "target") -> torch.Tens
     if batch == 0 or getattr(_KEPT, "on", False):   # nothing to check, or a module read the range already (`all_kept`)
         return target.long()
     if sync_free(target):                      # checked on the device, as F.cross_entropy does: no host sync
-        torch._assert_async(((target >= 0) & (target < n)).all(), f"{name} must hold class indices in [0, {n - 1}]")
+        device_assert(((target >= 0) & (target < n)).all(), f"{name} must hold class indices in [0, {n - 1}]")
+        if torch.compiler.is_compiling():      # traced: what follows indexes with in-range labels, so that the assert's
+            return target.long().clamp(0, n - 1)   # message is the one a bad label meets, not an index bounds check
     else:
         lo, hi = torch.aminmax(target)                                    # one pass, two numbers back
         lo, hi = lo.item(), hi.item()
         if lo < 0 or hi >= n:
             raise ValueError(f"{name} must hold class indices in [0, {n - 1}], got values in [{lo}, {hi}]")
     return target.long()
-
 
 # %% ../nbs/00_core.ipynb #52cdeeca
 def check_k(k,       # the k of a top-k loss
@@ -160,7 +183,7 @@ def check_k(k,       # the k of a top-k loss
 # %% ../nbs/00_core.ipynb #b0c442ed
 def check_loss_input(scores, target, k, check: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
     "Validate the (scores (B, n), target (B,), k in [1, n-1]) triple that every top-k loss takes."
-    scores = check_scores(scores, "scores", ndim=2, min_classes=2, check=check)
+    scores = check_scores(scores, "scores", ndim=2, min_classes=2, check=check, masked=True)   # -inf: a masked class
     target = check_target(target, scores.shape[1], scores.shape[0])
     return scores, target, check_k(k, scores.shape[1])
 
@@ -369,7 +392,12 @@ def twice_differentiable(formula: Callable,     # formula(scores, *args): the lo
                          *args) -> torch.Tensor:
     "grad^T d formula(scores, *args) / d scores by autograd, with its own graph: a closed-form backward's result under create_graph=True."
     with torch.enable_grad():
-        return torch.autograd.grad(formula(scores, *args), scores, grad, create_graph=True)[0]
+        out = torch.autograd.grad(formula(scores, *args), scores, grad, create_graph=True)[0]
+    if out.requires_grad or not scores.requires_grad:
+        return out
+    # a gradient constant in the scores (a hinge): still a node of their graph, as PyTorch's relu gives, so that a
+    # gradient penalty backpropagates (a zero second derivative) instead of stopping at "does not require grad"
+    return out + torch.where(torch.zeros((), dtype=torch.bool, device=scores.device), scores, 0.0)
 
 # %% ../nbs/00_core.ipynb #bd428b7c
 def _hinge_formula(scores, target, index, argument, coef):
@@ -404,6 +432,8 @@ def selected_hinge(scores: torch.Tensor,   # (B, n) scores; the gradient flows t
                    coef: float,            # c > 0
                    ) -> torch.Tensor:
     "Per-sample max(0, a) for a hinge on selected scores, with the gradient of a as a function of `scores` (J held fixed)."
+    if transformed(scores):                         # torch.func: the plain formula, which grad and vmap handle themselves
+        return _hinge_formula(scores, target, index, argument.detach(), float(coef))
     return _SelectedHinge.apply(scores, target, index, argument.detach(), float(coef))
 
 # %% ../nbs/00_core.ipynb #627e6e0a
@@ -460,14 +490,62 @@ CONVENTIONS = {      # the keywords every loss module takes, as nn.CrossEntropyL
     "max_support": "bound on the classes a probability target puts mass on (sync-free path; None: every class)",
     "check_finite": "check the scores and the loss for NaN and overflow (None: on the host path only)",
 }
+ARGUMENTS = {        # what each loss's own keywords mean: the same name means the same thing in every loss
+    "k": "the k of top-k: the loss aims to put the target among the k highest scores",
+    "tau": "temperature of the smoothing (Berrada 2018, eq. 10); tau -> 0 gives the top-k hinge, eq. 8",
+    "alpha": "margin by which the target should beat the k-th other score (Berrada 2018, eq. 8; Garcin 2022, eq. 10)",
+    "hard_switch": "rows whose smooth loss equals the hinge to rounding take the hinge (Berrada 2018, section 4.2); the value is the same",
+    "epsilon": "scale of the Gaussian noise that smooths the top-K (Garcin 2022, eq. 11); 0 gives the calibrated hinge",
+    "n_samples": "noise draws per call, B in Garcin 2022, eq. 11 (pytopk's n_sample)",
+    "n_sample": "noise draws per call (pytopk's name for n_samples)",
+    "generator": "torch.Generator the noise is drawn from (None: the global random state)",
+    "class_counts": "training samples of each class, (n,): the margins m_y = max_m (n_min / n_y)^(1/4) (Cao et al. 2019)",
+    "cls_num_list": "training samples of each class (pytopk's name for class_counts)",
+    "max_m": "the largest margin, that of the rarest class (Garcin 2022, eq. 13; Cao et al. 2019)",
+    "scale": "multiplies the scores or the hinge (Garcin 2022, eq. 13: 50-60 for normalised scores)",
+    "gamma": "focusing exponent: (1 - q_y)^gamma weighs down the easy samples (Lin et al. 2017); 0 is cross-entropy",
+    "detach_weight": "treat the transition weight Q_G as a constant in the gradient (Sawada, eq. 6)",
+    "label_smoothing": "in [0, 1]: the target becomes (1 - eps) t + eps / n, as in F.cross_entropy",
+    "n_classes": "the number of classes, checked against the scores (smooth-topk's first argument; None: any)",
+}
 PEER_SPELLINGS = {"n_sample": "n_samples", "cls_num_list": "class_counts", "num_classes": None, "n_classes": None}
+
+
+def _class_weights(weight) -> torch.Tensor | None:
+    "A weight per class as a float32 1-D tensor of finite non-negative numbers, or None."
+    if weight is None: return None
+    weight = torch.as_tensor(weight, dtype=torch.float32)
+    if weight.ndim != 1 or not bool(torch.isfinite(weight).all()) or bool((weight < 0).any()):
+        raise ValueError(f"weight must be a 1-D tensor of finite non-negative numbers, one per class, got {weight!r}")
+    return weight
+
+
+ATTRIBUTE_CHECKS = {  # what a loss module's attribute may hold, checked when it is set, at construction or after
+    "weight": _class_weights,
+    "ignore_index": lambda v: check_int(v, "ignore_index"),
+    "reduction": check_reduction,
+    "label_smoothing": lambda v: check_real(v, "label_smoothing", 0.0, 1.0),
+    "max_support": lambda v: None if v is None else check_int(v, "max_support", 1),
+    "check_finite": lambda v: v if v is None or isinstance(v, bool) else check_int(v, "check_finite", 0, 1) == 1,
+    "k": lambda v: check_int(v, "k", 1),
+    "tau": lambda v: check_real(v, "tau", 0.0),
+    "alpha": lambda v: check_real(v, "alpha", 0.0),
+    "epsilon": lambda v: check_real(v, "epsilon", 0.0),
+    "n_samples": lambda v: check_int(v, "n_samples", 1),
+    "gamma": lambda v: check_real(v, "gamma", 0.0),
+    "max_m": lambda v: check_real(v, "max_m", 0.0),
+    "scale": lambda v: check_real(v, "scale", 0.0, lo_open=True),
+}
 
 
 class LossModule(nn.Module):
     "Base of the loss modules: keyword-only hyper-parameters read at each call, and nn.CrossEntropyLoss's conventions."
     example = "k=5"                                       # shown in the message for positional arguments
+    authors_signature = False                             # True: the class takes an authors' package's arguments, positional ones too
 
     def __new__(cls, *args, **kwargs):
+        if cls.authors_signature:                         # its own __init__ checks what it takes
+            return super().__new__(cls)
         if args:
             raise TypeError(f"{cls.__name__} takes keyword arguments only, e.g. {cls.__name__}({cls.example}); "
                             f"the number of classes is read from the scores, so it is not an argument")
@@ -494,10 +572,11 @@ class LossModule(nn.Module):
         base = [p for p in inspect.signature(LossModule.__init__).parameters.values()
                 if p.kind is p.KEYWORD_ONLY and p.name not in names]
         init.__signature__ = sig.replace(parameters=own + base)
-        shown = ", ".join(f"{p.name}={p.default!r}" if p.default is not p.empty else p.name
+        shown = "\n".join(f"    {p.name}{'' if p.default is p.empty else f'={p.default!r}'}: {ARGUMENTS.get(p.name, '')}"
                           for p in own if p.name != "self")
         conventions = "\n".join(f"    {p.name}={p.default!r}: {CONVENTIONS[p.name]}" for p in base)
-        init.__doc__ = (f"{cls.__doc__}\n\nIts own arguments: {shown or 'none'}.\n"
+        summary = (cls.__doc__ or "").split("\n\nIts own arguments")[0]           # a subclass's docstring, not its parent's text
+        cls.__doc__ = init.__doc__ = (f"{summary}\n\nIts own arguments:\n{shown or '    none'}\n"
                         f"nn.CrossEntropyLoss's conventions:\n{conventions}\n\n"
                         f"Call it as nn.CrossEntropyLoss: criterion(scores, target), scores (B, n) or (B, n, d_1, ...), target "
                         f"class indices (B, d_1, ...) or probabilities of the scores' shape; or one sample, scores (n,) and "
@@ -511,15 +590,14 @@ class LossModule(nn.Module):
                  max_support: int | None = None,     # bound on the classes a probability target puts mass on
                  check_finite: bool | None = None):  # check the scores (None: on the host path only)
         super().__init__()
-        if weight is not None:
-            weight = torch.as_tensor(weight, dtype=torch.float32)
-            if weight.ndim != 1 or not bool(torch.isfinite(weight).all()) or bool((weight < 0).any()):
-                raise ValueError(f"weight must be a 1-D tensor of finite non-negative numbers, one per class, got {weight!r}")
-        self.register_buffer("weight", weight)
-        self.ignore_index, self.reduction = check_int(ignore_index, "ignore_index"), check_reduction(reduction)
-        self.max_support = None if max_support is None else check_int(max_support, "max_support", 1)
-        self.label_smoothing = check_real(label_smoothing, "label_smoothing", 0.0, 1.0)
-        self.check_finite = check_finite
+        self.register_buffer("weight", _class_weights(weight))
+        self.ignore_index, self.reduction, self.max_support = ignore_index, reduction, max_support     # checked as set
+        self.label_smoothing, self.check_finite = label_smoothing, check_finite
+
+    def __setattr__(self, name, value):
+        "Check a hyper-parameter as it is set (`ATTRIBUTE_CHECKS`): `m.reduction = 'avg'` stops here, naming the allowed values."
+        check = ATTRIBUTE_CHECKS.get(name)
+        super().__setattr__(name, value if check is None else check(value))
 
     def per_sample(self, scores: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         "The loss of each row of `scores` (N, n) for class indices `labels` (N,): (N,). Subclasses define it."
@@ -540,16 +618,16 @@ def _support(probs: torch.Tensor, max_support: int | None) -> int:
         return max(found, 1)
     if max_support is None:
         return n
-    torch._assert_async(((probs > 0).sum(1) <= max_support).all(), f"target puts mass on more than max_support={max_support} classes in a row")
+    device_assert(((probs > 0).sum(1) <= max_support).all(), f"target puts mass on more than max_support={max_support} classes in a row")
     return min(max_support, n)
 
 # %% ../nbs/00_core.ipynb #c2756b72
-def _per_sample_soft(self, scores: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-    "sum_j w_j t_j loss(s, j) over the classes each row puts mass on: (N,)."
+def _per_sample_soft(self, scores: torch.Tensor, probs: torch.Tensor, **draws) -> torch.Tensor:
+    "sum_j w_j t_j loss(s, j) over the classes each row puts mass on: (N,); `draws` (a stochastic loss's explicit noise) go to every term."
     t, labels = probs.topk(_support(probs, self.max_support), dim=1)        # (N, m)
     if self.weight is not None:
         t = t * self.weight.to(t)[labels]
-    return sum(t[:, j] * self.per_sample(scores, labels[:, j]) for j in range(t.shape[1]))
+    return sum(t[:, j] * self.per_sample(scores, labels[:, j], **draws) for j in range(t.shape[1]))
 
 
 LossModule.per_sample_soft = _per_sample_soft
@@ -569,8 +647,8 @@ def _check_probabilities(probs: torch.Tensor, scores: torch.Tensor) -> torch.Ten
 # %% ../nbs/00_core.ipynb #70b7dd6c
 def loss_dtype(scores: torch.Tensor) -> torch.dtype:
     "The dtype a loss returns: float32 under autocast (as F.cross_entropy), the scores' dtype otherwise."
+    if scores.device.type == "meta": return scores.dtype                  # no autocast there (shapes only)
     return torch.float32 if torch.is_autocast_enabled(scores.device.type) else scores.dtype
-
 
 # %% ../nbs/00_core.ipynb #ec60b981
 def check_loss_finite(loss: torch.Tensor,              # the loss: reduced, or per sample
@@ -594,6 +672,10 @@ def check_loss_finite(loss: torch.Tensor,              # the loss: reduced, or p
         big = loss.detach().abs().max().item()
         raise ValueError(f"{name} is {big:.4g} here, beyond {out.dtype}'s largest value {torch.finfo(out.dtype).max:.4g}: "
                          f"pass float32 scores, or compute under torch.autocast, which returns float32")
+    if bool((scores == -math.inf).any()):                # masked classes: a row the loss is not defined on
+        raise ValueError(f"{name} is not finite: the scores hold -inf (masked classes) where this loss is undefined, a "
+                         f"target's own score or fewer classes above -inf than the loss ranks; pass check_finite=False "
+                         f"to return the non-finite loss, as nn.CrossEntropyLoss does")
     big = scores.detach().abs().max().item() if scores.numel() else 0.0
     raise ValueError(f"{name} overflows {loss.dtype} for these scores (largest |score| {big:.3g}): the scores are "
                      f"too large for the dtype; rescale them or pass float64 scores")
@@ -619,37 +701,63 @@ def check_labels(ok: torch.Tensor | None,   # () bool: a kernel's flag that ever
     if ok is None:
         return
     if sync_free(ok):
-        torch._assert_async(ok, f"target must hold class indices in [0, {n - 1}]")
+        device_assert(ok, f"target must hold class indices in [0, {n - 1}]")
     elif not ok.item():
         check_target(torch.where(t != ignore_index, t, 0), n, len(t))     # raises, naming the range
 
 
-def _forward(self, scores: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    "The loss of `scores` (B, n) or (B, n, d_1, ...) for `target` class indices (B, d_1, ...) or probabilities (the scores' shape), or of one unbatched sample (n,), with nn.CrossEntropyLoss's conventions."
+def _flatten_draws(noise: torch.Tensor | None,   # (S, *scores.shape): S draws of noise for the scores, or None
+                   scores: torch.Tensor,          # the scores as given: (n,), (B, n) or (B, n, d_1, ...)
+                   ) -> torch.Tensor | None:
+    "Explicit noise laid out as `flatten_classes` lays out the scores: (S, N, n)."
+    if noise is None: return None
+    if not isinstance(noise, torch.Tensor) or noise.ndim != scores.ndim + 1 or noise.shape[1:] != scores.shape:
+        got = tuple(noise.shape) if isinstance(noise, torch.Tensor) else type(noise).__name__
+        raise ValueError(f"noise must have shape (n_samples, *scores.shape) = (S, {', '.join(map(str, scores.shape))}), got {got}")
+    if scores.ndim == 1: return noise[:, None, :]                       # one unbatched sample
+    return noise if scores.ndim == 2 else noise.movedim(2, -1).reshape(noise.shape[0], -1, scores.shape[1])
+
+
+def conventions_loss(self: LossModule,            # the loss module: its per_sample, kernel_loss and conventions
+                     scores: torch.Tensor,        # (B, n), (B, n, d_1, ...) or one sample (n,)
+                     target: torch.Tensor,        # class indices (B, d_1, ...) or probabilities of the scores' shape
+                     noise: torch.Tensor | None = None,   # a stochastic loss's explicit draws (S, *scores.shape), or None
+                     ) -> torch.Tensor:
+    "The loss of `scores` for `target` with nn.CrossEntropyLoss's conventions (weight, ignore_index, label_smoothing, reduction), on explicit `noise` draws where given."
     s, t, shape = flatten_classes(scores, target)                     # floating scores, matching target shapes
+    if s.device.type == "meta":                                        # shapes only, as nn.CrossEntropyLoss gives
+        return s.new_empty(shape if self.reduction == "none" else (), dtype=loss_dtype(scores))
+    draws = {} if noise is None else {"noise": _flatten_draws(noise, scores)}
     weight, out_dtype, fused = check_weight(self.weight, s.shape[1]), loss_dtype(scores), None
     with torch.autocast(s.device.type, enabled=False):
         s = s if s.dtype in (torch.float32, torch.float64) else s.float()   # (N, n), half computed in float32
         if t.is_floating_point():
-            loss = self.per_sample_soft(s, _check_probabilities(t, s))
+            probs = _check_probabilities(t, s)
+            if self.label_smoothing > 0:                                   # (1 - eps) t + eps / n, as F.cross_entropy
+                probs = probs * (1 - self.label_smoothing) + self.label_smoothing / s.shape[1]
+            loss = self.per_sample_soft(s, probs, **draws)
             total = loss.new_tensor(float(len(loss)))                      # mean over the samples
-        elif t.dtype == torch.int64 and self.label_smoothing == 0 and (fused := self.kernel_loss(s, t, weight)) is not None:
+        elif (t.dtype == torch.int64 and self.label_smoothing == 0 and not draws
+              and (fused := self.kernel_loss(s, t, weight)) is not None):
             loss, total, ok = fused                                        # masked, weighted and reduced in the kernels
             check_labels(ok, t, s.shape[1], self.ignore_index)
-            check_finite(s, "scores", self.check_finite)
+            check_finite(s, "scores", self.check_finite, masked=True)
         elif self.weight is None and self.label_smoothing == 0 and all_kept(t, s.shape, self.ignore_index):
             with thread_flag(_KEPT):                                       # the range is read once, here
-                loss, total = self.per_sample(s, t), len(t)                # nothing to mask or weigh: no extra pass
+                loss, total = self.per_sample(s, t, **draws), len(t)       # nothing to mask or weigh: no extra pass
         else:
             keep = t != self.ignore_index                                  # (N,)
             labels = torch.where(keep, t, 0)
+            if torch.compiler.is_compiling():                              # traced: the range asserted with its message, then
+                labels = check_target(labels, s.shape[1], len(labels)).clamp(0, s.shape[1] - 1)   # indices the graph's
+                                                                           # own bounds checks never see out of range
             w = keep if self.weight is None else keep * weight.to(s)[labels]   # (N,) bool, or weights
             if self.label_smoothing > 0:                                   # the smoothed target's expectation, weighted inside
                 eps, n = self.label_smoothing, s.shape[1]
                 smooth = torch.full_like(s, eps / n).scatter_add_(1, labels[:, None], torch.full_like(s[:, :1], 1 - eps))
-                loss = torch.where(keep, self.per_sample_soft(s, smooth), 0.0)
+                loss = torch.where(keep, self.per_sample_soft(s, smooth, **draws), 0.0)
             else:
-                loss = torch.where(keep, self.per_sample(s, labels), 0.0)        # ignored rows count 0, even NaN
+                loss = torch.where(keep, self.per_sample(s, labels, **draws), 0.0)   # ignored rows count 0, even NaN
                 loss = loss if self.weight is None else loss * w
             total = w.sum()
     if fused is not None: loss = loss.reshape(shape) if self.reduction == "none" else loss
@@ -658,6 +766,11 @@ def _forward(self, scores: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     else: loss = loss.reshape(shape)
     count = total if self.reduction == "mean" else None                  # a mean over no sample is NaN, as in nn.CrossEntropyLoss
     return check_loss_finite(loss, scores, type(self).__name__, self.check_finite, out_dtype, count)
+
+
+def _forward(self, scores: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    "The loss of `scores` (B, n) or (B, n, d_1, ...) for `target` class indices (B, d_1, ...) or probabilities (the scores' shape), or of one unbatched sample (n,), with nn.CrossEntropyLoss's conventions."
+    return conventions_loss(self, scores, target)
 
 
 LossModule.forward = _forward

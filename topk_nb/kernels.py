@@ -12,7 +12,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .core import check_int, check_real, sync_free, thread_flag, twice_differentiable
+from .core import check_int, check_real, sync_free, thread_flag, transformed, twice_differentiable
 from .esp_backward import tree_svm_loss
 
 try:                                           # triton ships with the CUDA builds of torch
@@ -52,7 +52,7 @@ def triton_ok(t: torch.Tensor, # the scores, classes along the last dimension
               k: int,          # the K of the top_K the kernel selects
               ) -> bool:
     "Whether the fused kernels take this call: CUDA (or `force_triton()`), Triton present, K <= MAX_KTH and a row of at most `kth_max_row(K)` classes; under `torch.compile` too (the kernels are operators the graph calls)."
-    if not HAS_TRITON:
+    if not HAS_TRITON or transformed(t):               # torch.func transforms: the plain formulas
         return False
     if not (t.is_cuda or (getattr(_FORCE, "on", False) and os.environ.get("TRITON_INTERPRET") == "1")):
         return False                           # a CPU tensor runs a kernel only in the interpreter, when forced
@@ -251,7 +251,7 @@ def svm_triton_ok(s: torch.Tensor, # (B, n) scores
                   k: int,          # the k of top-k
                   ) -> bool:
     "Whether `smooth_svm` takes the fused kernels: CUDA (or `force_triton()`), Triton present, 1 <= k <= SVM_MAX_K; under `torch.compile` too (the kernels are operators the graph calls)."
-    if not HAS_TRITON:
+    if not HAS_TRITON or transformed(s):               # torch.func transforms: the plain formulas
         return False
     if not (s.is_cuda or (getattr(_FORCE, "on", False) and os.environ.get("TRITON_INTERPRET") == "1")):
         return False

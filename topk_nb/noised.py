@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .core import (LossModule, check_int, check_loss_input, check_real, check_reduction, loss_dtype, reduce_loss,
+from .core import (LossModule, check_int, conventions_loss, check_loss_input, check_real, check_reduction, loss_dtype, reduce_loss,
                           selected_hinge, sync_free)
 from .perturbed import draw_noise, sampled_topk_value, smooth_topk, topk_value
 
@@ -126,13 +126,11 @@ class CalHinge(LossModule):
 
 # %% ../nbs/05_noised.ipynb #b6662fc8
 class _NoisedModule(LossModule):
-    "Shared by the noised losses: `forward(scores, target, noise=None)`, explicit noise (n_samples, B, n) for class indices."
+    "Shared by the noised losses: `forward(scores, target, noise=None)`, on explicit noise draws where given."
 
     def forward(self, scores, target, noise: torch.Tensor | None = None):
-        "The loss of `scores` for `target`, as nn.CrossEntropyLoss; with `noise` (n_samples, B, n), on those draws (class indices, (B, n) scores)."
-        if noise is None:
-            return LossModule.forward(self, scores, target)
-        return reduce_loss(self.per_sample(scores, target, noise), self.reduction)
+        "The loss of `scores` for `target`, as nn.CrossEntropyLoss (every shape, target kind and convention); with `noise` (n_samples, *scores.shape), on those draws."
+        return conventions_loss(self, scores, target, noise)
 
 # %% ../nbs/05_noised.ipynb #41c15c5b
 class NoisedBal(_NoisedModule):
@@ -239,8 +237,7 @@ class BalNoisedTopK(NoisedBal):
     "pytopk's BalNoisedTopK(k, epsilon, n_sample=5): the noised balanced top-k hinge (Garcin 2022, eq. 10) with pytopk's arguments, defaults and noise draws."
     example = "k=5, epsilon=1.0"
 
-    def __new__(cls, *args, **kwargs):            # pytopk's positional arguments are accepted here
-        return nn.Module.__new__(cls)
+    authors_signature = True                      # pytopk's positional arguments are accepted
 
     def __init__(self, k: int,                    # the K of top-K
                  epsilon: float,                  # noise scale
@@ -259,8 +256,7 @@ class ImbalNoisedTopK(NoisedImbal):
     "pytopk's ImbalNoisedTopK(k, epsilon, max_m, cls_num_list, scale=50, n_sample=5): the noised imbalanced top-k hinge (Garcin 2022, eq. 13) with pytopk's arguments, defaults and noise draws."
     example = "k=5, epsilon=0.01, max_m=0.2, cls_num_list=counts"
 
-    def __new__(cls, *args, **kwargs):            # pytopk's positional arguments are accepted here
-        return nn.Module.__new__(cls)
+    authors_signature = True                      # pytopk's positional arguments are accepted
 
     def __init__(self, k: int,                    # the K of top-K
                  epsilon: float,                  # noise scale, on the unscaled scores
@@ -274,6 +270,16 @@ class ImbalNoisedTopK(NoisedImbal):
                          generator=generator, **conventions)
 
     n_sample = property(lambda self: self.n_samples, lambda self, value: setattr(self, "n_samples", value))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        "pytopk's state (its margins `m_list`, no counts) loads too: counts in the ratio the margins imply, max_m their largest."
+        m_list = state_dict.get(prefix + "m_list")
+        if m_list is not None and prefix + "class_counts" not in state_dict:
+            state_dict = {**state_dict}
+            m = state_dict.pop(prefix + "m_list").double()                   # (n,): max_m (c_min / c_y)^(1/4)
+            self.max_m = m.max().item()
+            state_dict[prefix + "class_counts"] = (m.max() / m) ** 4           # c_y / c_min: the same margins
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
     def forward(self, scores, target, noise: torch.Tensor | None = None):
         return super().forward(scores, target, _pytopk_noise(self, scores) if noise is None else noise)

@@ -11,7 +11,7 @@ from typing import Callable, NamedTuple
 import torch
 from torch.special import log_ndtr, ndtri
 
-from .core import check_int, check_real, check_scores, sync_free
+from .core import check_int, check_real, check_scores, sync_free, transformed
 
 # %% auto #0
 __all__ = ['DENSE_RATIO', 'draw_noise', 'perturbed_argmax', 'perturbed_max', 'top_sum', 'arg_top_sum', 'topk_value',
@@ -45,8 +45,7 @@ class _PerturbedArgmax(torch.autograd.Function):
         return ys.mean(0)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):
+    def backward(ctx, grad):                                             # linear in grad, constant in theta: twice differentiable (the second derivative is 0)
         ys, noise = ctx.saved_tensors
         inner = (ys * grad.unsqueeze(0)).sum(-1, keepdim=True)           # <g, y*(theta + eps Z_b)>
         return (inner * noise).mean(0) / ctx.epsilon, None, None, None
@@ -243,8 +242,7 @@ class _SampledTopk(torch.autograd.Function):
         return values.mean(0)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):
+    def backward(ctx, grad):                                                   # linear in grad, constant in the scores: the second derivative is 0
         (indices,) = ctx.saved_tensors                                         # eq. (12): mean one-hot at the draws
         S, n = indices.shape[0], ctx.shape[-1]
         out = torch.zeros(ctx.shape, dtype=grad.dtype, device=grad.device)
@@ -279,8 +277,10 @@ def sampled_topk_value(scores: torch.Tensor, k: int, epsilon: float, n_samples: 
         return triton_sampled_topk_value(scores, k, epsilon, n_samples, generator)
     draw = dense_topk_draws if sync_free(scores) else sample_perturbed_topk
     sample = draw(scores, k, epsilon, n_samples, generator)
+    if transformed(scores):                    # torch.func: the same value and gradient by plain autograd (no custom Function)
+        picked = scores.unsqueeze(0).expand(sample.indices.shape + scores.shape[-1:]).gather(-1, sample.indices[..., None])[..., 0]
+        return sample.values.mean(0) + (picked - picked.detach()).mean(0)      # eq. (12): mean one-hot at the draws
     return _SampledTopk.apply(scores, sample.values, sample.indices)
-
 
 # %% ../nbs/04_perturbed.ipynb #da53a724
 def perturbed_topk_law(scores, k: int, epsilon: float, n_grid: int = 20001) -> tuple[float, torch.Tensor]:

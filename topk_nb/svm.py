@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .core import (LossModule, check_int, check_loss_input, check_real, check_reduction, log_binom, reduce_loss,
+from .core import (LossModule, check_int, check_k, check_loss_input, transformed, check_real, check_reduction, log_binom, reduce_loss,
                           scores_without_target, selected_hinge, sync_free, loss_dtype,
                           twice_differentiable)
 from .esp_backward import (head_size, power_backward, power_forward, power_inputs, power_log_sigma,
@@ -20,8 +20,8 @@ from .esp_backward import (head_size, power_backward, power_forward, power_input
 from .kernels import smooth_svm_fused, smooth_svm_triton, svm_triton_ok
 
 # %% auto #0
-__all__ = ['SVM_ROUTES', 'smooth_topk_svm', 'SmoothTopkSVM', 'topk_hinge', 'subset_sums_bruteforce', 'smooth_topk_svm_bruteforce',
-           'hard_enough', 'svm_route', 'smooth_svm', 'SmoothSVM', 'TopkHinge']
+__all__ = ['SVM_ROUTES', 'smooth_topk_svm', 'topk_hinge', 'subset_sums_bruteforce', 'smooth_topk_svm_bruteforce', 'hard_enough',
+           'svm_route', 'smooth_svm', 'SmoothSVM', 'SmoothTopkSVM', 'TopkHinge']
 
 # %% ../nbs/03_smooth_svm.ipynb #6240521f
 def topk_hinge(scores: torch.Tensor, target: torch.Tensor, k: int = 5, alpha: float = 1.0,
@@ -229,7 +229,9 @@ def smooth_svm(scores: torch.Tensor,             # (B, n) scores
     with torch.autocast(scores.device.type, enabled=False):
         s = scores if scores.dtype in (torch.float32, torch.float64) else scores.float()
         route = svm_route(s, k)                                      # decided once; the autograd function keeps it
-        if route == "kernels":                                       # every row exact, no switch
+        if transformed(s):                                           # torch.func: the exact tree, by plain autograd
+            loss = tree_svm_loss(s, target, k, tau, alpha)
+        elif route == "kernels":                                       # every row exact, no switch
             loss = smooth_svm_triton(s, target, k, tau, alpha)
         elif route == "complement":                                  # top-(n-k) of the negated scores
             loss = _complement_part(s, target, k, tau, alpha)
@@ -275,7 +277,39 @@ class SmoothSVM(LossModule):
         return f"k={self.k}, tau={self.tau}, alpha={self.alpha}, reduction={self.reduction!r}"
 
 
-SmoothTopkSVM = SmoothSVM    # the earlier name, kept
+class SmoothTopkSVM(SmoothSVM):
+    "smooth-topk's SmoothTopkSVM(n_classes, alpha=None, tau=1.0, k=5): the smooth top-k SVM (Berrada 2018, eq. 10) with the authors' arguments, in their order; keyword-only calls as SmoothSVM's work too."
+    example = "n_classes, alpha=None, tau=1.0, k=5"
+
+    authors_signature = True                       # smooth-topk's positional arguments are accepted
+
+    def __init__(self, n_classes: int | None = None,   # the number of classes, checked against the scores (None: any)
+                 alpha: float | None = None,           # margin; None means 1, as in smooth-topk
+                 tau: float = 1.0,                     # temperature
+                 k: int = 5,                           # the k of top-k
+                 *, hard_switch: bool = True,          # rows where the smooth loss equals the hinge to rounding take the hinge
+                 **conventions):                       # weight, ignore_index, reduction, ... (see LossModule)
+        super().__init__(k=k, tau=tau, alpha=alpha, hard_switch=hard_switch, **conventions)
+        self.n_classes = None if n_classes is None else check_int(n_classes, "n_classes", 2)
+        if self.n_classes is not None: check_k(self.k, self.n_classes)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        "smooth-topk's state (a `labels` buffer 0..n-1, nothing else) loads too: the buffer is checked and dropped."
+        labels = state_dict.get(prefix + "labels")
+        if labels is not None:
+            if self.n_classes is not None and labels.numel() != self.n_classes:
+                raise ValueError(f"the state's labels cover {labels.numel()} classes, this loss has n_classes={self.n_classes}")
+            state_dict = {key: value for key, value in state_dict.items() if key != prefix + "labels"}
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+    def forward(self, scores, target):
+        n = scores.shape[0 if scores.ndim == 1 else 1] if isinstance(scores, torch.Tensor) and scores.ndim else None
+        if self.n_classes is not None and n is not None and n != self.n_classes:
+            raise ValueError(f"scores have {n} classes, but this loss was built with n_classes={self.n_classes}")
+        return super().forward(scores, target)
+
+    def extra_repr(self) -> str:
+        return f"n_classes={self.n_classes}, {super().extra_repr()}"
 
 # %% ../nbs/03_smooth_svm.ipynb #ae044957
 class TopkHinge(LossModule):
