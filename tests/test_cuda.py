@@ -57,3 +57,26 @@ def test_a_label_that_is_no_class_stops_at_the_device_assert(name):
 def test_a_training_step_compiles_whole(name):
     out = gpucheck.check_compile("cuda", batch=32, features=16, n=200, k=5, names=[name])
     assert out["status"] == "ok", out["losses"][name]
+
+
+@pytest.mark.parametrize("name", ["ldam", "noised_imbal", "smooth_svm", "noised_bal", "ce", "focal"])
+def test_every_loss_is_captured_in_a_cuda_graph_with_its_module_on_the_cpu(name):
+    "A loss module left on the CPU (class counts, margins and weights there) with scores on the GPU: after one warm-up call nothing is copied from the host, so a CUDA graph captures the step and its replay gives the eager value."
+    from topk_nb.losses import LOSSES, get_loss
+    kw = {"weight": torch.linspace(0.5, 2.0, 100)}
+    if LOSSES[name].needs_class_counts: kw["class_counts"] = torch.arange(1, 101)
+    if LOSSES[name].stochastic: kw["epsilon"] = 0.0 if name == "noised_imbal" else 0.2
+    crit = get_loss(name, **kw)
+    s, y = torch.randn(32, 100, device="cuda"), torch.randint(0, 100, (32,), device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2): eager = crit(s, y)                            # warm-up: the device copies made once
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = crit(s, y)
+    graph.replay(); torch.cuda.synchronize()
+    if not LOSSES[name].stochastic or kw.get("epsilon") == 0.0:
+        torch.testing.assert_close(out, eager)
+    assert torch.isfinite(out)

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .core import (LossModule, all_kept, device_assert, transformed, check_finite, check_int, check_k, check_real, check_reduction, check_scores, check_target,
+from .core import (LossModule, all_kept, device_assert, device_copy, transformed, check_finite, check_int, check_k, check_real, check_reduction, check_scores, check_target,
                           check_loss_finite, check_weight, flatten_classes, loss_dtype, reduce_loss, selected_hinge, sync_free,
                           twice_differentiable)
 from .noised import margins_from_counts
@@ -378,7 +378,8 @@ class CE(LossModule):
         with torch.autocast(scores.device.type, enabled=False):
             s = working_scores(scores)
             t = target.to(s.dtype) if target.is_floating_point() else target
-            w = None if self.weight is None else self.weight.to(s)
+            w = device_copy(self, "weight", self.weight, s)                  # on the device once: no copy a call
+            w = None if w is None else w.to(s.dtype)
             loss = F.cross_entropy(s, t, weight=w, ignore_index=self.ignore_index, reduction=self.reduction,
                                    label_smoothing=self.label_smoothing)
         def count():                                                      # the mean's denominator, read only if the loss is NaN
@@ -442,11 +443,11 @@ class LDAM(_NativeSoft):
         return self._margins
 
     def per_sample(self, scores, target):
-        return _ldam(scores, target, self.margins(), self.scale, "none", scores.shape[1], self.check_finite)
+        margins = device_copy(self, "margins", self.margins(), scores)     # (n,): copied to the scores' device once
+        return _ldam(scores, target, margins, self.scale, "none", scores.shape[1], self.check_finite)
 
     def extra_repr(self):
         return f"n_classes={self.class_counts.numel()}, max_m={self.max_m}, scale={self.scale}"
-
 
 # %% ../nbs/06_baselines.ipynb #a4465c14
 class CvxHinge(_NativeSoft):

@@ -32,7 +32,7 @@ __all__ = ['SYNCING_OPS', 'SASS_CLASSES', 'F64_CHAIN', 'H100', 'MODULE_MEAN', 'K
            'parse_sass', 'kernel_sass', 'sass_class', 'f64_transcendentals', 'SourceLoop', 'source_loops',
            'SourceBranch', 'source_branches', 'sass_loops', 'dynamic_counts', 'estimate_time', 'ce_triton',
            'KernelModel', 'StepModel', 'live_classes', 'kernel_cost', 'cost_table', 'Budget', 'within_budget',
-           'print_cost_table']
+           'print_cost_table', 'host_work', 'host_table']
 
 # %% ../nbs/14_bench.ipynb #f6ddc67b
 def time_interleaved(fns: Sequence[Callable[[], object]], device="cpu", rounds: int = 5, block: int = 3,
@@ -275,7 +275,8 @@ class _OpRecorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         ins, outs = _tensors((args, kwargs)), _tensors(out)
         dtypes = frozenset(t.dtype for t in ins + outs)
-        kernel = not (func.is_view or func.overloadpacket.__name__ in ("empty", "empty_like", "empty_strided")
+        kernel = not (func.is_view or func.overloadpacket.__name__ in ("empty", "empty_like", "empty_strided", "new_empty",
+                                                                        "new_empty_strided")
                       or func.namespace.startswith("topk_nb"))     # the package's kernel operators: `count_launches` counts their launches
         for name in _op_names(func, args, kwargs, ins, outs):
             self.calls.append(OpCall(name, dtypes, _caller() if name in SYNCING_OPS else "", kernel))
@@ -1318,3 +1319,59 @@ def print_cost_table(table: Sequence[dict], budgets: dict = BUDGETS):
     for key, (value, source) in H100.items():
         print(f"  {key} = {value}: {source}")
     print(f"  launches per step: " + ", ".join(f"{s} {m.launches}" for s, m in COST_STEPS.items()))
+
+# %% ../nbs/14_bench.ipynb #9ed142ae
+_NO_LAUNCH = {"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided"}   # an allocation: no kernel
+_METADATA = {"view", "_unsafe_view", "reshape", "as_strided", "detach", "alias", "t", "expand", "slice", "select",
+             "unsqueeze", "squeeze", "permute", "transpose", "lift_fresh", "_to_copy_meta"}       # a new view: no kernel
+
+
+class _HostCount(TorchDispatchMode):
+    "Counts the operators dispatched inside it: PyTorch's that launch a kernel on a GPU, its allocations and views, and the package's custom operators (namespace topk_nb)."
+
+    def __init__(self):
+        super().__init__()
+        self.kernels, self.allocations, self.views, self.custom = 0, 0, 0, Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if func.namespace != "aten": self.custom[str(func.overloadpacket)] += 1
+        elif name in _NO_LAUNCH: self.allocations += 1
+        elif name in _METADATA: self.views += 1
+        else: self.kernels += 1
+        return func(*args, **(kwargs or {}))
+
+
+def host_work(fn: Callable[[], object]  # called once, with no arguments
+              ) -> dict:
+    "What one call of `fn()` asks of the host, counted, no clock: PyTorch operators that launch a kernel on a GPU, Triton launches (stubbed: counted, not run), device asserts, allocations, views, and the custom operators that went through the dispatcher."
+    from unittest import mock
+    from topk_nb.kernels import count_launches
+    asserts = []
+    counter = _HostCount()
+    with mock.patch.object(torch, "_assert_async", lambda *args, **kwargs: asserts.append(1)):   # stubbed flags are unset
+        with counter:
+            launches = count_launches(fn, stub=True)
+    return {"kernels": counter.kernels, "launches": launches, "asserts": len(asserts), "allocations": counter.allocations,
+            "views": counter.views, "dispatched": dict(counter.custom)}
+
+
+def host_table(names: Sequence[str] | None = None,  # registry losses; all by default
+               B: int = 8, n: int = 64,             # a small batch: the host's work does not depend on its size
+               ) -> list[dict]:
+    "`host_work` of one forward and backward of each registry loss on the GPU's route (defaults, class indices), and of F.cross_entropy."
+    from topk_nb.kernels import force_triton
+    g = torch.Generator().manual_seed(0)
+    s, y = torch.randn(B, n, generator=g), torch.randint(0, n, (B,), generator=g)
+
+    def step(crit):
+        x = s.clone().requires_grad_()
+        return lambda: crit(x, y).backward()
+
+    rows = [{"loss": "F.cross_entropy", **host_work(step(F.cross_entropy))}]
+    for name in names or LOSSES:
+        kw = {"class_counts": torch.arange(1, n + 1)} if LOSSES[name].needs_class_counts else {}
+        crit = get_loss(name, **kw)
+        with force_sync_free(), force_triton():
+            rows.append({"loss": name, **host_work(step(crit))})
+    return rows

@@ -26,8 +26,8 @@ __all__ = ['FLOAT_DTYPES', 'REDUCTIONS', 'CONVENTIONS', 'ARGUMENTS', 'PEER_SPELL
            'check_scores', 'check_target', 'check_k', 'check_loss_input', 'check_reduction', 'reduce_loss',
            'scores_without_target', 'target_rank', 'topk_correct', 'topk_accuracy', 'macro_topk_accuracy', 'brute_esp',
            'brute_log_esp', 'log_binom', 'workspace', 'time_fn', 'median_time', 'fwd_bwd', 'twice_differentiable',
-           'selected_hinge', 'flatten_classes', 'check_weight', 'LossModule', 'loss_dtype', 'check_loss_finite',
-           'all_kept', 'check_labels', 'conventions_loss']
+           'selected_hinge', 'flatten_classes', 'device_copy', 'check_weight', 'LossModule', 'loss_dtype',
+           'check_loss_finite', 'all_kept', 'check_labels', 'conventions_loss']
 
 # %% ../nbs/00_core.ipynb #576df6fa
 _SYNC_FREE = threading.local()
@@ -473,6 +473,23 @@ def flatten_classes(scores: torch.Tensor, # (B, n, d_1, ...): the classes along 
     return flat, target.reshape(-1), sample_shape
 
 # %% ../nbs/00_core.ipynb #04a9380f
+def device_copy(module: nn.Module,             # the loss module that keeps the copy
+                key: str,                      # the copy's name among the module's copies
+                t: torch.Tensor | None,        # a tensor of the module's (a buffer, margins made from one), or None
+                like: torch.Tensor,            # the scores: the device wanted
+                ) -> torch.Tensor | None:
+    "`t` on `like`'s device: `t` itself where it is there, else a copy made once and kept while `t` is the same tensor, unchanged; so a module left on the CPU copies nothing to the GPU on later calls, and a CUDA graph can capture them."
+    if t is None or t.device == like.device:
+        return t
+    if torch.compiler.is_compiling():                 # traced: the copy is the graph's own
+        return t.to(like.device)
+    copies = module.__dict__.setdefault("_device_copies", {})
+    kept = copies.get(key)
+    if kept is None or kept[0] is not t or kept[1] != t._version or kept[2].device != like.device:
+        kept = copies[key] = (t, t._version, t.to(like.device))
+    return kept[2]
+
+
 def check_weight(weight: torch.Tensor | None, # the class weights, or None
                  n: int,                      # the number of classes (the scores' dimension 1)
                  ) -> torch.Tensor | None:
@@ -728,7 +745,8 @@ def conventions_loss(self: LossModule,            # the loss module: its per_sam
     if s.device.type == "meta":                                        # shapes only, as nn.CrossEntropyLoss gives
         return s.new_empty(shape if self.reduction == "none" else (), dtype=loss_dtype(scores))
     draws = {} if noise is None else {"noise": _flatten_draws(noise, scores)}
-    weight, out_dtype, fused = check_weight(self.weight, s.shape[1]), loss_dtype(scores), None
+    weight = check_weight(device_copy(self, "weight", self.weight, s), s.shape[1])   # (n,) on the scores' device
+    out_dtype, fused = loss_dtype(scores), None
     with torch.autocast(s.device.type, enabled=False):
         s = s if s.dtype in (torch.float32, torch.float64) else s.float()   # (N, n), half computed in float32
         if t.is_floating_point():

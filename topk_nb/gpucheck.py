@@ -30,13 +30,13 @@ import torch.nn.functional as F
 from .bench import aten_ops, bench_loss, bench_scores, epoch_times, loss_speed, syncing_ops
 from .kernels import count_launches
 from .core import check_int, check_real, force_sync_free, fwd_bwd
-from .losses import LOSSES
+from .losses import LOSSES, get_loss
 
 # %% auto #0
 __all__ = ['PRESETS', 'SECTIONS', 'TOLERANCE', 'NO_CUDA', 'GPU_HOST_COMPILE', 'INDUCTOR_SECONDS', 'one_line', 'loss_and_grad',
-           'compare_to_reference', 'loss_variants', 'check_correctness', 'check_syncs', 'speed_table', 'epoch_overhead',
-           'kernel_times', 'check_compile', 'capture_step', 'check_cuda_graphs', 'environment', 'device_slug',
-           'run_section', 'section_calls', 'render_markdown', 'gpu_check', 'main', 'recorded_launches',
+           'compare_to_reference', 'loss_variants', 'check_correctness', 'check_syncs', 'speed_table', 'host_times',
+           'epoch_overhead', 'kernel_times', 'check_compile', 'capture_step', 'check_cuda_graphs', 'environment',
+           'device_slug', 'run_section', 'section_calls', 'render_markdown', 'gpu_check', 'main', 'recorded_launches',
            'triton_variants', 'compile_estimate']
 
 # %% ../nbs/15_gpucheck.ipynb #fbf51fd0
@@ -48,7 +48,7 @@ PRESETS = {
     "dry": dict(cases=((8, 20, 3),), batch=8, ns=(20,), ks=(3,), repeats=3,
                 epoch=dict(model="densenet_tiny", n_classes=10, batch=4, rounds=2), step=(8, 16, 20, 3)),
 }
-SECTIONS = ("environment", "correctness", "syncs", "speed", "kernels", "epoch", "compile", "cuda_graphs")
+SECTIONS = ("environment", "correctness", "syncs", "speed", "host", "kernels", "epoch", "compile", "cuda_graphs")
 TOLERANCE = 1e-4
 
 
@@ -172,6 +172,40 @@ def speed_table(device="cuda", ns: Sequence[int] = (100, 1000, 10_000, 100_000),
     "Forward+backward time of each loss over that of F.cross_entropy on the same tensors, taking turns (bench.loss_speed); k-free losses once per n."
     rows = loss_speed(list(names or LOSSES), ns, ks, batch, device, repeats)   # with each step's largest buffer and peak memory
     return {"status": "ok", "batch": batch, "ns": list(ns), "ks": list(ks), "rows": rows}
+
+
+
+def host_times(device="cuda", batch: int = 256, n: int = 1000, k: int = 5, calls: int = 200,
+               names: Sequence[str] | None = None) -> dict:
+    "Host time per eager forward+backward call (ms) of each registry loss with its defaults and of F.cross_entropy: `calls` calls issued back to back, the clock read before the device is waited for (what the host spends; the device runs behind)."
+    device = torch.device(device)
+    g = torch.Generator().manual_seed(0)
+    s = torch.randn(batch, n, generator=g).to(device)
+    y = torch.randint(0, n, (batch,), generator=g).to(device)
+
+    def per_call(crit) -> float:
+        x = s.clone().requires_grad_()
+        for _ in range(5): crit(x, y).backward()                               # warm-up: compiled kernels, device copies
+        if device.type == "cuda": torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            x.grad = None
+            crit(x, y).backward()
+        host = (time.perf_counter() - t0) / calls
+        if device.type == "cuda": torch.cuda.synchronize(device)
+        return host * 1e3
+
+    ce = per_call(F.cross_entropy)
+    rows = [{"loss": "F.cross_entropy", "host_ms": ce, "ratio": 1.0}]
+    for name in names or LOSSES:
+        kw = {"class_counts": torch.arange(1, n + 1)} if LOSSES[name].needs_class_counts else {}
+        if "k" in LOSSES[name].defaults: kw["k"] = min(k, n - 1)
+        try:
+            ms = per_call(get_loss(name, **kw))
+            rows.append({"loss": name, "host_ms": ms, "ratio": ms / ce})
+        except Exception as e:
+            rows.append({"loss": name, "error": one_line(e)})
+    return {"status": "ok", "batch": batch, "n": n, "k": k, "calls": calls, "rows": rows}
 
 # %% ../nbs/15_gpucheck.ipynb #ee934574
 def epoch_overhead(device="cuda", model: str = "densenet40_40", n_classes: int = 100, batch: int = 64,
@@ -422,6 +456,8 @@ def section_calls(device, preset: dict) -> dict[str, Callable[[], dict]]:
             "correctness": lambda: check_correctness(device, preset["cases"]),
             "syncs": lambda: check_syncs(device, *preset["cases"][0]),
             "speed": lambda: speed_table(device, preset["ns"], preset["ks"], preset["batch"], preset["repeats"]),
+            "host": lambda: host_times(device, preset["batch"], preset["ns"][0] if len(preset["ns"]) == 1 else 1000,
+                                       5 if 5 in preset["ks"] else preset["ks"][0]),
             "kernels": lambda: kernel_times(device, preset["ns"], preset["batch"], 5 if 5 in preset["ks"] else preset["ks"][0],
                                             preset["repeats"]),
             "epoch": lambda: epoch_overhead(device, **preset["epoch"]),
@@ -471,6 +507,13 @@ def _md_speed(s: dict) -> list[str]:
         out.append([name, k, *(f"{ratio[n]:.1f}x" if n in ratio else None for n in ns)])
     return _table(["loss", "k", *(f"n={n}" for n in ns)], out)
 
+
+
+def _md_host(s: dict) -> list[str]:
+    return _table(["loss", "host ms / call", "x F.cross_entropy"],
+                  [[r["loss"], f"{r['host_ms']:.3f}" if "host_ms" in r else r.get("error"),
+                    f"{r['ratio']:.1f}x" if "ratio" in r else None] for r in s["rows"]])
+
 # %% ../nbs/15_gpucheck.ipynb #5c898cdc
 def _md_epoch(s: dict) -> list[str]:
     return _table(["loss", "k", "step (ms)", "epoch of 45,000 images (s)", "overhead vs CE"],
@@ -498,10 +541,11 @@ def _md_kernels(s: dict) -> list[str]:
 # %% ../nbs/15_gpucheck.ipynb #cf3ca232
 _TITLES = {"correctness": "Correctness: float32 on the device vs float64 on the CPU, same rounded inputs",
            "syncs": "Host syncs of forward+backward", "speed": "Speed: forward+backward time / F.cross_entropy's, same run",
+           "host": "Host time per eager forward+backward call, and its ratio to F.cross_entropy's",
            "kernels": "Device time per kernel of forward+backward, and its ratio to F.cross_entropy's",
            "epoch": "Training-step time and epoch overhead", "compile": "torch.compile of model + loss",
            "cuda_graphs": "CUDA-graph capture of a training step"}
-_RENDER = {"correctness": _md_correctness, "syncs": _md_syncs, "speed": _md_speed, "kernels": _md_kernels, "epoch": _md_epoch,
+_RENDER = {"correctness": _md_correctness, "syncs": _md_syncs, "speed": _md_speed, "host": _md_host, "kernels": _md_kernels, "epoch": _md_epoch,
            "compile": _md_compile, "cuda_graphs": _md_graphs}
 
 

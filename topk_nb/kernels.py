@@ -5,6 +5,7 @@
 # %% ../nbs/02a_kernels.ipynb #78937b33
 from __future__ import annotations
 
+import inspect
 import os
 import struct
 import threading
@@ -28,7 +29,7 @@ except ImportError:                            # pragma: no cover - CPU-only tor
 _OPS = "topk_nb" if __name__.startswith("topk_nb") else "topk_nb_chapter"
 
 # %% auto #0
-__all__ = ['MAX_ROW', 'MAX_KTH', 'ROWS', 'REDUCTION_CODES', 'kth_max_row', 'force_triton', 'triton_ok', 'count_launches', 'f64_bits', 'SVM_MAX_K', 'SVM32_MAX_K', 'SVMW_PROGRAMS', 'svm_triton_ok', 'svm_blocks', 'smooth_svm_triton', 'smooth_svm_fused', 'svm32_plan', 'svm32_tiles', 'svmw_plan', 'RANDN_BOUND', 'PRUNE_MIN', 'PRUNE_MIN_FULL', 'TARGET_PROGRAMS', 'TILE', 'perturbed_kth_triton', 'triton_sampled_topk_value', 'triton_noised_hinge', 'noised_hinge_fused']
+__all__ = ['MAX_ROW', 'MAX_KTH', 'ROWS', 'REDUCTION_CODES', 'kth_max_row', 'force_triton', 'triton_ok', 'count_launches', 'lean_op', 'call_op', 'cdiv', 'next_pow2', 'f64_bits', 'SVM_MAX_K', 'SVM32_MAX_K', 'SVMW_PROGRAMS', 'svm_triton_ok', 'svm_blocks', 'smooth_svm_triton', 'smooth_svm_fused', 'svm32_plan', 'svm32_tiles', 'svmw_plan', 'RANDN_BOUND', 'PRUNE_MIN', 'PRUNE_MIN_FULL', 'TARGET_PROGRAMS', 'TILE', 'perturbed_kth_triton', 'triton_sampled_topk_value', 'triton_noised_hinge', 'noised_hinge_fused']
 
 # %% ../nbs/02a_kernels.ipynb #c63387a8
 _FORCE = threading.local()
@@ -61,7 +62,7 @@ def triton_ok(t: torch.Tensor, # the scores, classes along the last dimension
 # %% ../nbs/02a_kernels.ipynb #a4641772
 class _LaunchCounter:
     "Process-wide: on CUDA, autograd runs the backward on a device thread of its own, so a per-thread count would miss the backward's launches."
-    def __init__(self): self.lock, self.on, self.count = threading.Lock(), False, 0
+    def __init__(self): self.lock, self.on, self.stub, self.count = threading.Lock(), False, False, 0
 
     def add(self):
         with self.lock:
@@ -80,21 +81,81 @@ def _compile_options(kernel, # a Triton kernel
 def _launch(kernel,          # a Triton kernel
             grid: tuple,     # its launch grid
             *args, **kwargs):
-    "Launch `kernel[grid](*args, **kwargs)` as one unit: counted for `count_launches`, and outside any dispatch mode (Triton's interpreter works through aten operators of its own, which a GPU launch does not make). The compile options of `_compile_options` are added."
-    _LAUNCHES.add()
+    "Launch `kernel[grid](*args, **kwargs)` as one unit: counted for `count_launches` (and skipped where it stubs them), and outside any dispatch mode (Triton's interpreter works through aten operators of its own, which a GPU launch does not make). The compile options of `_compile_options` are added."
+    if _LAUNCHES.on:                           # counting: the lock only then
+        _LAUNCHES.add()
+        if _LAUNCHES.stub: return
+    if torch.utils._python_dispatch._get_current_dispatch_mode() is None:   # the common case: no mode to leave
+        kernel[grid](*args, **kwargs, **_compile_options(kernel))
+        return
     with torch.utils._python_dispatch._disable_current_modes():
         kernel[grid](*args, **kwargs, **_compile_options(kernel))
 
 # %% ../nbs/02a_kernels.ipynb #500724af
-def count_launches(fn: Callable[[], object] # called once, with no arguments
+def count_launches(fn: Callable[[], object], # called once, with no arguments
+                   stub: bool = False,        # count the launches without running them (the host's work alone)
                    ) -> int:
     "How many Triton kernels this module launches during `fn()`, on any thread (the CUDA backward runs on autograd's device thread)."
-    with _LAUNCHES.lock: _LAUNCHES.on, _LAUNCHES.count = True, 0
+    with _LAUNCHES.lock: _LAUNCHES.on, _LAUNCHES.stub, _LAUNCHES.count = True, stub, 0
     try:
         fn()
         return _LAUNCHES.count
     finally:
-        with _LAUNCHES.lock: _LAUNCHES.on = False
+        with _LAUNCHES.lock: _LAUNCHES.on = _LAUNCHES.stub = False
+
+# %% ../nbs/02a_kernels.ipynb #c09d6a67
+_LEAN: dict = {}                                   # custom operator -> what eager code calls instead
+
+
+def lean_op(op,                                    # a torch.library custom operator
+            setup_context: Callable | None = None, # the setup_context it was registered with (None: no autograd formula)
+            backward: Callable | None = None,      # its registered backward
+            ) -> None:
+    "Keep `op`'s Python function, and its autograd formula as a `torch.autograd.Function`, for `call_op` in eager code."
+    fn = getattr(op, "_init_fn", None)             # the function the operator was made from
+    if fn is None: return                          # a torch without it: the operator itself, always
+    params = list(inspect.signature(fn).parameters.values())
+    defaults = tuple(p.default for p in params if p.default is not p.empty)
+    if setup_context is None:
+        _LEAN[op] = fn
+        return
+
+    class Eager(torch.autograd.Function):     # forward(ctx, ...): torch binds no signature a call (setup_context's would)
+        @staticmethod
+        def forward(ctx, *args):
+            out = fn(*args)
+            setup_context(ctx, args, out)
+            return out
+
+    Eager.backward = staticmethod(backward)
+    n_params = len(params)
+
+    def apply(*args):
+        if len(args) < n_params:                   # setup_context reads every input: the defaults filled in
+            args = args + defaults[len(args) - n_params:]
+        return Eager.apply(*args)
+
+    _LEAN[op] = apply
+
+
+def call_op(op, *args):
+    "Run a custom operator: under `torch.compile` the registered operator (the graph keeps it whole), in eager code its function directly, under its autograd formula (`lean_op`)."
+    if torch.compiler.is_compiling():
+        return op(*args)
+    return _LEAN.get(op, op)(*args)
+
+# %% ../nbs/02a_kernels.ipynb #97616369
+def cdiv(a: int, # a non-negative integer
+         b: int, # a positive integer
+         ) -> int:
+    "ceil(a / b) in integers, on the host: `triton.cdiv` without its dispatch (about 2 us a call, some twenty a loss step)."
+    return -(-a // b)
+
+
+def next_pow2(x: int # a positive integer
+              ) -> int:
+    "The least power of two >= x, on the host: `triton.next_power_of_2` without its dispatch."
+    return 1 << (x - 1).bit_length()
 
 # %% ../nbs/02a_kernels.ipynb #d031169f
 def f64_bits(value: float, # a Python float
@@ -200,14 +261,15 @@ def _finish(loss: Optional[torch.Tensor],   # (B,) each row's loss, or None: the
     wl = torch.empty(B, dtype=dtype, device=dev)
     out = wl if reduction == 0 else torch.empty((), dtype=dtype, device=dev)
     den, ok = torch.empty((), dtype=dtype, device=dev), torch.empty((), dtype=torch.bool, device=dev)
-    block = min(1024, triton.next_power_of_2(max(B, 1)))
+    block = min(1024, next_pow2(max(B, 1)))
     some = loss if loss is not None else mean                          # a pointer for the arguments a variant never reads
     _launch(_finish_kernel, (1,), some, some if mean is None else mean, some if s is None else s,
             some if margin is None else margin, target, some if weight is None else weight, wl, out, den, ok, B, n,
             ignore_index, f64_bits(alpha), f64_bits(scale), REDUCTION=reduction, HAS_WEIGHT=weight is not None,
             HINGE=loss is None, HAS_MARGIN=margin is not None, ASSERT=assert_labels, BLOCK=block, num_warps=4)
-    if assert_labels and isinstance(_finish_kernel, InterpretedFunction):   # the interpreter skips device asserts
-        torch._assert_async(ok, f"target must hold class indices in [0, {n - 1}]")
+    if assert_labels and isinstance(_finish_kernel, InterpretedFunction):   # the interpreter skips device asserts: this
+        with torch.utils._python_dispatch._disable_current_modes():         # stands in for the kernel's, outside any
+            torch._assert_async(ok, f"target must hold class indices in [0, {n - 1}]")   # mode, as its launch is
     return out, (wl if reduction else wl.new_empty(0)), den, ok
 
 
@@ -416,10 +478,10 @@ def svm_blocks(n: int,                    # classes per row
                block_n: int | None = None # classes per block; by default as many as fit with k+1 degrees
                ) -> tuple[int, int, int]:
     "(BLOCK_N, blocks per row, BLOCK_K) of the smooth SVM kernels: the block shrinks as k grows, so k x BLOCK_N stays about 8192."
-    block_k = triton.next_power_of_2(k + 1)
+    block_k = next_pow2(k + 1)
     if block_n is None:
-        block_n = min(triton.next_power_of_2(n), max(32, 8192 // block_k))
-    return block_n, triton.cdiv(n, block_n), block_k
+        block_n = min(next_pow2(n), max(32, 8192 // block_k))
+    return block_n, cdiv(n, block_n), block_k
 
 # %% ../nbs/03a_svm_kernels.ipynb #2bca8c51
 def _svm_state(s: torch.Tensor,  # (B, n) scores
@@ -498,12 +560,14 @@ def _svm_grad_by(backward_op: Callable # backward_op(s, target, weight, grad, de
             go = _row_grads(grad, target, weight, den, n, ctx.ignore_index, ctx.reduction)
             y = torch.where((target >= 0) & (target < n), target, 0)
             return (twice_differentiable(tree_svm_loss, s, go, y, ctx.k, ctx.tau, ctx.alpha), *rest)
-        return (backward_op(s, target, weight, grad, den, *saved, ctx.k, ctx.tau, ctx.layout, ctx.ignore_index, ctx.reduction),
+        return (call_op(backward_op, s, target, weight, grad, den, *saved, ctx.k, ctx.tau, ctx.layout, ctx.ignore_index, ctx.reduction),
                 *rest)
     return grad_fn
 
 
 _svm_forward_op.register_autograd(_svm_grad_by(_svm_backward_op), setup_context=_svm_setup_context)
+lean_op(_svm_forward_op, _svm_setup_context, _svm_grad_by(_svm_backward_op))   # eager code: no dispatcher (chapter 02a)
+lean_op(_svm_backward_op)
 
 # %% ../nbs/03a_svm_kernels.ipynb #38b9b185
 def _svm_operator(scores: torch.Tensor, k: int, block_n: int | None, tile: int | None) -> tuple[Callable, int]:
@@ -526,7 +590,7 @@ def smooth_svm_triton(scores: torch.Tensor,          # (B, n) float32 or float64
     k = check_int(k, "k", 1, min(SVM_MAX_K, n - 1))
     tau, alpha = check_real(tau, "tau", 0.0, lo_open=True), check_real(alpha, "alpha", 0.0)
     op, layout = _svm_operator(scores, k, block_n, tile)
-    return op(scores.contiguous(), target.contiguous(), None, k, tau, alpha, layout, -1, ROWS)[0]
+    return call_op(op, scores.contiguous(), target.contiguous(), None, k, tau, alpha, layout, -1, ROWS)[0]
 
 
 def smooth_svm_fused(scores: torch.Tensor,           # (B, n) float32 or float64 scores
@@ -543,7 +607,7 @@ def smooth_svm_fused(scores: torch.Tensor,           # (B, n) float32 or float64
     op, layout = _svm_operator(scores, k, block_n, tile)
     w = None if weight is None else weight.to(device=scores.device)
     on_device = sync_free(target)                                       # the kernels assert the labels
-    out, _, den, ok, *_ = op(scores.contiguous(), target.contiguous(), w, k, tau, alpha, layout, ignore_index,
+    out, _, den, ok, *_ = call_op(op, scores.contiguous(), target.contiguous(), w, k, tau, alpha, layout, ignore_index,
                              REDUCTION_CODES[reduction], on_device)
     return out, den, None if on_device else ok
 
@@ -742,7 +806,7 @@ if HAS_TRITON:
     def _svm32_class(C, E, bad, dmax, s, offs, n, end, y, sy, d_scale, K: tl.constexpr):
         "One class per thread (scores s of classes offs) into the lanes' polynomials: times (1 + e z), e = 2^d, d = (s - s_y) d_scale; the out-of-range flag and the largest d."
         d = (s - sy) * d_scale                                           # (L,) log2 e_i
-        valid = (offs < n) & (offs < end) & (offs != y)
+        valid = (offs < n) & (offs < end) & (offs != y) & (d > -float("inf"))   # a -inf score (masked): no class
         bad = bad | (valid & (tl.abs(d) >= _XRANGE))
         dmax = tl.maximum(dmax, tl.where(valid, d, -float("inf")))
         m, q = _xelem(tl.minimum(tl.maximum(d, -_XRANGE), _XRANGE), valid)
@@ -794,7 +858,7 @@ if HAS_TRITON:
             for i in tl.static_range(R):
                 offs = start + t0 + i * L + lanes
                 d = (_svm32_load(s_ptr, row, n, offs, end) - sy) * d_scale
-                valid = (offs < n) & (offs < end) & (offs != y)
+                valid = (offs < n) & (offs < end) & (offs != y) & (d > -float("inf"))   # -inf (masked): no class
                 bad = bad | (valid & (tl.abs(d) >= _XRANGE))
                 D = D + (tl.where(valid, tl.minimum(tl.maximum(d, -_XRANGE), _XRANGE), -float("inf")),)
             qmax = D[0]
@@ -1047,9 +1111,9 @@ def svm32_plan(B: int,                  # rows
     lanes, r = 32 * warps, 8
     if tile is None:                    # rows of one warp: from B = 256 on one tile each, no row kernel (bench chapter)
         programs = 512 if warps > 1 else 256
-        tile = min(max(triton.next_power_of_2(triton.cdiv(n, triton.cdiv(programs, B))), lanes * r), 32768)
-    tile = triton.cdiv(check_int(tile, "tile", 1), lanes * r) * lanes * r
-    return lanes, r, tile, triton.cdiv(n, tile)
+        tile = min(max(next_pow2(cdiv(n, cdiv(programs, B))), lanes * r), 32768)
+    tile = cdiv(check_int(tile, "tile", 1), lanes * r) * lanes * r
+    return lanes, r, tile, cdiv(n, tile)
 
 # %% ../nbs/03a_svm_kernels.ipynb #86023359
 def _svm32_state(s: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
@@ -1069,7 +1133,7 @@ def _svm32_tiles(s: torch.Tensor, target: torch.Tensor, k: int, tau: float, alph
         kernel, const = _svm32_tile_kernel, dict(K=k, L=L, LOG_L=L.bit_length() - 1, R=R, num_warps=L // 32)
     else:
         T, P = svmw_plan(B, n, tile or None)
-        kernel, const = _svmw_tile_kernel, dict(K=k, M=triton.cdiv(k + 1, 32), num_warps=1)
+        kernel, const = _svmw_tile_kernel, dict(K=k, M=cdiv(k + 1, 32), num_warps=1)
     one = row is not None and P == 1
     tc = torch.empty(B, P, k + 1, dtype=torch.float32, device=dev) if not one else s.new_empty(0)   # each tile's polynomial
     te = torch.empty(B, P, k + 1, dtype=torch.int32, device=dev) if not one else tc.new_empty(0, dtype=torch.int32)
@@ -1107,7 +1171,7 @@ def _svm32_forward_op(s: torch.Tensor,       # (B, n) float32 scores, contiguous
     tc, te, tm, _ = _svm32_tiles(s, target, k, tau, alpha, tile, state)   # a row of one tile: its loss too
     P = tm.shape[1]
     if P > 1:                                                          # the tiles' product, the loss
-        kernel, const = (_svm32_row_kernel, {}) if k <= SVM32_MAX_K else (_svmw_row_kernel, dict(M=triton.cdiv(k + 1, 32)))
+        kernel, const = (_svm32_row_kernel, {}) if k <= SVM32_MAX_K else (_svmw_row_kernel, dict(M=cdiv(k + 1, 32)))
         _launch(kernel, (B,), tc, te, tm, loss, rho, sc, se, dm, rr, P, f64_bits(alpha / tau), f64_bits(tau), K=k, num_warps=1,
                 **const)
     return (*_conventions(loss, target, weight, n, ignore_index, reduction, assert_labels), rho, sc, se, dm, rr)
@@ -1129,7 +1193,7 @@ def _svm32_backward_op(s: torch.Tensor, target: torch.Tensor, weight: Optional[t
         return _svmw_backward(s, target, weight, grad, den, rho, dm, rr, k, tau, ignore_index, reduction)
     (B, n), dev = s.shape, s.device
     L, R, T, P = svm32_plan(B, n, tile or None)
-    hmax = triton.next_power_of_2(3 * k + 2)                           # fewer than 3k head classes per row
+    hmax = next_pow2(3 * k + 2)                           # fewer than 3k head classes per row
     out = torch.empty_like(s)
     tc = torch.empty(B, P, k + 1, dtype=torch.float32, device=dev)     # each tile's tail polynomial
     te = torch.empty(B, P, k + 1, dtype=torch.int32, device=dev)
@@ -1154,6 +1218,8 @@ def _svm32_backward_fake(s, target, weight, grad, den, rho, sc, se, dm, rr, k, t
 
 
 _svm32_forward_op.register_autograd(_svm_grad_by(_svm32_backward_op), setup_context=_svm_setup_context)
+lean_op(_svm32_forward_op, _svm_setup_context, _svm_grad_by(_svm32_backward_op))
+lean_op(_svm32_backward_op)
 
 # %% ../nbs/03a_svm_kernels.ipynb #3e97e143
 if HAS_TRITON:
@@ -1302,8 +1368,8 @@ if HAS_TRITON:
     @triton.jit
     def _svmw_chunk(s_ptr, row, n, y, sy, offs, end, d_scale, bad, dmax, l):
         "A chunk of 32 classes, a class a lane: log2 e_i (-inf where no class), the largest and smallest of each pass's 8 lanes in each of them; the out-of-range flag and the largest log2 e_i so far."
-        valid = (offs < n) & (offs < end) & (offs != y)
         d = (tl.load(s_ptr + row * n + offs, mask=(offs < n) & (offs < end), other=0.0).to(tl.float32) - sy) * d_scale
+        valid = (offs < n) & (offs < end) & (offs != y) & (d > -float("inf"))   # a -inf score (masked): no class
         bad = bad | (valid & (tl.abs(d) >= _XRANGE))
         D = tl.where(valid, tl.minimum(tl.maximum(d, -_XRANGE), _XRANGE), -float("inf"))   # (32,) log2 e_i
         gmax = D
@@ -1481,10 +1547,10 @@ def svmw_plan(B: int,                  # rows
               ) -> tuple[int, int]:
     "(tile, tiles per row) of the large-k forward: one warp a tile."
     if tile is None:
-        tiles = max(1, min(triton.cdiv(n, 256), triton.cdiv(SVMW_PROGRAMS, B)))
-        tile = triton.cdiv(n, tiles)
-    tile = triton.cdiv(check_int(tile, "tile", 1), 32) * 32
-    return tile, triton.cdiv(n, tile)
+        tiles = max(1, min(cdiv(n, 256), cdiv(SVMW_PROGRAMS, B)))
+        tile = cdiv(n, tiles)
+    tile = cdiv(check_int(tile, "tile", 1), 32) * 32
+    return tile, cdiv(n, tile)
 
 
 def _svmw_backward(s: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor], grad: torch.Tensor,
@@ -1797,23 +1863,23 @@ def _selection_plan(B: int, n: int, n_samples: int,
                     ) -> dict:
     "How the selection kernels cut a (B, n) problem: the chunk, the chunks per row, the tile of live classes (0: no pruning), the draws per program, the tiles' draws at a time."
     block = max(4, block or MAX_ROW)                                     # whole groups of four classes
-    BLOCK, chunks = (max(4, triton.next_power_of_2(n)), 1) if n <= block else (block, triton.cdiv(n, block))
+    BLOCK, chunks = (max(4, next_pow2(n)), 1) if n <= block else (block, cdiv(n, block))
     if cap == 0:                                                          # the whole-row kernel's instructions are the
         full = B * chunks >= TARGET_PROGRAMS                              # time when its programs fill the grid
         cap = min(BLOCK // 4, 1024) if BLOCK >= (PRUNE_MIN_FULL if full else PRUNE_MIN) else -1
-    CAP = triton.next_power_of_2(cap) if 0 < cap < BLOCK else 0
+    CAP = next_pow2(cap) if 0 < cap < BLOCK else 0
     small, tiny = max(CAP // 4, 1), max(CAP // 16, 1)                     # the narrower tiles: a quarter, a sixteenth
     if CAP:                                                               # one program per chunk: it compacts once
         draws = n_samples                                                 # and selects for all its draws at once
     else:                                                                 # draws a program: about TARGET_PROGRAMS
-        draws = triton.cdiv(n_samples, min(n_samples, triton.cdiv(TARGET_PROGRAMS, B * chunks)))
+        draws = cdiv(n_samples, min(n_samples, cdiv(TARGET_PROGRAMS, B * chunks)))
     warps = min(16, max(1, BLOCK // 256))
-    tile_draws = lambda width: min(triton.next_power_of_2(draws), max(1, TILE // width))   # (draws, width) <= TILE
-    return dict(BLOCK=BLOCK, chunks=chunks, CAP=CAP, DRAWS=draws, groups=triton.cdiv(n_samples, draws),
+    tile_draws = lambda width: min(next_pow2(draws), max(1, TILE // width))   # (draws, width) <= TILE
+    return dict(BLOCK=BLOCK, chunks=chunks, CAP=CAP, DRAWS=draws, groups=cdiv(n_samples, draws),
                 warps=warps, maxnreg=64 if warps == 16 and CAP else None,   # pruned, 16 warps: two programs an SM
                                                                             # (64 K registers); the whole chunk: ptxas's
                 SMALL=small, DS=tile_draws(small), DC=tile_draws(max(CAP, 1)), TINY=tiny, DQ=tile_draws(tiny),
-                KPAD=triton.next_power_of_2(k), DT=tile_draws(triton.next_power_of_2(k)))   # the threshold's tile
+                KPAD=next_pow2(k), DT=tile_draws(next_pow2(k)))   # the threshold's tile
 
 
 def _select(s: torch.Tensor,                # (B, n) scores, contiguous
@@ -1839,7 +1905,7 @@ def _select(s: torch.Tensor,                # (B, n) scores, contiguous
         _launch(_chunk_top_kernel, (B, p["chunks"]), s, z, seed, tops, cls, top, n, B, p["chunks"], epsilon,
                 FLOOR=p["chunks"] == 1, BLOCK=p["BLOCK"], num_warps=p["warps"], **floor)   # one chunk: its list
         if p["chunks"] > 1:                                               # several: the K largest of all lists
-            merge = triton.next_power_of_2(p["chunks"] * k)
+            merge = next_pow2(p["chunks"] * k)
             _launch(_row_top_kernel, (B,), s, z, seed, tops, cls, top, n, B, p["chunks"] * k, epsilon, BLOCK=merge,
                     num_warps=min(16, max(1, merge // 256)), **floor)
     cval = torch.empty(n_samples, B, p["chunks"], k, dtype=torch.float32, **kw)
@@ -1856,10 +1922,10 @@ def _select(s: torch.Tensor,                # (B, n) scores, contiguous
     mean = torch.empty(B, dtype=torch.float32, **kw)
     idx = torch.empty(n_samples, B, dtype=torch.int64, **kw)
     loss = torch.empty(B if target is not None else 0, dtype=s.dtype, **kw)
-    merge = triton.next_power_of_2(p["chunks"] * k)
+    merge = next_pow2(p["chunks"] * k)
     _launch(_perturbed_merge_kernel, (B,), cval, cidx, s, s if target is None else target,
             s if margin is None else margin, mean, idx, loss, B, n, p["chunks"] * k, f64_bits(alpha), f64_bits(scale),
-            KTH=k, N_SAMPLES=n_samples, S_PAD=triton.next_power_of_2(n_samples), SORTED=p["chunks"] == 1,
+            KTH=k, N_SAMPLES=n_samples, S_PAD=next_pow2(n_samples), SORTED=p["chunks"] == 1,
             HINGE=target is not None, HAS_MARGIN=margin is not None, BLOCK=merge,
             num_warps=min(16, max(1, merge // 256)))
     return mean, idx, loss
@@ -1899,7 +1965,7 @@ def perturbed_kth_triton(scores: torch.Tensor,   # (..., n) scores
     cap = 0 if cap is None else (check_int(cap, "cap", 0, 2**15) or -1)
     s = scores.reshape(-1, n).contiguous()                                # (B, n)
     z = None if noise is None else noise.to(s.dtype).reshape(S, s.shape[0], n).contiguous()
-    mean, idx = _perturbed_kth_op(s, _device_seed(generator, s.device), z, k, epsilon, S, block, cap)  # differentiable in s
+    mean, idx = call_op(_perturbed_kth_op, s, _device_seed(generator, s.device), z, k, epsilon, S, block, cap)  # differentiable in s
     return mean.reshape(scores.shape[:-1]), idx.reshape(S, *scores.shape[:-1])
 
 # %% ../nbs/05a_noised_kernels.ipynb #103ba18c
@@ -1938,9 +2004,9 @@ def _grad_launch(idx: torch.Tensor,       # (S, B) each draw's index
                  ) -> torch.Tensor:
     "The gradient (B, n), each element written once by `_perturbed_grad_kernel`."
     (B, n), S = shape, idx.shape[0]
-    block = min(1024, triton.next_power_of_2(n))
+    block = min(1024, next_pow2(n))
     g = torch.empty(shape, dtype=dtype, device=go.device)
-    _launch(_perturbed_grad_kernel, (B, triton.cdiv(n, block)), idx, go.contiguous(),
+    _launch(_perturbed_grad_kernel, (B, cdiv(n, block)), idx, go.contiguous(),
             go if loss is None else loss, go if target is None else target, go if weight is None else weight,
             go if den is None else den, g, B, n, f64_bits(scale), ignore_index,
             N_SAMPLES=S, HINGE=loss is not None, REDUCTION=reduction, HAS_WEIGHT=weight is not None, BLOCK=block, num_warps=4)
@@ -1979,11 +2045,13 @@ def _kth_grad(ctx, grad, unused):
     if grad is None:                                                              # the value took no part
         return None, None, None, None, None, None, None, None
     (idx,) = ctx.saved_tensors                                                    # (S, B)
-    return (_perturbed_grad_op(idx, grad, None, None, None, None, ctx.shape[1], ctx.dtype, 1.0, -1, ROWS),
+    return (call_op(_perturbed_grad_op, idx, grad, None, None, None, None, ctx.shape[1], ctx.dtype, 1.0, -1, ROWS),
             None, None, None, None, None, None, None)
 
 
 _perturbed_kth_op.register_autograd(_kth_grad, setup_context=_kth_setup_context)
+lean_op(_perturbed_kth_op, _kth_setup_context, _kth_grad)      # eager code: no dispatcher (chapter 02a)
+lean_op(_perturbed_grad_op)
 
 # %% ../nbs/05a_noised_kernels.ipynb #d4a487d1
 def triton_sampled_topk_value(scores: torch.Tensor, k: int, epsilon: float, n_samples: int,
@@ -2034,12 +2102,13 @@ def _hinge_grad(ctx, grad, *unused):
     if grad is None:
         return (None,) * 13
     idx, loss, target, weight, den = ctx.saved_tensors
-    g = _perturbed_grad_op(idx, grad, loss, target, weight, den, ctx.shape[1], ctx.dtype, ctx.scale, ctx.ignore_index,
+    g = call_op(_perturbed_grad_op, idx, grad, loss, target, weight, den, ctx.shape[1], ctx.dtype, ctx.scale, ctx.ignore_index,
                            ctx.reduction)
     return (g,) + (None,) * 12
 
 
 _noised_hinge_op.register_autograd(_hinge_grad, setup_context=_hinge_setup_context)
+lean_op(_noised_hinge_op, _hinge_setup_context, _hinge_grad)
 
 # %% ../nbs/05a_noised_kernels.ipynb #f8be9317
 def triton_noised_hinge(scores: torch.Tensor,           # (B, n) scores, float32 or float64
@@ -2066,7 +2135,7 @@ def triton_noised_hinge(scores: torch.Tensor,           # (B, n) scores, float32
         m, alpha = None, check_real(margin, "margin")
     s = scores.contiguous()
     seed = _device_seed(generator, s.device)
-    return _noised_hinge_op(s, target.contiguous(), m, seed, None, k, epsilon, S, alpha, scale, -1, ROWS)[0]
+    return call_op(_noised_hinge_op, s, target.contiguous(), m, seed, None, k, epsilon, S, alpha, scale, -1, ROWS)[0]
 
 
 def noised_hinge_fused(scores: torch.Tensor,           # (B, n) scores, float32 or float64
@@ -2084,6 +2153,6 @@ def noised_hinge_fused(scores: torch.Tensor,           # (B, n) scores, float32 
     s, dev, on_device = scores.contiguous(), scores.device, sync_free(target)
     m = None if margins is None else margins.detach().to(device=dev)
     w = None if weight is None else weight.to(device=dev)
-    out, _, den, ok, _ = _noised_hinge_op(s, target.contiguous(), m, _device_seed(generator, dev), w, k, epsilon, n_samples,
+    out, _, den, ok, _ = call_op(_noised_hinge_op, s, target.contiguous(), m, _device_seed(generator, dev), w, k, epsilon, n_samples,
                                           alpha, scale, ignore_index, REDUCTION_CODES[reduction], on_device)
     return out, den, None if on_device else ok

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .core import (LossModule, check_int, conventions_loss, check_loss_input, check_real, check_reduction, loss_dtype, reduce_loss,
+from .core import (LossModule, check_int, conventions_loss, device_copy, check_loss_input, check_real, check_reduction, loss_dtype, reduce_loss,
                           selected_hinge, sync_free)
 from .perturbed import draw_noise, sampled_topk_value, smooth_topk, topk_value
 
@@ -202,7 +202,8 @@ class NoisedImbal(_NoisedModule):
             super().__setattr__("margins", margins_from_counts(self.class_counts, self.max_m))
 
     def per_sample(self, scores, labels, noise=None):
-        return noised_imbal(scores, labels, self.class_counts, self.k, self.epsilon, self.n_samples, self.max_m,
+        counts = device_copy(self, "class_counts", self.class_counts, scores)   # (n,): on the scores' device once
+        return noised_imbal(scores, labels, counts, self.k, self.epsilon, self.n_samples, self.max_m,
                                  self.scale, "none", self.generator, noise, self.check_finite)
 
     def kernel_loss(self, scores, labels, weight):
@@ -212,7 +213,8 @@ class NoisedImbal(_NoisedModule):
             return None
         if self.margins.numel() != scores.shape[1]:                            # (n,) float64, made once, moved with the module
             return None                                                        # the per-sample path names the mismatch
-        return noised_hinge_fused(scores, labels, self.k + 1, self.epsilon, self.n_samples, self.margins, 0.0, self.scale,
+        margins = device_copy(self, "margins", self.margins, scores)        # (n,): copied to the scores' device once
+        return noised_hinge_fused(scores, labels, self.k + 1, self.epsilon, self.n_samples, margins, 0.0, self.scale,
                                   self.generator, weight, self.ignore_index, self.reduction)
 
     def extra_repr(self):
