@@ -560,19 +560,20 @@ def test_report_names_records_of_the_wrong_shape_or_changed(tmp_path):
         paths[name].write_text(text)
     legacy = batch.cell_dir(out, "circles_tradeoffs", {**params, "sigma": 40}) / RECORD
     legacy.parent.mkdir(parents=True)
-    legacy.write_text(json.dumps({**old, "params": {**params, "sigma": 40}}))   # written before records had a checksum
+    legacy.write_text(json.dumps({**old, "params": {**params, "sigma": 40}}))   # no checksum: refused as well
+    paths["no checksum"] = legacy
     done = _report("circles_tradeoffs", "--out", str(out))
     assert done.returncode == 1 and done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
-    assert done.stderr.startswith("topk-nb report: error: 5 unreadable record(s)")
+    assert done.stderr.startswith("topk-nb report: error: 6 unreadable record(s)")
     for name, why in (("a changed digit", "its content does not match its checksum"),
+                      ("no checksum", "it has no 'checksum'"),
                       ("status alone", "not a record: no 'params'"),
                       ("metrics a string", "'metrics' is a string, not an object"),
                       ("final a string", "'metrics.final' is a string"),
                       ("params a list", "'params' is a list, not an object")):
         assert f"{paths[name]}: {why}" in done.stderr, (name, done.stderr)
     md = (out / "circles_tradeoffs" / "report" / "report.md").read_text()
-    assert "2 successful records, 0 failed, 5 unreadable" in md, md
-    assert "> **1 of 2 records carry no checksum**" in md and f"| {legacy} | ok |" in md, md
+    assert "1 successful records, 0 failed, 6 unreadable" in md, md
     assert not batch.cell_done(paths["status alone"].parent)
 
 
@@ -599,6 +600,42 @@ def test_report_names_records_whose_metrics_are_not_numbers(tmp_path):
     md = (out / "circles_tradeoffs" / "report" / "report.md").read_text()
     assert "1 successful records, 0 failed, 5 unreadable" in md, md
     assert all(f"| {paths[name]} | {why}" in md for name, (_, why) in changes.items()), md
+
+
+def test_a_record_without_its_checksum_is_refused_until_sealed(tmp_path):
+    # a record whose checksum and format were deleted and whose top1 was edited: not in the report, not done for run
+    out = tmp_path / "runs"
+    rec, old = _good_record(out)
+    path = batch.cell_dir(out, "circles_tradeoffs", PARAMS) / RECORD
+    edited = {**old, "metrics": {"final": [{**ROW, "top1": 0.123}]}}
+    path.write_text(json.dumps(edited))
+    done = _report("circles_tradeoffs", "--out", str(out))
+    assert done.returncode == 1 and done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+    assert f"{path}: it has no 'checksum'" in done.stderr, done.stderr
+    assert f"if you trust its numbers, seal it: topk-nb seal circles_tradeoffs --out {out}" in done.stderr, done.stderr
+    md = (out / "circles_tradeoffs" / "report" / "report.md").read_text()
+    assert "0 successful records, 0 failed, 1 unreadable" in md and "12.30" not in md, md
+    assert not cell_done(path.parent) and read_record(path) is None
+    sealed = subprocess.run([sys.executable, "-m", "topk_nb.cli", "seal", "circles_tradeoffs", "--out", str(out)],
+                            env=ENV, capture_output=True, text=True, timeout=120)
+    assert sealed.returncode == 0 and sealed.stdout == f"sealed {path}\n", sealed
+    assert read_record(path)["metrics"]["final"][0]["top1"] == 0.123              # the user's statement: now it reads
+    done = _report("circles_tradeoffs", "--out", str(out))
+    assert done.returncode == 0 and "12.30" in (out / "circles_tradeoffs" / "report" / "report.md").read_text(), done
+
+
+def test_run_runs_again_a_cell_whose_record_lost_its_checksum(tmp_path):
+    nb, out = counting_notebook(tmp_path), tmp_path / "runs"
+    grid = {"x": [1], "sleep": [0.0]}
+    assert batch.run_grid(str(nb), grid=grid, out_dir=out, progress=False)["ok"] == 1
+    path = batch.cell_dir(out, "count", {"x": 1, "sleep": 0.0}) / RECORD
+    rec = json.loads(path.read_text())
+    path.write_text(json.dumps({**{k: v for k, v in rec.items() if k not in ("checksum", "format")},
+                                "metrics": {"final": [{"y": 99}]}}))
+    summary = batch.run_grid(str(nb), grid=grid, out_dir=out, progress=False)
+    assert {k: summary[k] for k in ("skipped", "ok", "failed", "missing")} == {"skipped": 0, "ok": 1, "failed": 0, "missing": 0}
+    assert executions(tmp_path) == Counter({1: 2})                                 # it ran again
+    check_all_done(out, [1])                                                      # a sealed record with y = 10
 
 
 # --- notebooks and grids that could run code or write outside --out ---------------------------------------------------

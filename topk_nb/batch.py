@@ -249,7 +249,7 @@ def _execute(notebook, params: dict, directory: Path, experiment, timeout, log_o
                 with_parameters_tag(notebook), str(executed), parameters={**params, "record_path": str(record)},
                 kernel_name="python3", cwd=str(Path(notebook).parent), progress_bar=False, log_output=log_output,
                 execution_timeout=timeout, start_timeout=KERNEL_START_TIMEOUT))
-            written, problem = inspect_record(record)
+            written, problem = inspect_record(record, sealed=False)   # the runner seals it below
             if written is None:
                 raise RuntimeError(f"the record the notebook wrote to record_path {problem}" if problem else
                                    "the notebook ran but wrote no record to record_path")

@@ -623,18 +623,6 @@ def _header(exp: Experiment, warnings: Sequence[str], counts: tuple[int, int, in
                   + ").", ""]
     return lines
 
-# %% ../nbs/20_report.ipynb #d51073fb
-from .records import UNCHECKED
-
-
-def _unchecked_section(records: list[dict]) -> list[str]:
-    "The records without a checksum (written by an older version), listed under the header: used, but not verified."
-    old = [r for r in records if r.get(UNCHECKED)]
-    if not old: return []
-    return [f"> **{len(old)} of {len(records)} records carry no checksum** (written before records had one): their numbers "
-            "are used below but cannot be verified. To replace them, delete them and run their cells again.", ""] + \
-        _table(["record without a checksum", "status"], [[r.get("path"), r.get("status")] for r in old]) + [""]
-
 # %% ../nbs/20_report.ipynb #5eab316c
 def report(experiment: str | Experiment,  # a catalogue name, or an entry
            out_dir="runs",  # the --out folder of the runs
@@ -659,7 +647,6 @@ def report(experiment: str | Experiment,  # a catalogue name, or an entry
     report_dir = Path(report_dir) if report_dir else Path(out_dir) / exp.name / "report"
     report_dir.mkdir(parents=True, exist_ok=True)
     lines = _header(exp, [long for long, _ in notes], (len(ok), len(failed), len(unreadable), len(rows)), dropped, results, level)
-    lines += _unchecked_section(records)
     lines += _paper_section(exp, rows) + _findings_section(results, level, exp.samples) + \
         _figure_sections(exp, rows, report_dir, figures, results, "; ".join(short for _, short in notes) or None) + \
         [line for draw in (exp.drawings if figures else ()) for line in draw(ok, report_dir)] + \
