@@ -513,6 +513,20 @@ def test_links_in_cell_folders_are_never_followed(tmp_path):
         load_records(out)
 
 
+def test_a_done_cell_with_a_link_beside_a_new_cell_is_counted_once(tmp_path):
+    nb, out = counting_notebook(tmp_path), tmp_path / "runs"
+    assert batch.run_grid(str(nb), grid={"x": [1], "sleep": [0.0]}, out_dir=out, progress=False)["ok"] == 1
+    done = batch.cell_dir(out, "count", {"x": 1, "sleep": 0.0})
+    (done / "job.log").unlink()
+    (done / "job.log").symlink_to(tmp_path / "elsewhere.txt")
+    assert batch.pending_cells(batch.get_experiment(str(nb)), [{"x": 1, "sleep": 0.0}], out) == [{"x": 1, "sleep": 0.0}]
+    res = subprocess.run(runner(nb, out, [1, 2], 0.0), env=ENV, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    summary = json.loads(res.stdout.splitlines()[-1])
+    assert summary == {"total": 2, "skipped": 0, "ok": 1, "failed": 0, "missing": 1}, res.stderr
+    assert f"not run: {done / 'job.log'} is a symbolic link" in res.stderr and res.returncode == 1, res.stderr
+    assert executions(tmp_path) == Counter({1: 1, 2: 1}) and not (tmp_path / "elsewhere.txt").exists()
+
+
 # --- an ok record is never replaced by a failed one -------------------------------------------------------------------
 def test_a_failed_rerun_keeps_the_ok_record(tmp_path):
     nb, out = counting_notebook(tmp_path), tmp_path / "runs"

@@ -132,9 +132,10 @@ def notebook_final(path,  # an executed notebook
 # %% ../nbs/13_batch.ipynb #46365c77
 def cell_done(directory,  # a cell's folder
               ) -> bool:
-    "A cell is done when its record says ok and its executed notebook is final."
+    "A cell is done when nothing in its folder is a link where the runner writes (`cell_links`), its record says ok and its executed notebook is final: the one rule of `pending_cells`, `grid_summary` and `topk-nb status`."
     directory = Path(directory)
-    return (read_record(directory / RECORD) or {}).get("status") == "ok" and notebook_final(directory / EXECUTED)
+    return (not cell_links(directory) and (read_record(directory / RECORD) or {}).get("status") == "ok"
+            and notebook_final(directory / EXECUTED))
 
 # %% ../nbs/13_batch.ipynb #32f97fd6
 def _fsync(path: Path) -> None:
@@ -371,14 +372,15 @@ def pending_cells(experiment: Experiment,  # the catalogue entry
 def grid_summary(experiment: Experiment,  # the catalogue entry
                  cells: list[dict],  # parameter dicts of the grid
                  out_dir,  # the --out folder
-                 skipped: int = 0,  # how many cells were done before the run
+                 skipped: Sequence[dict] = (),  # the cells that were done before the run (those `pending_cells` left out)
                  ) -> dict:
-    "Counts from the files on disk: total, skipped (done before), ok (done since), failed, missing (no final result); and the problems."
-    summary = {"total": len(cells), "skipped": skipped, "ok": 0, "failed": 0, "missing": 0, "failures": []}
+    "Counts from the files on disk, each cell in one of them: skipped (done before, and still), ok (done since), failed, missing (no final result); their sum, total; and the problems."
+    summary = {"total": len(cells), "skipped": 0, "ok": 0, "failed": 0, "missing": 0, "failures": []}
+    before = {cell_id(c) for c in skipped}
     for params in cells:
         directory = cell_dir(out_dir, experiment, params)
-        if cell_done(directory) and not cell_links(directory):
-            summary["ok"] += 1
+        if cell_done(directory):                  # the rule of `pending_cells`
+            summary["skipped" if cell_id(params) in before else "ok"] += 1
             continue
         links = cell_links(directory)
         rec, problem = inspect_record(directory / RECORD)
@@ -395,7 +397,6 @@ def grid_summary(experiment: Experiment,  # the catalogue entry
             error = (f"record {directory / RECORD} {problem}" if problem else
                      f"no record in {directory}" if rec is None else f"the executed notebook {directory / EXECUTED} is not final")
         summary["failures"].append({"params": params, "error": error})
-    summary["ok"] -= skipped
     return summary
 
 # %% ../nbs/13_batch.ipynb #19a7eacf
@@ -559,5 +560,6 @@ def run_grid(experiment: str | Experiment,  # a catalogue name, or the path of a
                          devices, bar)
         _run_pool(busy, lambda c, d: _launch(exp, c, out_dir, d, timeout, True, since[cell_id(c)], preset, stop),
                   devices, bar)
-    summary = grid_summary(exp, cells, out_dir, skipped=len(cells) - len(todo))
+    pending = {cell_id(c) for c in todo}
+    summary = grid_summary(exp, cells, out_dir, skipped=[c for c in cells if cell_id(c) not in pending])
     return summary if stop.reason is None else {**summary, "stopped": stop.reason, "signal": stop.signum}
