@@ -591,6 +591,26 @@ def test_report_names_records_of_the_wrong_shape_or_changed(tmp_path):
     assert not batch.cell_done(paths["status alone"].parent)
 
 
+def test_report_replaces_links_where_it_writes_and_never_writes_through_them(tmp_path):
+    out = tmp_path / "runs"
+    _good_record(out)
+    assert _report("circles_tradeoffs", "--out", str(out)).returncode == 0
+    folder = out / "circles_tradeoffs" / "report"
+    written = sorted(p.name for p in folder.iterdir())
+    assert "report.md" in written and "fig2.png" in written and "fig2.svg" in written, written
+    for name in written:                                 # each file the report writes: a link to a file outside --out
+        target = tmp_path / f"other-{name}"
+        target.write_text("keep me")
+        (folder / name).unlink()
+        (folder / name).symlink_to(Path("../../..") / target.name)
+    done = _report("circles_tradeoffs", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    assert [(tmp_path / f"other-{name}").read_text() for name in written] == ["keep me"] * len(written)
+    assert [name for name in written if (folder / name).is_symlink()] == []
+    assert (folder / "report.md").read_text().startswith("# circles_tradeoffs: report")
+    assert sorted(p.name for p in folder.iterdir()) == written      # no temporary file left
+
+
 def test_report_names_records_whose_metrics_are_not_numbers(tmp_path):
     out = tmp_path / "runs"
     params, row = PARAMS, ROW
