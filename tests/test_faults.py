@@ -527,6 +527,37 @@ def test_a_done_cell_with_a_link_beside_a_new_cell_is_counted_once(tmp_path):
     assert executions(tmp_path) == Counter({1: 1, 2: 1}) and not (tmp_path / "elsewhere.txt").exists()
 
 
+def test_hard_links_in_a_cell_folder_are_never_written_through(tmp_path):
+    nb, out = counting_notebook(tmp_path), tmp_path / "runs"
+    cell = {x: batch.cell_dir(out, "count", {"x": x, "sleep": 0.0}) for x in (1, 2)}
+    for x, name in ((1, ".lock"), (2, "job.log")):
+        (tmp_path / f"precious-{x}.txt").write_text("keep me")
+        cell[x].mkdir(parents=True)
+        os.link(tmp_path / f"precious-{x}.txt", cell[x] / name)
+    res = subprocess.run(runner(nb, out, [1, 2], 0.0), env=ENV, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert [(tmp_path / f"precious-{x}.txt").read_text() for x in (1, 2)] == ["keep me"] * 2
+    assert json.loads(res.stdout.splitlines()[-1]) == {"total": 2, "skipped": 0, "ok": 1, "failed": 0, "missing": 1}, res.stderr
+    assert (f"not done: {json.dumps({'x': 1, 'sleep': 0.0})}: not run: {cell[1] / '.lock'} is a hard link (one of 2 names "
+            "of one file), which the runner does not write through") in res.stderr, res.stderr
+    assert executions(tmp_path) == Counter({2: 1}) and cell_done(cell[2])
+    assert os.stat(cell[2] / "job.log").st_nlink == 1                       # a job.log of its own, the other name untouched
+
+
+def test_a_link_at_the_slurm_ledger_lock_is_refused_and_nothing_is_made_through_it(tmp_path, monkeypatch):
+    from topk_nb import slurm
+    monkeypatch.setattr(cli, "slurm_available", lambda: None)               # as if a cluster answered
+    monkeypatch.setattr(slurm, "slurm_available", lambda: None)
+    out = tmp_path / "runs"
+    folder = slurm.slurm_folder(out, "circles_tradeoffs")
+    folder.mkdir(parents=True)
+    (folder / ".lock").symlink_to(tmp_path / "made-through-the-link")
+    code, stdout, err = _cli("run", "circles_tradeoffs", "--executor", "slurm", "--grid", "epochs=1", "--out", str(out),
+                             "--no-progress", "--no-wait")
+    assert not (tmp_path / "made-through-the-link").exists()
+    assert (code, stdout, err.count("\n")) == (2, "", 1), err
+    assert f"{folder / '.lock'} is a symbolic link, which the runner does not follow" in err, err
+
+
 # --- an ok record is never replaced by a failed one -------------------------------------------------------------------
 def test_a_failed_rerun_keeps_the_ok_record(tmp_path):
     nb, out = counting_notebook(tmp_path), tmp_path / "runs"

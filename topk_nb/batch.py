@@ -12,6 +12,7 @@ import math
 import os
 import secrets
 import signal
+import stat
 import subprocess
 import tempfile
 import sys
@@ -36,8 +37,9 @@ from .grid import (EXPERIMENTS, FILE_PARAMETERS, cell_dir, cell_id, cell_slug, c
 # %% auto #0
 __all__ = ['LOCK', 'JOB_LOG', 'FAILED_ATTEMPT', 'FAILED_NOTEBOOK', 'KERNEL_START_TRIES', 'KERNEL_START_TIMEOUT', 'NO_SPACE',
            'JOB_BUSY', 'JOB_NO_SPACE', 'JOB_UNSAFE', 'STOP_SIGNALS', 'STOP_GRACE', 'CellBusy', 'UnsafeCell',
-           'cell_links', 'claim_cell', 'record_stamp', 'notebook_final', 'cell_done', 'Stopped', 'no_space', 'run_cell',
-           'die_with_parent', 'pending_cells', 'grid_summary', 'RunStop', 'check_out_dir', 'run_grid']
+           'written_in_place', 'cell_links', 'open_in_place', 'claim_cell', 'record_stamp', 'notebook_final',
+           'cell_done', 'Stopped', 'no_space', 'run_cell', 'die_with_parent', 'pending_cells', 'grid_summary',
+           'RunStop', 'check_out_dir', 'run_grid']
 
 # %% ../nbs/13_batch.ipynb #caf1b9ce
 LOCK = ".lock"
@@ -57,29 +59,66 @@ class UnsafeCell(RuntimeError):
     "A cell folder holding a symbolic link where the runner writes: the runner does not follow links it did not make."
 
 # %% ../nbs/13_batch.ipynb #90dd5875
+def written_in_place(path,  # a file the runner opens and writes without renaming (a lock)
+                     ) -> str | None:
+    "Why `path` cannot be written in place: a file of several names (a hard link: writing would change the others) or no regular file, in words; None if it is missing or a plain file."
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    if stat.S_ISLNK(st.st_mode): return None          # `cell_links` names it
+    if not stat.S_ISREG(st.st_mode): return "is not a regular file"
+    if st.st_nlink > 1:
+        return f"is a hard link (one of {st.st_nlink} names of one file), which the runner does not write through"
+    return None
+
+
 def cell_links(directory,  # a cell's folder
                ) -> str | None:
-    "What in `directory` is a symbolic link where the runner writes (the experiment's folder, the cell's, its lock, log, record, notebook), in one line; None if nothing is."
+    "What in `directory` is a symbolic link where the runner writes (the experiment's folder, the cell's, its lock, log, record, notebook), or a lock it cannot write in place (`written_in_place`: a hard link), in one line; None if nothing is."
     directory = Path(directory)
     paths = [directory.parent, directory] + [directory / n for n in (LOCK, JOB_LOG, RECORD, EXECUTED, FAILED_ATTEMPT, FAILED_NOTEBOOK)]
     links = [str(p) for p in paths if p.is_symlink()]
-    if not links: return None
-    return (f"{', '.join(links)} {'is a symbolic link' if len(links) == 1 else 'are symbolic links'}, which the runner "
-            "does not follow (it makes none): remove them and run again")
+    problems = [f"{', '.join(links)} {'is a symbolic link' if len(links) == 1 else 'are symbolic links'}, which the runner "
+                "does not follow (it makes none)"] if links else []
+    if not links and (why := written_in_place(directory / LOCK)):
+        problems.append(f"{directory / LOCK} {why}")
+    named = len(links) + len(problems) - bool(links)
+    return "; ".join(problems) + f": remove {'it' if named == 1 else 'them'} and run again" if problems else None
 
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
-def _open_in_cell(directory: Path, name: str, flags: int) -> int:
-    "`os.open` of `directory/name` that follows no link, neither the folder nor the file; a link raises UnsafeCell."
+def open_in_place(directory,  # a folder the runner owns (a cell's, the Slurm ledger's)
+                  name: str,  # a file in it, opened to be written in place (a lock)
+                  flags: int,  # `os.open` flags (O_NOFOLLOW is added)
+                  ) -> int:
+    "`os.open` of `directory/name` that follows no symbolic link, neither the folder nor the file, and refuses a file that is no regular file or has other names (`written_in_place`): UnsafeCell, naming it."
+    directory = Path(directory)
     try:
         dir_fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _NOFOLLOW)
-        try: return os.open(name, flags | _NOFOLLOW, 0o666, dir_fd=dir_fd)
+        try: fd = os.open(name, flags | _NOFOLLOW, 0o666, dir_fd=dir_fd)
         finally: os.close(dir_fd)
     except OSError as e:
-        if e.errno in (errno.ELOOP, errno.ENOTDIR) and (problem := cell_links(directory)):
-            raise UnsafeCell(problem) from None
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            links = [str(p) for p in (directory, directory / name) if p.is_symlink()]
+            if links: raise UnsafeCell(f"{links[0]} is a symbolic link, which the runner does not follow (it makes none): "
+                                       "remove it and run again") from None
+        raise
+    st = os.fstat(fd)                               # the file opened, not the name: no race with a link made since
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
+        os.close(fd)
+        raise UnsafeCell(f"{directory / name} {written_in_place(directory / name) or 'is no plain file'}: remove it and run again")
+    return fd
+
+
+def _open_in_cell(directory: Path, name: str, flags: int) -> int:
+    "`open_in_place` in a cell's folder: a link raises UnsafeCell with `cell_links`'s line."
+    try:
+        return open_in_place(directory, name, flags)
+    except UnsafeCell:
+        if problem := cell_links(directory): raise UnsafeCell(problem) from None
         raise
 
 
@@ -272,9 +311,11 @@ def _execute(notebook, params: dict, directory: Path, experiment, timeout, log_o
 
 # %% ../nbs/13_batch.ipynb #1a848727
 def _log_to(path: Path) -> None:
-    "Send this process's stdout and stderr, and those of the processes it starts (the kernel), to `path` (never through a link)."
+    "Send this process's stdout and stderr, and those of the processes it starts (the kernel), to a new file `path`: made under a fresh name, then renamed over `path` (never written through a link, symbolic or hard)."
     sys.stdout.flush(); sys.stderr.flush()
-    fd = _open_in_cell(path.parent, path.name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    fresh = f".{path.name}.{secrets.token_hex(6)}.tmp"
+    fd = _open_in_cell(path.parent, fresh, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    os.replace(path.parent / fresh, path)
     os.dup2(fd, 1); os.dup2(fd, 2)
     os.close(fd)
 

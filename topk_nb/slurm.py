@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Sequence
 
 from .batch import FAILED_ATTEMPT, JOB_LOG, STOP_GRACE, RunStop, _launch, cell_done, check_out_dir, record_stamp
-from .batch import _signals_held
+from .batch import _signals_held, open_in_place
 from .grid import cell_dir, cell_id, check_folder_name, get_experiment, plan_grid, short_error
 from .catalogue import Experiment
 from .records import RECORD, atomic_write_json, read_record
@@ -267,10 +267,10 @@ def count_states(rows: Sequence[dict]) -> dict:
 # %% ../nbs/21_slurm.ipynb #65247484
 @contextlib.contextmanager
 def _ledger_lock(folder: Path):
-    "Own the experiment's Slurm folder (`flock` on `.lock`) inside the block."
+    "Own the experiment's Slurm folder (`flock` on `.lock`) inside the block; a link there (the folder, or the lock: symbolic or hard) raises UnsafeCell, naming it, and nothing is created through it."
     import fcntl
     folder.mkdir(parents=True, exist_ok=True)
-    fd = os.open(folder / ".lock", os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0))
+    fd = open_in_place(folder, ".lock", os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield folder
