@@ -642,6 +642,41 @@ def test_report_replaces_links_where_it_writes_and_never_writes_through_them(tmp
     assert sorted(p.name for p in folder.iterdir()) == written      # no temporary file left
 
 
+def _odd_records(out: Path, experiment: str, cells: list[dict]) -> dict[str, Path]:
+    "A deeply nested JSON, a FIFO and a sparse 100 MB file, each as the record.json of one of `cells`."
+    paths = {name: batch.cell_dir(out, experiment, cell) / RECORD for name, cell in zip(("deep", "fifo", "huge"), cells)}
+    for path in paths.values(): path.parent.mkdir(parents=True)
+    paths["deep"].write_text("[" * 200000 + "]" * 200000)
+    os.mkfifo(paths["fifo"])
+    with open(paths["huge"], "wb") as f: f.truncate(100 * 2**20)
+    return paths
+
+
+def test_records_that_are_no_plain_json_file_are_named_by_report_and_status(tmp_path):
+    out = tmp_path / "runs"
+    _good_record(out)
+    paths = _odd_records(out, "circles_tradeoffs", [{**PARAMS, "sigma": s} for s in (21, 22, 23)])
+    done = _report("circles_tradeoffs", "--out", str(out))                # a FIFO read would block: the timeout fails
+    assert done.returncode == 1 and done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.startswith("topk-nb report: error: 3 unreadable record(s)"), done.stderr
+    for name, why in (("deep", "not a record: its JSON is nested too deeply to be read"),
+                      ("fifo", "is not a regular file but a FIFO"), ("huge", "is 104857600 bytes, more than the")):
+        assert f"{paths[name]}: {why}" in done.stderr, (name, done.stderr)
+    status = subprocess.run([sys.executable, "-m", "topk_nb.cli", "status", "--out", str(out)], env=ENV,
+                            capture_output=True, text=True, timeout=120)
+    assert status.returncode == 0 and "Traceback" not in status.stderr, status.stderr
+    assert set(json.loads(status.stdout.splitlines()[-1])) == {"ok", "queued", "running", "failed", "missing"}, status.stdout
+
+
+def test_run_runs_again_cells_whose_record_is_no_plain_json_file(tmp_path):
+    nb, out = counting_notebook(tmp_path), tmp_path / "runs"
+    _odd_records(out, "count", [{"x": x, "sleep": 0.0} for x in (1, 2, 3)])
+    res = subprocess.run(runner(nb, out, [1, 2, 3], 0.0), env=ENV, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
+    assert json.loads(res.stdout.splitlines()[-1]) == {"total": 3, "skipped": 0, "ok": 3, "failed": 0, "missing": 0}
+    check_all_done(out, [1, 2, 3])
+
+
 def test_report_names_records_whose_metrics_are_not_numbers(tmp_path):
     out = tmp_path / "runs"
     params, row = PARAMS, ROW

@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from .catalogue import (Experiment, Figure, Finding, PaperValue,  # noqa: F401 (the entry types, importable from here)
                               experiments_dir)
-from .records import (EXECUTED, RECORD, RecordError, atomic_write_json, inspect_record, seal_record,  # noqa: F401 (the record format)
+from .records import (EXECUTED, RECORD, RecordError, atomic_write_json, inspect_record, read_plain_file, seal_record,  # noqa: F401 (the record format)
                              load_records, read_record, training_metrics, write_record)
 from .grid import (EXPERIMENTS, FILE_PARAMETERS, cell_dir, cell_id, cell_slug, check_files,  # noqa: F401 (the grid, importable from here)
                           check_folder_name, check_key, check_parameters, discover_experiments, expand_grid,
@@ -35,11 +35,11 @@ from .grid import (EXPERIMENTS, FILE_PARAMETERS, cell_dir, cell_id, cell_slug, c
                           unknown_names, value_mismatch, value_problem, with_parameters_tag)
 
 # %% auto #0
-__all__ = ['LOCK', 'JOB_LOG', 'FAILED_ATTEMPT', 'FAILED_NOTEBOOK', 'KERNEL_START_TRIES', 'KERNEL_START_TIMEOUT', 'NO_SPACE',
-           'JOB_BUSY', 'JOB_NO_SPACE', 'JOB_UNSAFE', 'STOP_SIGNALS', 'STOP_GRACE', 'CellBusy', 'UnsafeCell',
-           'written_in_place', 'cell_links', 'open_in_place', 'claim_cell', 'record_stamp', 'notebook_final',
-           'cell_done', 'Stopped', 'no_space', 'run_cell', 'die_with_parent', 'pending_cells', 'grid_summary',
-           'RunStop', 'check_out_dir', 'run_grid']
+__all__ = ['LOCK', 'JOB_LOG', 'FAILED_ATTEMPT', 'FAILED_NOTEBOOK', 'NOTEBOOK_MAX_BYTES', 'KERNEL_START_TRIES',
+           'KERNEL_START_TIMEOUT', 'NO_SPACE', 'JOB_BUSY', 'JOB_NO_SPACE', 'JOB_UNSAFE', 'STOP_SIGNALS', 'STOP_GRACE',
+           'CellBusy', 'UnsafeCell', 'written_in_place', 'cell_links', 'open_in_place', 'claim_cell', 'record_stamp',
+           'notebook_final', 'cell_done', 'Stopped', 'no_space', 'run_cell', 'die_with_parent', 'pending_cells',
+           'grid_summary', 'RunStop', 'check_out_dir', 'run_grid']
 
 # %% ../nbs/13_batch.ipynb #caf1b9ce
 LOCK = ".lock"
@@ -157,13 +157,15 @@ def record_stamp(directory,  # a cell's folder
     return [st.st_ino, st.st_mtime_ns, st.st_size]
 
 # %% ../nbs/13_batch.ipynb #6b42b0cc
+NOTEBOOK_MAX_BYTES = 256 * 2**20   # an executed notebook larger than this is not read (not final): figures inline stay far below
+
+
 def notebook_final(path,  # an executed notebook
                    ) -> bool:
-    "Whether `path` is a notebook papermill finished executing (its `metadata.papermill.end_time` is set)."
-    if Path(path).is_symlink(): return False            # a link the runner did not make (`cell_links`)
+    "Whether `path` is a notebook papermill finished executing (its `metadata.papermill.end_time` is set); a link, a FIFO or a file over `NOTEBOOK_MAX_BYTES` is not (`read_plain_file`)."
     try:
-        nb = json.loads(Path(path).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        nb = json.loads(read_plain_file(path, NOTEBOOK_MAX_BYTES))
+    except (OSError, ValueError, RecursionError):      # missing, no plain file, too large, not JSON
         return False
     meta = nb.get("metadata", {}).get("papermill") if isinstance(nb, dict) else None
     return isinstance(meta, dict) and meta.get("end_time") is not None

@@ -5,6 +5,7 @@
 # %% ../nbs/19_records.ipynb #dcfadf64
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
 import importlib
@@ -12,6 +13,7 @@ import json
 import os
 import platform
 import re
+import stat
 import subprocess
 import time
 from pathlib import Path
@@ -19,10 +21,10 @@ from pathlib import Path
 from .catalogue import package_dir
 
 # %% auto #0
-__all__ = ['RECORD', 'EXECUTED', 'RECORD_FORMAT', 'NO_CHECKSUM', 'git_commit', 'environment', 'atomic_write_json',
-           'record_checksum', 'seal_record', 'record_problem', 'catalogue_metrics', 'metric_problem', 'write_record',
-           'RecordError', 'seal_command', 'inspect_record', 'read_record', 'load_records', 'seal_records',
-           'training_metrics']
+__all__ = ['RECORD', 'EXECUTED', 'RECORD_FORMAT', 'NO_CHECKSUM', 'RECORD_MAX_BYTES', 'git_commit', 'environment',
+           'atomic_write_json', 'record_checksum', 'seal_record', 'record_problem', 'catalogue_metrics',
+           'metric_problem', 'write_record', 'RecordError', 'seal_command', 'read_plain_file', 'inspect_record',
+           'read_record', 'load_records', 'seal_records', 'training_metrics']
 
 # %% ../nbs/19_records.ipynb #cfc8db04
 RECORD = "record.json"
@@ -210,26 +212,63 @@ def seal_command(path,  # a record file, OUT/EXPERIMENT/CELL/record.json
     return f"topk-nb seal {shlex.quote(cell.parent.name)} --out {shlex.quote(str(cell.parent.parent))}"
 
 
+RECORD_MAX_BYTES = 16 * 2**20   # a record larger than this is refused unread (records are kilobytes; a history of every epoch stays far below)
+
+
+def read_plain_file(path,  # a file the runner wrote: a record, an executed notebook, a ledger file
+                    limit: int,  # the most bytes such a file may hold
+                    ) -> bytes:
+    "The bytes of `path` if it is a regular file of at most `limit` bytes, checked on the open file (no link followed, no wait on a FIFO or device) before any byte is read; FileNotFoundError if it is missing, else a one-line ValueError saying what it is."
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        if e.errno == errno.ELOOP: raise ValueError("is a symbolic link, which the runner never writes (remove it)") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = ("a folder" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode) else
+                    "a socket" if stat.S_ISSOCK(st.st_mode) else "a device")
+            raise ValueError(f"is not a regular file but {kind}, which the runner never writes (remove it)")
+        if st.st_size > limit:
+            raise ValueError(f"is {st.st_size} bytes, more than the {limit} such a file may hold: not read (remove it)")
+        chunks, size = [], 0
+        while size <= limit and (chunk := os.read(fd, min(1 << 20, limit + 1 - size))):
+            chunks.append(chunk); size += len(chunk)
+        if size > limit:                                 # it grew since fstat
+            raise ValueError(f"holds more than the {limit} bytes such a file may hold: not read (remove it)")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
 def inspect_record(path,  # a record file
                    metrics=(),  # metric names its result rows must hold as numbers, besides those of its catalogue entry
                    sealed: bool = True,  # require the checksum (False: a record a notebook wrote, which the runner seals)
                    ) -> tuple[dict | None, str | None]:
-    "`(record, None)` for a sound record, `(None, None)` when there is none, `(None, what is wrong)` when it cannot be read or fails `record_problem` (without a checksum: with the `seal_command` for records one trusts)."
+    "`(record, None)` for a sound record, `(None, None)` when there is none, `(None, what is wrong)` when it is no regular file of at most `RECORD_MAX_BYTES` (`read_plain_file`), no JSON, or fails `record_problem` (without a checksum: with the `seal_command` for records one trusts)."
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
-        with open(fd, encoding="utf-8") as f:
-            text = f.read()
+        data = read_plain_file(path, RECORD_MAX_BYTES)
     except FileNotFoundError:
         return None, None
-    except (OSError, UnicodeDecodeError) as e:
-        if Path(path).is_symlink():
-            return None, "is a symbolic link, which the runner never writes (remove it)"
-        return None, f"cannot be read ({type(e).__name__}: {e})"
+    except ValueError as e:
+        return None, str(e)
+    except OSError as e:
+        return None, f"cannot be read ({type(e).__name__}: {e.strerror or e})"
     try:
+        text = data.decode("utf-8")
         rec = json.loads(text)
+        problem = record_problem(rec, metrics, sealed)
+    except UnicodeDecodeError as e:
+        return None, f"is not UTF-8 text ({e.reason} at byte {e.start})"
     except json.JSONDecodeError as e:
         return None, f"not complete JSON ({len(text)} characters; {e})"
-    if problem := record_problem(rec, metrics, sealed):
+    except RecursionError:
+        return None, "not a record: its JSON is nested too deeply to be read"
+    except ValueError as e:                               # a number of too many digits, say
+        return None, f"not a record: its JSON cannot be read ({' '.join(str(e).split())[:200]})"
+    if problem:
         if problem == NO_CHECKSUM:
             problem += f"; if you trust its numbers, seal it: {seal_command(path)}"
         return None, problem

@@ -21,7 +21,7 @@ from .batch import FAILED_ATTEMPT, JOB_LOG, STOP_GRACE, RunStop, _launch, cell_d
 from .batch import _signals_held, open_in_place
 from .grid import cell_dir, cell_id, check_folder_name, get_experiment, plan_grid, short_error
 from .catalogue import Experiment
-from .records import RECORD, atomic_write_json, read_record
+from .records import RECORD, RECORD_MAX_BYTES, atomic_write_json, read_plain_file, read_record
 
 # %% auto #0
 __all__ = ['SLURM_DIR', 'QUEUED', 'RUNNING', 'CANCEL_TIMEOUT', 'SlurmOptions', 'SlurmCell', 'slurm_folder', 'task_log',
@@ -170,9 +170,9 @@ def read_submissions(folder: Path) -> dict[str, dict]:
     files = sorted((Path(folder) / "submissions").glob("*.json"), key=lambda p: (len(p.stem), p.stem))
     for path in files:
         try:
-            sub = json.loads(path.read_text())
+            sub = json.loads(read_plain_file(path, RECORD_MAX_BYTES))     # a regular file, of a record's size at most
             entries = [(c["cell_id"], {"job": c["job"], "params": c["params"]}) for c in sub["cells"]]
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
             raise ValueError(f"the Slurm ledger file {path} cannot be read ({type(e).__name__}: {e}); "
                              "delete it if its jobs have ended") from None
         latest.update(entries)
