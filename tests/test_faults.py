@@ -4,6 +4,7 @@ import io
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -556,6 +557,23 @@ def test_a_link_at_the_slurm_ledger_lock_is_refused_and_nothing_is_made_through_
     assert not (tmp_path / "made-through-the-link").exists()
     assert (code, stdout, err.count("\n")) == (2, "", 1), err
     assert f"{folder / '.lock'} is a symbolic link, which the runner does not follow" in err, err
+
+
+@pytest.mark.skipif(not all(map(shutil.which, ("sbatch", "squeue", "scancel", "scontrol"))), reason="Slurm is not installed")
+def test_slurm_installed_without_a_controller_is_no_cluster(tmp_path):
+    conf = tmp_path / "slurm.conf"                                          # a controller nobody runs
+    conf.write_text("ClusterName=none\nSlurmctldHost=localhost\nSlurmctldPort=9\n")
+    env = {k: v for k, v in ENV.items() if k != "CI"} | {"SLURM_CONF": str(conf)}
+    res = subprocess.run([sys.executable, "-m", "topk_nb.cli", "run", "circles_tradeoffs", "--executor", "slurm",
+                          "--grid", "epochs=1", "--out", str(tmp_path / "runs")], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert (res.returncode, res.stdout, res.stderr.count("\n")) == (2, "", 1), res
+    assert res.stderr.startswith("topk-nb run: error: --executor slurm: the Slurm controller does not answer (scontrol ping:")
+    assert not (tmp_path / "runs").exists()
+    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", str(ROOT / "tests" / "test_slurm.py")],
+                           env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert tests.returncode in (0, 5) and "1 skipped" in tests.stdout, tests.stdout      # 5: no test ran
+    assert "no Slurm cluster (the Slurm controller does not answer (scontrol ping:" in tests.stdout, tests.stdout
 
 
 # --- an ok record is never replaced by a failed one -------------------------------------------------------------------

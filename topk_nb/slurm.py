@@ -24,9 +24,9 @@ from .catalogue import Experiment
 from .records import RECORD, RECORD_MAX_BYTES, atomic_write_json, read_plain_file, read_record
 
 # %% auto #0
-__all__ = ['SLURM_DIR', 'QUEUED', 'RUNNING', 'CANCEL_TIMEOUT', 'SlurmOptions', 'SlurmCell', 'slurm_folder', 'task_log',
-           'write_submission', 'read_submissions', 'parse_squeue', 'squeue_states', 'cell_state', 'grid_states',
-           'count_states', 'submit_cells', 'slurm_available', 'run_slurm', 'status_lines']
+__all__ = ['SLURM_DIR', 'QUEUED', 'RUNNING', 'PING_TIMEOUT', 'CANCEL_TIMEOUT', 'SlurmOptions', 'SlurmCell', 'slurm_folder',
+           'task_log', 'write_submission', 'read_submissions', 'parse_squeue', 'squeue_states', 'cell_state',
+           'grid_states', 'count_states', 'submit_cells', 'slurm_available', 'run_slurm', 'status_lines']
 
 # %% ../nbs/21_slurm.ipynb #b4888592
 @dataclass
@@ -288,20 +288,24 @@ def submit_cells(experiment: Experiment, cells: Sequence[dict], out_dir, options
     return [j.job_id for j in jobs]
 
 
+PING_TIMEOUT = 30.0   # seconds `scontrol ping` may take (a controller that is down is said at once)
+
+
 def slurm_available() -> str | None:
-    "None if `sbatch` and `squeue` are here and the controller answers; else why not, in one line."
+    "None if `sbatch`, `squeue`, `scancel` and `scontrol` are here and the controller answers `scontrol ping` (UP); else why not, in one line."
     import shutil
-    missing = [c for c in ("sbatch", "squeue", "scancel") if shutil.which(c) is None]
+    missing = [c for c in ("sbatch", "squeue", "scancel", "scontrol") if shutil.which(c) is None]
     if missing: return f"{', '.join(missing)} not found: run on a Slurm login node (or use the local executor)"
     conf = os.environ.get("SLURM_CONF")
-    if conf and not Path(conf).is_file():             # else squeue retries for a minute before it says so
+    if conf and not Path(conf).is_file():             # else the commands retry for a minute before they say so
         return f"SLURM_CONF={conf} names no file"
-    try:
-        out = subprocess.run(["squeue", "--noheader", "--jobs", "0"], capture_output=True, text=True, timeout=60)
+    try:                                              # a question only the controller answers (squeue refuses job 0 by itself)
+        out = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=PING_TIMEOUT)
     except (OSError, subprocess.TimeoutExpired) as e:
-        return f"squeue did not answer ({e})"
-    if out.returncode != 0 and "Invalid job id" not in out.stderr:
-        return f"the Slurm controller does not answer ({(out.stderr.strip().splitlines() or [''])[-1][:200]})"
+        return f"the Slurm controller does not answer (scontrol ping: {' '.join(str(e).split())[:200]})"
+    said = " ".join(line.strip() for line in (out.stdout + out.stderr).splitlines() if line.strip() and "*" not in line)
+    if out.returncode != 0 or " is UP" not in out.stdout:
+        return f"the Slurm controller does not answer (scontrol ping: {said[:200] or f'exit status {out.returncode}'}): start it, or use the local executor"
     return None
 
 
