@@ -787,6 +787,11 @@ def test_grid_keys_are_identifiers_and_notebook_names_stay_inside_out(tmp_path, 
     (["--grid", 'losses=["nosuchloss"]'], "--grid losses=[\"nosuchloss\"]: 'nosuchloss' is no loss of the registry"),
     (["--grid", "sigma=NaN"], "--grid sigma=NaN: sigma takes a number"),
     (["--grid", "sigma=Infinity"], "--grid sigma=Infinity: sigma takes a number"),
+    (["--grid", "d=__import__('os').system('true')"],
+     "--grid d=__import__('os').system('true'): d takes a number or null (its type in circles_tradeoffs.ipynb is float | None)"),
+    (["--grid", "m=8.5"], "--grid m=8.5: m takes an integer or null"),
+    (["--grid", "sigma=10,10.0"], "--grid 'sigma=10,10.0' gives one value twice (10 and 10.0 are equal, one cell)"),
+    (["--grid", "sigma=1e1,10"], "--grid 'sigma=1e1,10' gives one value twice (10.0 and 10 are equal, one cell)"),
 ])
 def test_command_line_gaps_are_one_line(tmp_path, monkeypatch, words, expected):
     monkeypatch.chdir(tmp_path)
@@ -794,6 +799,17 @@ def test_command_line_gaps_are_one_line(tmp_path, monkeypatch, words, expected):
                           *words)
     assert (code, out, err.count("\n")) == (2, "", 1) and expected in err, err
     assert list(tmp_path.iterdir()) == []                               # nothing written, not even in the current folder
+
+
+def test_a_parameter_whose_default_is_none_and_declares_no_type_takes_only_null(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    nb = nbformat.read(str(counting_notebook(tmp_path)), as_version=4)
+    nb.cells[0].source += "\ntag = None"
+    nbformat.write(nb, str(tmp_path / "untyped.ipynb"))
+    code, out, err = _cli("run", str(tmp_path / "untyped.ipynb"), "--out", str(tmp_path / "runs"), "--grid", "tag=$(rm -rf ~)")
+    assert (code, out, err.count("\n")) == (2, "", 1), err
+    assert "--grid tag=$(rm -rf ~): tag takes only null: its default in untyped.ipynb is None and its parameters cell declares no type" in err, err
+    assert not (tmp_path / "runs").exists()
 
 
 def test_a_list_with_several_elements_is_one_value():
