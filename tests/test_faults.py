@@ -576,6 +576,16 @@ def test_slurm_installed_without_a_controller_is_no_cluster(tmp_path):
     assert "no Slurm cluster (the Slurm controller does not answer (scontrol ping:" in tests.stdout, tests.stdout
 
 
+def test_a_timed_out_cell_is_named_with_its_time_limit_and_log(tmp_path):
+    nb, out = counting_notebook(tmp_path), tmp_path / "runs"
+    res = subprocess.run(runner(nb, out, [1], 3.0, "--timeout", "1"), env=ENV, cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300)
+    cell = batch.cell_dir(out, "count", {"x": 1, "sleep": 3.0})
+    assert res.returncode == 1 and json.loads(res.stdout.splitlines()[-1])["failed"] == 1, res.stderr
+    assert (f"not done: {json.dumps({'x': 1, 'sleep': 3.0})}: timed out: a notebook cell ran longer than the limit of 1 s "
+            f"per cell (--timeout); the cell begins `import json, os, time`; log: {cell / 'job.log'}\n") in res.stderr, res.stderr
+
+
 # --- an ok record is never replaced by a failed one -------------------------------------------------------------------
 def test_a_failed_rerun_keeps_the_ok_record(tmp_path):
     nb, out = counting_notebook(tmp_path), tmp_path / "runs"

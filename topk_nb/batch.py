@@ -278,6 +278,17 @@ def no_space(e: BaseException,  # an exception
     return isinstance(e, Exception) and any(f"[Errno {n}] {os.strerror(n)}" in str(e) for n in NO_SPACE)
 
 
+def _error_text(e: Exception, timeout) -> str:
+    "The error of a failed attempt as its record keeps it: the exception's text, whose last line says what happened (a time limit: which, and where it is set)."
+    text = f"{type(e).__name__}: {e}"
+    if type(e).__name__ == "CellTimeoutError" or "Cell execution timed out" in text:
+        lines = text.split("-------------------")
+        first = next((l.strip() for l in (lines[1] if len(lines) > 1 else "").splitlines() if l.strip()), "")
+        text += (f"\ntimed out: a notebook cell ran longer than the limit of {timeout:g} s per cell (--timeout)"
+                 + (f"; the cell begins `{first[:80]}`" if first else ""))
+    return text[-4000:]
+
+
 def _execute(notebook, params: dict, directory: Path, experiment, timeout, log_output, identity=None) -> dict:
     "Run one attempt in a folder this process owns, publish its notebook and record (sealed, with `identity` added); returns the record. Interrupted, or on a full disk, the attempt leaves no file and the exception goes on."
     import papermill as pm
@@ -299,7 +310,7 @@ def _execute(notebook, params: dict, directory: Path, experiment, timeout, log_o
             atomic_write_json(record, seal_record(written))
         except Exception as e:
             if no_space(e): raise
-            write_record(record, params, experiment=experiment, status="failed", error=f"{type(e).__name__}: {e}"[-4000:],
+            write_record(record, params, experiment=experiment, status="failed", error=_error_text(e, timeout),
                          seed=params.get("seed"), wall_time_s=time.perf_counter() - start,
                          traceback=traceback.format_exc()[-4000:], **({"identity": identity} if identity else {}))
         with _signals_held():
@@ -439,7 +450,8 @@ def grid_summary(experiment: Experiment,  # the catalogue entry
             summary["missing"] += 1
             error = (f"record {directory / RECORD} {problem}" if problem else
                      f"no record in {directory}" if rec is None else f"the executed notebook {directory / EXECUTED} is not final")
-        summary["failures"].append({"params": params, "error": error})
+        log = directory / JOB_LOG
+        summary["failures"].append({"params": params, "error": error, **({"log": str(log)} if log.is_file() and not links else {})})
     return summary
 
 # %% ../nbs/13_batch.ipynb #19a7eacf

@@ -278,7 +278,8 @@ def main(argv: Sequence[str] | None = None,  # the words after `topk-nb` (sys.ar
     summary = run_grid(args.experiment, args.preset, parse_grid(args.grid), args.seeds, args.out, args.gpus,
                        args.jobs or 1, args.timeout, progress=not args.no_progress, data_root=args.data_root)
     for f in summary["failures"]:
-        print(f"not done: {json.dumps(f['params'])}: {short_error(f['error'])}", file=sys.stderr)
+        print(f"not done: {json.dumps(f['params'])}: {short_error(f['error'])}" + (f"; log: {f['log']}" if f.get("log") else ""),
+              file=sys.stderr)
     if "stopped" in summary:
         print(f"topk-nb run: stopped: {summary['stopped']}; {summary['failed'] + summary['missing']} of "
               f"{summary['total']} cells not done: " + ("free some space, then " if summary["signal"] is None else "")

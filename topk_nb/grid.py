@@ -184,8 +184,8 @@ def with_parameters_tag(notebook):
 
 # %% ../nbs/22_grid.ipynb #4c1efc31
 def short_error(error) -> str:
-    "The last non-empty line of an error text (papermill puts the exception there), at most 200 characters."
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    "The last line of an error text that holds a word or a number (papermill puts the exception there; a rule of dashes is none), at most 200 characters."
+    lines = [line.strip() for line in str(error).splitlines() if any(ch.isalnum() for ch in line)]
     return lines[-1][:200] if lines else ""
 
 # %% ../nbs/22_grid.ipynb #2a03a5e6
