@@ -586,6 +586,24 @@ def test_a_timed_out_cell_is_named_with_its_time_limit_and_log(tmp_path):
             f"per cell (--timeout); the cell begins `import json, os, time`; log: {cell / 'job.log'}\n") in res.stderr, res.stderr
 
 
+def test_status_during_a_local_run_shows_the_running_cells(tmp_path):
+    nb, out = counting_notebook(tmp_path), tmp_path / "runs"
+    proc = subprocess.Popen(runner(nb, out, [1, 2], 4.0, "--jobs", "2"), env=ENV, cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while sum(executions(tmp_path).values()) < 2 and time.monotonic() < deadline: time.sleep(0.05)
+        status = subprocess.run([sys.executable, "-m", "topk_nb.cli", "status", "--out", str(out)], env=ENV,
+                                capture_output=True, text=True, timeout=120)
+    finally:
+        stdout, stderr = proc.communicate(timeout=120)
+    assert executions(tmp_path) == Counter({1: 1, 2: 1}) and proc.returncode == 0, stderr
+    assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout.splitlines()[-1]) == {"ok": 0, "queued": 0, "running": 2, "failed": 0, "missing": 0}, status.stdout
+    for x in (1, 2):
+        assert f"running             -  count/{batch.cell_dir(out, 'count', {'x': x, 'sleep': 4.0}).name}" in status.stdout, status.stdout
+
+
 # --- an ok record is never replaced by a failed one -------------------------------------------------------------------
 def test_a_failed_rerun_keeps_the_ok_record(tmp_path):
     nb, out = counting_notebook(tmp_path), tmp_path / "runs"

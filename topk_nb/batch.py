@@ -37,9 +37,9 @@ from .grid import (EXPERIMENTS, FILE_PARAMETERS, cell_dir, cell_id, cell_slug, c
 # %% auto #0
 __all__ = ['LOCK', 'JOB_LOG', 'FAILED_ATTEMPT', 'FAILED_NOTEBOOK', 'NOTEBOOK_MAX_BYTES', 'KERNEL_START_TRIES',
            'KERNEL_START_TIMEOUT', 'NO_SPACE', 'JOB_BUSY', 'JOB_NO_SPACE', 'JOB_UNSAFE', 'STOP_SIGNALS', 'STOP_GRACE',
-           'CellBusy', 'UnsafeCell', 'written_in_place', 'cell_links', 'open_in_place', 'claim_cell', 'record_stamp',
-           'notebook_final', 'cell_done', 'Stopped', 'no_space', 'run_cell', 'die_with_parent', 'pending_cells',
-           'grid_summary', 'RunStop', 'check_out_dir', 'run_grid']
+           'CellBusy', 'UnsafeCell', 'written_in_place', 'cell_links', 'open_in_place', 'claim_cell', 'cell_running',
+           'record_stamp', 'notebook_final', 'cell_done', 'Stopped', 'no_space', 'run_cell', 'die_with_parent',
+           'pending_cells', 'grid_summary', 'RunStop', 'check_out_dir', 'run_grid']
 
 # %% ../nbs/13_batch.ipynb #caf1b9ce
 LOCK = ".lock"
@@ -145,6 +145,22 @@ def claim_cell(directory,  # the cell's folder (created if missing)
         yield directory
     finally:
         os.close(fd)                                            # releases the lock
+
+# %% ../nbs/13_batch.ipynb #6a791035
+def cell_running(directory,  # a cell's folder
+                 ) -> bool:
+    "Whether a process holds the cell's lock now (a job is running it), read from the kernel's list of `flock` locks (`/proc/locks`); False where there is no such list."
+    try:
+        st = os.lstat(Path(directory) / LOCK)
+        with open("/proc/locks") as f: held = f.read()
+    except OSError:
+        return False
+    if not stat.S_ISREG(st.st_mode): return False
+    for line in held.splitlines():          # 1: FLOCK  ADVISORY  WRITE 14827 fe:00:2146645 0 EOF
+        fields = line.split()
+        if len(fields) > 5 and fields[1] == "FLOCK" and fields[5].rsplit(":", 1)[-1] == str(st.st_ino):
+            return True
+    return False
 
 # %% ../nbs/13_batch.ipynb #99cf52a3
 def record_stamp(directory,  # a cell's folder

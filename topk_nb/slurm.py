@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Sequence
 
-from .batch import FAILED_ATTEMPT, JOB_LOG, STOP_GRACE, RunStop, _launch, cell_done, check_out_dir, record_stamp
+from .batch import FAILED_ATTEMPT, JOB_LOG, STOP_GRACE, RunStop, _launch, cell_done, cell_running, check_out_dir, record_stamp
 from .batch import _signals_held, open_in_place
 from .grid import cell_dir, cell_id, check_folder_name, get_experiment, plan_grid, short_error
 from .catalogue import Experiment
@@ -222,7 +222,7 @@ def cell_state(directory,  # the cell's folder
     directory = Path(directory)
     if cell_done(directory): return "ok"
     if slurm_state in QUEUED: return "queued"
-    if slurm_state in RUNNING: return "running"
+    if slurm_state in RUNNING or cell_running(directory): return "running"      # a Slurm task, or a local job
     rec = read_record(directory / RECORD) or {}
     if rec.get("status") == "failed" or (rec.get("status") == "ok" and (directory / FAILED_ATTEMPT).exists()):
         return "failed"
@@ -230,7 +230,7 @@ def cell_state(directory,  # the cell's folder
 
 
 def grid_states(experiment: Experiment,  # the catalogue entry
-                cells: Sequence[dict] | None,  # the grid's cells (None: every cell of the ledger and of the records on disk)
+                cells: Sequence[dict] | None,  # the grid's cells (None: every cell of the ledger, of the records on disk, and those a local job runs)
                 out_dir,  # the --out folder
                 squeue_timeout: float | None = 120,  # seconds squeue may take (None: no squeue, the disk alone)
                 ) -> list[dict]:
@@ -240,9 +240,15 @@ def grid_states(experiment: Experiment,  # the catalogue entry
     if cells is None:                   # the cells Slurm ran, and those with a record (a local run, say)
         known = {k: s["params"] for k, s in subs.items()}
         for path in sorted((Path(out_dir).resolve() / experiment.name).glob(f"*/{RECORD}")):
-            params = (read_record(path) or {}).get("identity", {}).get("cell")
+            params = ((read_record(path) or {}).get("identity") or {}).get("cell")
             if isinstance(params, dict): known.setdefault(cell_id(params), params)
         cells = list(known.values())
+        seen = {cell_dir(out_dir, experiment, c) for c in cells}
+        folder_of = Path(out_dir).resolve() / experiment.name   # a local job's cell without a record yet: running by its lock
+        running = [d for d in sorted(folder_of.iterdir()) if not d.name.startswith(".") and d not in seen
+                   and not d.is_symlink() and d.is_dir() and cell_running(d)] if folder_of.is_dir() else []
+    else:
+        running = []
     queue = {} if squeue_timeout is None else squeue_states([s["job"].split("_")[0] for s in subs.values()], squeue_timeout)
     rows = []
     for params in cells:
@@ -257,6 +263,7 @@ def grid_states(experiment: Experiment,  # the catalogue entry
             rec = read_record(directory / RECORD) or {}
             if rec.get("error"): row["error"] = short_error(rec["error"])
         rows.append(row)
+    rows += [{"state": "running", "params": None, "dir": str(d), "job": None, "slurm_state": None} for d in running]
     return rows
 
 
