@@ -449,6 +449,35 @@ def test_one_signal_stops_the_run_at_once_with_a_summary(tmp_path, signum):
     assert [x for x in xs if cell_done(batch.cell_dir(out, "count", {"x": x, "sleep": 2.0}))] == [1]
 
 
+def _console_script() -> str:
+    "The code of the `topk-nb` console script that the package declares (settings.ini), as pip writes it."
+    line = next(l for l in (ROOT / "settings.ini").read_text().splitlines() if l.startswith("console_scripts"))
+    module, func = line.split("topk-nb=")[1].split()[0].split(":")
+    return f"import sys; from {module} import {func}; sys.exit({func}())"
+
+
+def _catches(pid: int, signum: int) -> bool:
+    "Whether the process `pid` has a handler of its own for `signum` (SigCgt of /proc/PID/status)."
+    try: text = Path(f"/proc/{pid}/status").read_text()
+    except OSError: return False
+    caught = int(next(l for l in text.splitlines() if l.startswith("SigCgt:")).split()[1], 16)
+    return bool(caught >> (signum - 1) & 1)
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="needs /proc")
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupt_while_the_command_starts_is_one_line_and_128_plus_the_signal(tmp_path, signum):
+    proc = subprocess.Popen([sys.executable, "-c", _console_script(), "list"], env=ENV, cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not _catches(proc.pid, signal.SIGTERM) and proc.poll() is None and time.monotonic() < deadline: time.sleep(0.001)
+    caught = _catches(proc.pid, signal.SIGTERM)
+    proc.send_signal(signum)                                            # torch is still being imported
+    stdout, stderr = proc.communicate(timeout=60)
+    assert caught, "the console script installs no SIGTERM handler before it imports the package"
+    assert (proc.returncode, stdout, stderr) == (128 + signum, "", f"topk-nb: interrupted by {signum.name}\n"), stderr
+
+
 # --- a full disk ------------------------------------------------------------------------------------------------------
 FULL_DISK = """import errno, os
 _flag, _fsync = os.environ.get("FULL_DISK_FLAG"), os.fsync
