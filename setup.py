@@ -49,6 +49,7 @@ setuptools.setup(
     ] + ["Programming Language :: Python :: " + v for v in py_versions[py_versions.index(min_python):]],
     python_requires=">=" + min_python,
     packages=setuptools.find_packages(include=[cfg["lib_path"], cfg["lib_path"] + ".*"]),
+    py_modules=["topk_nb_entry"],   # the console script: its signal handlers come before the package's imports
     include_package_data=True,
     install_requires=cfg["requirements"].split(),
     extras_require={"dev": cfg["dev_requirements"].split() + cfg["experiments_requirements"].split()

@@ -4,6 +4,7 @@ import io
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -448,6 +449,35 @@ def test_one_signal_stops_the_run_at_once_with_a_summary(tmp_path, signum):
     assert [x for x in xs if cell_done(batch.cell_dir(out, "count", {"x": x, "sleep": 2.0}))] == [1]
 
 
+def _console_script() -> str:
+    "The code of the `topk-nb` console script that the package declares (settings.ini), as pip writes it."
+    line = next(l for l in (ROOT / "settings.ini").read_text().splitlines() if l.startswith("console_scripts"))
+    module, func = line.split("topk-nb=")[1].split()[0].split(":")
+    return f"import sys; from {module} import {func}; sys.exit({func}())"
+
+
+def _catches(pid: int, signum: int) -> bool:
+    "Whether the process `pid` has a handler of its own for `signum` (SigCgt of /proc/PID/status)."
+    try: text = Path(f"/proc/{pid}/status").read_text()
+    except OSError: return False
+    caught = int(next(l for l in text.splitlines() if l.startswith("SigCgt:")).split()[1], 16)
+    return bool(caught >> (signum - 1) & 1)
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="needs /proc")
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupt_while_the_command_starts_is_one_line_and_128_plus_the_signal(tmp_path, signum):
+    proc = subprocess.Popen([sys.executable, "-c", _console_script(), "list"], env=ENV, cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not _catches(proc.pid, signal.SIGTERM) and proc.poll() is None and time.monotonic() < deadline: time.sleep(0.001)
+    caught = _catches(proc.pid, signal.SIGTERM)
+    proc.send_signal(signum)                                            # torch is still being imported
+    stdout, stderr = proc.communicate(timeout=60)
+    assert caught, "the console script installs no SIGTERM handler before it imports the package"
+    assert (proc.returncode, stdout, stderr) == (128 + signum, "", f"topk-nb: interrupted by {signum.name}\n"), stderr
+
+
 # --- a full disk ------------------------------------------------------------------------------------------------------
 FULL_DISK = """import errno, os
 _flag, _fsync = os.environ.get("FULL_DISK_FLAG"), os.fsync
@@ -513,6 +543,96 @@ def test_links_in_cell_folders_are_never_followed(tmp_path):
         load_records(out)
 
 
+def test_a_done_cell_with_a_link_beside_a_new_cell_is_counted_once(tmp_path):
+    nb, out = counting_notebook(tmp_path), tmp_path / "runs"
+    assert batch.run_grid(str(nb), grid={"x": [1], "sleep": [0.0]}, out_dir=out, progress=False)["ok"] == 1
+    done = batch.cell_dir(out, "count", {"x": 1, "sleep": 0.0})
+    (done / "job.log").unlink()
+    (done / "job.log").symlink_to(tmp_path / "elsewhere.txt")
+    assert batch.pending_cells(batch.get_experiment(str(nb)), [{"x": 1, "sleep": 0.0}], out) == [{"x": 1, "sleep": 0.0}]
+    res = subprocess.run(runner(nb, out, [1, 2], 0.0), env=ENV, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    summary = json.loads(res.stdout.splitlines()[-1])
+    assert summary == {"total": 2, "skipped": 0, "ok": 1, "failed": 0, "missing": 1}, res.stderr
+    assert f"not run: {done / 'job.log'} is a symbolic link" in res.stderr and res.returncode == 1, res.stderr
+    assert executions(tmp_path) == Counter({1: 1, 2: 1}) and not (tmp_path / "elsewhere.txt").exists()
+
+
+def test_hard_links_in_a_cell_folder_are_never_written_through(tmp_path):
+    nb, out = counting_notebook(tmp_path), tmp_path / "runs"
+    cell = {x: batch.cell_dir(out, "count", {"x": x, "sleep": 0.0}) for x in (1, 2)}
+    for x, name in ((1, ".lock"), (2, "job.log")):
+        (tmp_path / f"precious-{x}.txt").write_text("keep me")
+        cell[x].mkdir(parents=True)
+        os.link(tmp_path / f"precious-{x}.txt", cell[x] / name)
+    res = subprocess.run(runner(nb, out, [1, 2], 0.0), env=ENV, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert [(tmp_path / f"precious-{x}.txt").read_text() for x in (1, 2)] == ["keep me"] * 2
+    assert json.loads(res.stdout.splitlines()[-1]) == {"total": 2, "skipped": 0, "ok": 1, "failed": 0, "missing": 1}, res.stderr
+    assert (f"not done: {json.dumps({'x': 1, 'sleep': 0.0})}: not run: {cell[1] / '.lock'} is a hard link (one of 2 names "
+            "of one file), which the runner does not write through") in res.stderr, res.stderr
+    assert executions(tmp_path) == Counter({2: 1}) and cell_done(cell[2])
+    assert os.stat(cell[2] / "job.log").st_nlink == 1                       # a job.log of its own, the other name untouched
+
+
+def test_a_link_at_the_slurm_ledger_lock_is_refused_and_nothing_is_made_through_it(tmp_path, monkeypatch):
+    from topk_nb import slurm
+    monkeypatch.setattr(cli, "slurm_available", lambda: None)               # as if a cluster answered
+    monkeypatch.setattr(slurm, "slurm_available", lambda: None)
+    out = tmp_path / "runs"
+    folder = slurm.slurm_folder(out, "circles_tradeoffs")
+    folder.mkdir(parents=True)
+    (folder / ".lock").symlink_to(tmp_path / "made-through-the-link")
+    code, stdout, err = _cli("run", "circles_tradeoffs", "--executor", "slurm", "--grid", "epochs=1", "--out", str(out),
+                             "--no-progress", "--no-wait")
+    assert not (tmp_path / "made-through-the-link").exists()
+    assert (code, stdout, err.count("\n")) == (2, "", 1), err
+    assert f"{folder / '.lock'} is a symbolic link, which the runner does not follow" in err, err
+
+
+@pytest.mark.skipif(not all(map(shutil.which, ("sbatch", "squeue", "scancel", "scontrol"))), reason="Slurm is not installed")
+def test_slurm_installed_without_a_controller_is_no_cluster(tmp_path):
+    conf = tmp_path / "slurm.conf"                                          # a controller nobody runs
+    conf.write_text("ClusterName=none\nSlurmctldHost=localhost\nSlurmctldPort=9\n")
+    env = {k: v for k, v in ENV.items() if k != "CI"} | {"SLURM_CONF": str(conf)}
+    res = subprocess.run([sys.executable, "-m", "topk_nb.cli", "run", "circles_tradeoffs", "--executor", "slurm",
+                          "--grid", "epochs=1", "--out", str(tmp_path / "runs")], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert (res.returncode, res.stdout, res.stderr.count("\n")) == (2, "", 1), res
+    assert res.stderr.startswith("topk-nb run: error: --executor slurm: the Slurm controller does not answer (scontrol ping:")
+    assert not (tmp_path / "runs").exists()
+    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", str(ROOT / "tests" / "test_slurm.py")],
+                           env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert tests.returncode in (0, 5) and "1 skipped" in tests.stdout, tests.stdout      # 5: no test ran
+    assert "no Slurm cluster (the Slurm controller does not answer (scontrol ping:" in tests.stdout, tests.stdout
+
+
+def test_a_timed_out_cell_is_named_with_its_time_limit_and_log(tmp_path):
+    nb, out = counting_notebook(tmp_path), tmp_path / "runs"
+    res = subprocess.run(runner(nb, out, [1], 3.0, "--timeout", "1"), env=ENV, cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300)
+    cell = batch.cell_dir(out, "count", {"x": 1, "sleep": 3.0})
+    assert res.returncode == 1 and json.loads(res.stdout.splitlines()[-1])["failed"] == 1, res.stderr
+    assert (f"not done: {json.dumps({'x': 1, 'sleep': 3.0})}: timed out: a notebook cell ran longer than the limit of 1 s "
+            f"per cell (--timeout); the cell begins `import json, os, time`; log: {cell / 'job.log'}\n") in res.stderr, res.stderr
+
+
+def test_status_during_a_local_run_shows_the_running_cells(tmp_path):
+    nb, out = counting_notebook(tmp_path), tmp_path / "runs"
+    proc = subprocess.Popen(runner(nb, out, [1, 2], 4.0, "--jobs", "2"), env=ENV, cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while sum(executions(tmp_path).values()) < 2 and time.monotonic() < deadline: time.sleep(0.05)
+        status = subprocess.run([sys.executable, "-m", "topk_nb.cli", "status", "--out", str(out)], env=ENV,
+                                capture_output=True, text=True, timeout=120)
+    finally:
+        stdout, stderr = proc.communicate(timeout=120)
+    assert executions(tmp_path) == Counter({1: 1, 2: 1}) and proc.returncode == 0, stderr
+    assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout.splitlines()[-1]) == {"ok": 0, "queued": 0, "running": 2, "failed": 0, "missing": 0}, status.stdout
+    for x in (1, 2):
+        assert f"running             -  count/{batch.cell_dir(out, 'count', {'x': x, 'sleep': 4.0}).name}" in status.stdout, status.stdout
+
+
 # --- an ok record is never replaced by a failed one -------------------------------------------------------------------
 def test_a_failed_rerun_keeps_the_ok_record(tmp_path):
     nb, out = counting_notebook(tmp_path), tmp_path / "runs"
@@ -560,20 +680,76 @@ def test_report_names_records_of_the_wrong_shape_or_changed(tmp_path):
         paths[name].write_text(text)
     legacy = batch.cell_dir(out, "circles_tradeoffs", {**params, "sigma": 40}) / RECORD
     legacy.parent.mkdir(parents=True)
-    legacy.write_text(json.dumps({**old, "params": {**params, "sigma": 40}}))   # written before records had a checksum
+    legacy.write_text(json.dumps({**old, "params": {**params, "sigma": 40}}))   # no checksum: refused as well
+    paths["no checksum"] = legacy
     done = _report("circles_tradeoffs", "--out", str(out))
     assert done.returncode == 1 and done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
-    assert done.stderr.startswith("topk-nb report: error: 5 unreadable record(s)")
+    assert done.stderr.startswith("topk-nb report: error: 6 unreadable record(s)")
     for name, why in (("a changed digit", "its content does not match its checksum"),
+                      ("no checksum", "it has no 'checksum'"),
                       ("status alone", "not a record: no 'params'"),
                       ("metrics a string", "'metrics' is a string, not an object"),
                       ("final a string", "'metrics.final' is a string"),
                       ("params a list", "'params' is a list, not an object")):
         assert f"{paths[name]}: {why}" in done.stderr, (name, done.stderr)
     md = (out / "circles_tradeoffs" / "report" / "report.md").read_text()
-    assert "2 successful records, 0 failed, 5 unreadable" in md, md
-    assert "> **1 of 2 records carry no checksum**" in md and f"| {legacy} | ok |" in md, md
+    assert "1 successful records, 0 failed, 6 unreadable" in md, md
     assert not batch.cell_done(paths["status alone"].parent)
+
+
+def test_report_replaces_links_where_it_writes_and_never_writes_through_them(tmp_path):
+    out = tmp_path / "runs"
+    _good_record(out)
+    assert _report("circles_tradeoffs", "--out", str(out)).returncode == 0
+    folder = out / "circles_tradeoffs" / "report"
+    written = sorted(p.name for p in folder.iterdir())
+    assert "report.md" in written and "fig2.png" in written and "fig2.svg" in written, written
+    for name in written:                                 # each file the report writes: a link to a file outside --out
+        target = tmp_path / f"other-{name}"
+        target.write_text("keep me")
+        (folder / name).unlink()
+        (folder / name).symlink_to(Path("../../..") / target.name)
+    done = _report("circles_tradeoffs", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    assert [(tmp_path / f"other-{name}").read_text() for name in written] == ["keep me"] * len(written)
+    assert [name for name in written if (folder / name).is_symlink()] == []
+    assert (folder / "report.md").read_text().startswith("# circles_tradeoffs: report")
+    assert sorted(p.name for p in folder.iterdir()) == written      # no temporary file left
+
+
+def _odd_records(out: Path, experiment: str, cells: list[dict]) -> dict[str, Path]:
+    "A deeply nested JSON, a FIFO and a sparse 100 MB file, each as the record.json of one of `cells`."
+    paths = {name: batch.cell_dir(out, experiment, cell) / RECORD for name, cell in zip(("deep", "fifo", "huge"), cells)}
+    for path in paths.values(): path.parent.mkdir(parents=True)
+    paths["deep"].write_text("[" * 200000 + "]" * 200000)
+    os.mkfifo(paths["fifo"])
+    with open(paths["huge"], "wb") as f: f.truncate(100 * 2**20)
+    return paths
+
+
+def test_records_that_are_no_plain_json_file_are_named_by_report_and_status(tmp_path):
+    out = tmp_path / "runs"
+    _good_record(out)
+    paths = _odd_records(out, "circles_tradeoffs", [{**PARAMS, "sigma": s} for s in (21, 22, 23)])
+    done = _report("circles_tradeoffs", "--out", str(out))                # a FIFO read would block: the timeout fails
+    assert done.returncode == 1 and done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.startswith("topk-nb report: error: 3 unreadable record(s)"), done.stderr
+    for name, why in (("deep", "not a record: its JSON is nested too deeply to be read"),
+                      ("fifo", "is not a regular file but a FIFO"), ("huge", "is 104857600 bytes, more than the")):
+        assert f"{paths[name]}: {why}" in done.stderr, (name, done.stderr)
+    status = subprocess.run([sys.executable, "-m", "topk_nb.cli", "status", "--out", str(out)], env=ENV,
+                            capture_output=True, text=True, timeout=120)
+    assert status.returncode == 0 and "Traceback" not in status.stderr, status.stderr
+    assert set(json.loads(status.stdout.splitlines()[-1])) == {"ok", "queued", "running", "failed", "missing"}, status.stdout
+
+
+def test_run_runs_again_cells_whose_record_is_no_plain_json_file(tmp_path):
+    nb, out = counting_notebook(tmp_path), tmp_path / "runs"
+    _odd_records(out, "count", [{"x": x, "sleep": 0.0} for x in (1, 2, 3)])
+    res = subprocess.run(runner(nb, out, [1, 2, 3], 0.0), env=ENV, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
+    assert json.loads(res.stdout.splitlines()[-1]) == {"total": 3, "skipped": 0, "ok": 3, "failed": 0, "missing": 0}
+    check_all_done(out, [1, 2, 3])
 
 
 def test_report_names_records_whose_metrics_are_not_numbers(tmp_path):
@@ -599,6 +775,42 @@ def test_report_names_records_whose_metrics_are_not_numbers(tmp_path):
     md = (out / "circles_tradeoffs" / "report" / "report.md").read_text()
     assert "1 successful records, 0 failed, 5 unreadable" in md, md
     assert all(f"| {paths[name]} | {why}" in md for name, (_, why) in changes.items()), md
+
+
+def test_a_record_without_its_checksum_is_refused_until_sealed(tmp_path):
+    # a record whose checksum and format were deleted and whose top1 was edited: not in the report, not done for run
+    out = tmp_path / "runs"
+    rec, old = _good_record(out)
+    path = batch.cell_dir(out, "circles_tradeoffs", PARAMS) / RECORD
+    edited = {**old, "metrics": {"final": [{**ROW, "top1": 0.123}]}}
+    path.write_text(json.dumps(edited))
+    done = _report("circles_tradeoffs", "--out", str(out))
+    assert done.returncode == 1 and done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+    assert f"{path}: it has no 'checksum'" in done.stderr, done.stderr
+    assert f"if you trust its numbers, seal it: topk-nb seal circles_tradeoffs --out {out}" in done.stderr, done.stderr
+    md = (out / "circles_tradeoffs" / "report" / "report.md").read_text()
+    assert "0 successful records, 0 failed, 1 unreadable" in md and "12.30" not in md, md
+    assert not cell_done(path.parent) and read_record(path) is None
+    sealed = subprocess.run([sys.executable, "-m", "topk_nb.cli", "seal", "circles_tradeoffs", "--out", str(out)],
+                            env=ENV, capture_output=True, text=True, timeout=120)
+    assert sealed.returncode == 0 and sealed.stdout == f"sealed {path}\n", sealed
+    assert read_record(path)["metrics"]["final"][0]["top1"] == 0.123              # the user's statement: now it reads
+    done = _report("circles_tradeoffs", "--out", str(out))
+    assert done.returncode == 0 and "12.30" in (out / "circles_tradeoffs" / "report" / "report.md").read_text(), done
+
+
+def test_run_runs_again_a_cell_whose_record_lost_its_checksum(tmp_path):
+    nb, out = counting_notebook(tmp_path), tmp_path / "runs"
+    grid = {"x": [1], "sleep": [0.0]}
+    assert batch.run_grid(str(nb), grid=grid, out_dir=out, progress=False)["ok"] == 1
+    path = batch.cell_dir(out, "count", {"x": 1, "sleep": 0.0}) / RECORD
+    rec = json.loads(path.read_text())
+    path.write_text(json.dumps({**{k: v for k, v in rec.items() if k not in ("checksum", "format")},
+                                "metrics": {"final": [{"y": 99}]}}))
+    summary = batch.run_grid(str(nb), grid=grid, out_dir=out, progress=False)
+    assert {k: summary[k] for k in ("skipped", "ok", "failed", "missing")} == {"skipped": 0, "ok": 1, "failed": 0, "missing": 0}
+    assert executions(tmp_path) == Counter({1: 2})                                 # it ran again
+    check_all_done(out, [1])                                                      # a sealed record with y = 10
 
 
 # --- notebooks and grids that could run code or write outside --out ---------------------------------------------------
@@ -632,6 +844,11 @@ def test_grid_keys_are_identifiers_and_notebook_names_stay_inside_out(tmp_path, 
     (["--grid", 'losses=["nosuchloss"]'], "--grid losses=[\"nosuchloss\"]: 'nosuchloss' is no loss of the registry"),
     (["--grid", "sigma=NaN"], "--grid sigma=NaN: sigma takes a number"),
     (["--grid", "sigma=Infinity"], "--grid sigma=Infinity: sigma takes a number"),
+    (["--grid", "d=__import__('os').system('true')"],
+     "--grid d=__import__('os').system('true'): d takes a number or null (its type in circles_tradeoffs.ipynb is float | None)"),
+    (["--grid", "m=8.5"], "--grid m=8.5: m takes an integer or null"),
+    (["--grid", "sigma=10,10.0"], "--grid 'sigma=10,10.0' gives one value twice (10 and 10.0 are equal, one cell)"),
+    (["--grid", "sigma=1e1,10"], "--grid 'sigma=1e1,10' gives one value twice (10.0 and 10 are equal, one cell)"),
 ])
 def test_command_line_gaps_are_one_line(tmp_path, monkeypatch, words, expected):
     monkeypatch.chdir(tmp_path)
@@ -639,6 +856,17 @@ def test_command_line_gaps_are_one_line(tmp_path, monkeypatch, words, expected):
                           *words)
     assert (code, out, err.count("\n")) == (2, "", 1) and expected in err, err
     assert list(tmp_path.iterdir()) == []                               # nothing written, not even in the current folder
+
+
+def test_a_parameter_whose_default_is_none_and_declares_no_type_takes_only_null(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    nb = nbformat.read(str(counting_notebook(tmp_path)), as_version=4)
+    nb.cells[0].source += "\ntag = None"
+    nbformat.write(nb, str(tmp_path / "untyped.ipynb"))
+    code, out, err = _cli("run", str(tmp_path / "untyped.ipynb"), "--out", str(tmp_path / "runs"), "--grid", "tag=$(rm -rf ~)")
+    assert (code, out, err.count("\n")) == (2, "", 1), err
+    assert "--grid tag=$(rm -rf ~): tag takes only null: its default in untyped.ipynb is None and its parameters cell declares no type" in err, err
+    assert not (tmp_path / "runs").exists()
 
 
 def test_a_list_with_several_elements_is_one_value():

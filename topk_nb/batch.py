@@ -12,6 +12,7 @@ import math
 import os
 import secrets
 import signal
+import stat
 import subprocess
 import tempfile
 import sys
@@ -26,7 +27,7 @@ from tqdm import tqdm
 
 from .catalogue import (Experiment, Figure, Finding, PaperValue,  # noqa: F401 (the entry types, importable from here)
                               experiments_dir)
-from .records import (EXECUTED, RECORD, RecordError, atomic_write_json, inspect_record, seal_record,  # noqa: F401 (the record format)
+from .records import (EXECUTED, RECORD, RecordError, atomic_write_json, inspect_record, read_plain_file, seal_record,  # noqa: F401 (the record format)
                              load_records, read_record, training_metrics, write_record)
 from .grid import (EXPERIMENTS, FILE_PARAMETERS, cell_dir, cell_id, cell_slug, check_files,  # noqa: F401 (the grid, importable from here)
                           check_folder_name, check_key, check_parameters, discover_experiments, expand_grid,
@@ -34,10 +35,11 @@ from .grid import (EXPERIMENTS, FILE_PARAMETERS, cell_dir, cell_id, cell_slug, c
                           unknown_names, value_mismatch, value_problem, with_parameters_tag)
 
 # %% auto #0
-__all__ = ['LOCK', 'JOB_LOG', 'FAILED_ATTEMPT', 'FAILED_NOTEBOOK', 'KERNEL_START_TRIES', 'KERNEL_START_TIMEOUT', 'NO_SPACE',
-           'JOB_BUSY', 'JOB_NO_SPACE', 'JOB_UNSAFE', 'STOP_SIGNALS', 'STOP_GRACE', 'CellBusy', 'UnsafeCell',
-           'cell_links', 'claim_cell', 'record_stamp', 'notebook_final', 'cell_done', 'Stopped', 'no_space', 'run_cell',
-           'die_with_parent', 'pending_cells', 'grid_summary', 'RunStop', 'check_out_dir', 'run_grid']
+__all__ = ['LOCK', 'JOB_LOG', 'FAILED_ATTEMPT', 'FAILED_NOTEBOOK', 'NOTEBOOK_MAX_BYTES', 'KERNEL_START_TRIES',
+           'KERNEL_START_TIMEOUT', 'NO_SPACE', 'JOB_BUSY', 'JOB_NO_SPACE', 'JOB_UNSAFE', 'STOP_SIGNALS', 'STOP_GRACE',
+           'CellBusy', 'UnsafeCell', 'written_in_place', 'cell_links', 'open_in_place', 'claim_cell', 'cell_running',
+           'record_stamp', 'notebook_final', 'cell_done', 'Stopped', 'no_space', 'run_cell', 'die_with_parent',
+           'pending_cells', 'grid_summary', 'RunStop', 'check_out_dir', 'run_grid']
 
 # %% ../nbs/13_batch.ipynb #caf1b9ce
 LOCK = ".lock"
@@ -57,29 +59,66 @@ class UnsafeCell(RuntimeError):
     "A cell folder holding a symbolic link where the runner writes: the runner does not follow links it did not make."
 
 # %% ../nbs/13_batch.ipynb #90dd5875
+def written_in_place(path,  # a file the runner opens and writes without renaming (a lock)
+                     ) -> str | None:
+    "Why `path` cannot be written in place: a file of several names (a hard link: writing would change the others) or no regular file, in words; None if it is missing or a plain file."
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    if stat.S_ISLNK(st.st_mode): return None          # `cell_links` names it
+    if not stat.S_ISREG(st.st_mode): return "is not a regular file"
+    if st.st_nlink > 1:
+        return f"is a hard link (one of {st.st_nlink} names of one file), which the runner does not write through"
+    return None
+
+
 def cell_links(directory,  # a cell's folder
                ) -> str | None:
-    "What in `directory` is a symbolic link where the runner writes (the experiment's folder, the cell's, its lock, log, record, notebook), in one line; None if nothing is."
+    "What in `directory` is a symbolic link where the runner writes (the experiment's folder, the cell's, its lock, log, record, notebook), or a lock it cannot write in place (`written_in_place`: a hard link), in one line; None if nothing is."
     directory = Path(directory)
     paths = [directory.parent, directory] + [directory / n for n in (LOCK, JOB_LOG, RECORD, EXECUTED, FAILED_ATTEMPT, FAILED_NOTEBOOK)]
     links = [str(p) for p in paths if p.is_symlink()]
-    if not links: return None
-    return (f"{', '.join(links)} {'is a symbolic link' if len(links) == 1 else 'are symbolic links'}, which the runner "
-            "does not follow (it makes none): remove them and run again")
+    problems = [f"{', '.join(links)} {'is a symbolic link' if len(links) == 1 else 'are symbolic links'}, which the runner "
+                "does not follow (it makes none)"] if links else []
+    if not links and (why := written_in_place(directory / LOCK)):
+        problems.append(f"{directory / LOCK} {why}")
+    named = len(links) + len(problems) - bool(links)
+    return "; ".join(problems) + f": remove {'it' if named == 1 else 'them'} and run again" if problems else None
 
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
-def _open_in_cell(directory: Path, name: str, flags: int) -> int:
-    "`os.open` of `directory/name` that follows no link, neither the folder nor the file; a link raises UnsafeCell."
+def open_in_place(directory,  # a folder the runner owns (a cell's, the Slurm ledger's)
+                  name: str,  # a file in it, opened to be written in place (a lock)
+                  flags: int,  # `os.open` flags (O_NOFOLLOW is added)
+                  ) -> int:
+    "`os.open` of `directory/name` that follows no symbolic link, neither the folder nor the file, and refuses a file that is no regular file or has other names (`written_in_place`): UnsafeCell, naming it."
+    directory = Path(directory)
     try:
         dir_fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _NOFOLLOW)
-        try: return os.open(name, flags | _NOFOLLOW, 0o666, dir_fd=dir_fd)
+        try: fd = os.open(name, flags | _NOFOLLOW, 0o666, dir_fd=dir_fd)
         finally: os.close(dir_fd)
     except OSError as e:
-        if e.errno in (errno.ELOOP, errno.ENOTDIR) and (problem := cell_links(directory)):
-            raise UnsafeCell(problem) from None
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            links = [str(p) for p in (directory, directory / name) if p.is_symlink()]
+            if links: raise UnsafeCell(f"{links[0]} is a symbolic link, which the runner does not follow (it makes none): "
+                                       "remove it and run again") from None
+        raise
+    st = os.fstat(fd)                               # the file opened, not the name: no race with a link made since
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
+        os.close(fd)
+        raise UnsafeCell(f"{directory / name} {written_in_place(directory / name) or 'is no plain file'}: remove it and run again")
+    return fd
+
+
+def _open_in_cell(directory: Path, name: str, flags: int) -> int:
+    "`open_in_place` in a cell's folder: a link raises UnsafeCell with `cell_links`'s line."
+    try:
+        return open_in_place(directory, name, flags)
+    except UnsafeCell:
+        if problem := cell_links(directory): raise UnsafeCell(problem) from None
         raise
 
 
@@ -107,6 +146,22 @@ def claim_cell(directory,  # the cell's folder (created if missing)
     finally:
         os.close(fd)                                            # releases the lock
 
+# %% ../nbs/13_batch.ipynb #6a791035
+def cell_running(directory,  # a cell's folder
+                 ) -> bool:
+    "Whether a process holds the cell's lock now (a job is running it), read from the kernel's list of `flock` locks (`/proc/locks`); False where there is no such list."
+    try:
+        st = os.lstat(Path(directory) / LOCK)
+        with open("/proc/locks") as f: held = f.read()
+    except OSError:
+        return False
+    if not stat.S_ISREG(st.st_mode): return False
+    for line in held.splitlines():          # 1: FLOCK  ADVISORY  WRITE 14827 fe:00:2146645 0 EOF
+        fields = line.split()
+        if len(fields) > 5 and fields[1] == "FLOCK" and fields[5].rsplit(":", 1)[-1] == str(st.st_ino):
+            return True
+    return False
+
 # %% ../nbs/13_batch.ipynb #99cf52a3
 def record_stamp(directory,  # a cell's folder
                  ) -> list:
@@ -118,13 +173,15 @@ def record_stamp(directory,  # a cell's folder
     return [st.st_ino, st.st_mtime_ns, st.st_size]
 
 # %% ../nbs/13_batch.ipynb #6b42b0cc
+NOTEBOOK_MAX_BYTES = 256 * 2**20   # an executed notebook larger than this is not read (not final): figures inline stay far below
+
+
 def notebook_final(path,  # an executed notebook
                    ) -> bool:
-    "Whether `path` is a notebook papermill finished executing (its `metadata.papermill.end_time` is set)."
-    if Path(path).is_symlink(): return False            # a link the runner did not make (`cell_links`)
+    "Whether `path` is a notebook papermill finished executing (its `metadata.papermill.end_time` is set); a link, a FIFO or a file over `NOTEBOOK_MAX_BYTES` is not (`read_plain_file`)."
     try:
-        nb = json.loads(Path(path).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        nb = json.loads(read_plain_file(path, NOTEBOOK_MAX_BYTES))
+    except (OSError, ValueError, RecursionError):      # missing, no plain file, too large, not JSON
         return False
     meta = nb.get("metadata", {}).get("papermill") if isinstance(nb, dict) else None
     return isinstance(meta, dict) and meta.get("end_time") is not None
@@ -132,9 +189,10 @@ def notebook_final(path,  # an executed notebook
 # %% ../nbs/13_batch.ipynb #46365c77
 def cell_done(directory,  # a cell's folder
               ) -> bool:
-    "A cell is done when its record says ok and its executed notebook is final."
+    "A cell is done when nothing in its folder is a link where the runner writes (`cell_links`), its record says ok and its executed notebook is final: the one rule of `pending_cells`, `grid_summary` and `topk-nb status`."
     directory = Path(directory)
-    return (read_record(directory / RECORD) or {}).get("status") == "ok" and notebook_final(directory / EXECUTED)
+    return (not cell_links(directory) and (read_record(directory / RECORD) or {}).get("status") == "ok"
+            and notebook_final(directory / EXECUTED))
 
 # %% ../nbs/13_batch.ipynb #32f97fd6
 def _fsync(path: Path) -> None:
@@ -236,6 +294,17 @@ def no_space(e: BaseException,  # an exception
     return isinstance(e, Exception) and any(f"[Errno {n}] {os.strerror(n)}" in str(e) for n in NO_SPACE)
 
 
+def _error_text(e: Exception, timeout) -> str:
+    "The error of a failed attempt as its record keeps it: the exception's text, whose last line says what happened (a time limit: which, and where it is set)."
+    text = f"{type(e).__name__}: {e}"
+    if type(e).__name__ == "CellTimeoutError" or "Cell execution timed out" in text:
+        lines = text.split("-------------------")
+        first = next((l.strip() for l in (lines[1] if len(lines) > 1 else "").splitlines() if l.strip()), "")
+        text += (f"\ntimed out: a notebook cell ran longer than the limit of {timeout:g} s per cell (--timeout)"
+                 + (f"; the cell begins `{first[:80]}`" if first else ""))
+    return text[-4000:]
+
+
 def _execute(notebook, params: dict, directory: Path, experiment, timeout, log_output, identity=None) -> dict:
     "Run one attempt in a folder this process owns, publish its notebook and record (sealed, with `identity` added); returns the record. Interrupted, or on a full disk, the attempt leaves no file and the exception goes on."
     import papermill as pm
@@ -249,7 +318,7 @@ def _execute(notebook, params: dict, directory: Path, experiment, timeout, log_o
                 with_parameters_tag(notebook), str(executed), parameters={**params, "record_path": str(record)},
                 kernel_name="python3", cwd=str(Path(notebook).parent), progress_bar=False, log_output=log_output,
                 execution_timeout=timeout, start_timeout=KERNEL_START_TIMEOUT))
-            written, problem = inspect_record(record)
+            written, problem = inspect_record(record, sealed=False)   # the runner seals it below
             if written is None:
                 raise RuntimeError(f"the record the notebook wrote to record_path {problem}" if problem else
                                    "the notebook ran but wrote no record to record_path")
@@ -257,7 +326,7 @@ def _execute(notebook, params: dict, directory: Path, experiment, timeout, log_o
             atomic_write_json(record, seal_record(written))
         except Exception as e:
             if no_space(e): raise
-            write_record(record, params, experiment=experiment, status="failed", error=f"{type(e).__name__}: {e}"[-4000:],
+            write_record(record, params, experiment=experiment, status="failed", error=_error_text(e, timeout),
                          seed=params.get("seed"), wall_time_s=time.perf_counter() - start,
                          traceback=traceback.format_exc()[-4000:], **({"identity": identity} if identity else {}))
         with _signals_held():
@@ -271,9 +340,11 @@ def _execute(notebook, params: dict, directory: Path, experiment, timeout, log_o
 
 # %% ../nbs/13_batch.ipynb #1a848727
 def _log_to(path: Path) -> None:
-    "Send this process's stdout and stderr, and those of the processes it starts (the kernel), to `path` (never through a link)."
+    "Send this process's stdout and stderr, and those of the processes it starts (the kernel), to a new file `path`: made under a fresh name, then renamed over `path` (never written through a link, symbolic or hard)."
     sys.stdout.flush(); sys.stderr.flush()
-    fd = _open_in_cell(path.parent, path.name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    fresh = f".{path.name}.{secrets.token_hex(6)}.tmp"
+    fd = _open_in_cell(path.parent, fresh, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    os.replace(path.parent / fresh, path)
     os.dup2(fd, 1); os.dup2(fd, 2)
     os.close(fd)
 
@@ -371,14 +442,15 @@ def pending_cells(experiment: Experiment,  # the catalogue entry
 def grid_summary(experiment: Experiment,  # the catalogue entry
                  cells: list[dict],  # parameter dicts of the grid
                  out_dir,  # the --out folder
-                 skipped: int = 0,  # how many cells were done before the run
+                 skipped: Sequence[dict] = (),  # the cells that were done before the run (those `pending_cells` left out)
                  ) -> dict:
-    "Counts from the files on disk: total, skipped (done before), ok (done since), failed, missing (no final result); and the problems."
-    summary = {"total": len(cells), "skipped": skipped, "ok": 0, "failed": 0, "missing": 0, "failures": []}
+    "Counts from the files on disk, each cell in one of them: skipped (done before, and still), ok (done since), failed, missing (no final result); their sum, total; and the problems."
+    summary = {"total": len(cells), "skipped": 0, "ok": 0, "failed": 0, "missing": 0, "failures": []}
+    before = {cell_id(c) for c in skipped}
     for params in cells:
         directory = cell_dir(out_dir, experiment, params)
-        if cell_done(directory) and not cell_links(directory):
-            summary["ok"] += 1
+        if cell_done(directory):                  # the rule of `pending_cells`
+            summary["skipped" if cell_id(params) in before else "ok"] += 1
             continue
         links = cell_links(directory)
         rec, problem = inspect_record(directory / RECORD)
@@ -394,8 +466,8 @@ def grid_summary(experiment: Experiment,  # the catalogue entry
             summary["missing"] += 1
             error = (f"record {directory / RECORD} {problem}" if problem else
                      f"no record in {directory}" if rec is None else f"the executed notebook {directory / EXECUTED} is not final")
-        summary["failures"].append({"params": params, "error": error})
-    summary["ok"] -= skipped
+        log = directory / JOB_LOG
+        summary["failures"].append({"params": params, "error": error, **({"log": str(log)} if log.is_file() and not links else {})})
     return summary
 
 # %% ../nbs/13_batch.ipynb #19a7eacf
@@ -559,5 +631,6 @@ def run_grid(experiment: str | Experiment,  # a catalogue name, or the path of a
                          devices, bar)
         _run_pool(busy, lambda c, d: _launch(exp, c, out_dir, d, timeout, True, since[cell_id(c)], preset, stop),
                   devices, bar)
-    summary = grid_summary(exp, cells, out_dir, skipped=len(cells) - len(todo))
+    pending = {cell_id(c) for c in todo}
+    summary = grid_summary(exp, cells, out_dir, skipped=[c for c in cells if cell_id(c) not in pending])
     return summary if stop.reason is None else {**summary, "stopped": stop.reason, "signal": stop.signum}

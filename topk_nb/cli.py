@@ -20,9 +20,9 @@ from typing import Sequence
 
 from .batch import _job_main, check_out_dir, run_grid
 from .catalogue import Experiment, experiments_dir
-from .grid import (EXPERIMENTS, expand_grid, notebook_parameters, parameter_choices, parse_grid, plan_grid,
+from .grid import (EXPERIMENTS, check_folder_name, expand_grid, notebook_parameters, parameter_choices, parse_grid, plan_grid,
                           short_error)
-from .records import RecordError
+from .records import RecordError, seal_records
 from .report import report
 from .slurm import SlurmOptions, run_slurm, slurm_available, status_lines
 
@@ -114,6 +114,9 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("experiment", help="a catalogue name")
     q.add_argument("--out", default="runs", help="the folder `topk-nb run` wrote (default: runs)")
     q.add_argument("--report-dir", default=None, help="where the report goes (default: OUT/EXPERIMENT/report)")
+    e = sub.add_parser("seal", help="add the checksum to an experiment's records that have none, once you trust their numbers")
+    e.add_argument("experiment", help="the experiment whose records are sealed (its folder under --out)")
+    e.add_argument("--out", default="runs", help="the folder `topk-nb run` wrote (default: runs)")
     j = sub.add_parser("job")              # internal: one cell, in its own process
     j.add_argument("spec")
     return p
@@ -209,6 +212,21 @@ def _status(out: str, experiment: str | None) -> int:
     return 0
 
 
+def _seal(out: str, experiment: str) -> int:
+    "`topk-nb seal`: seal the records of `experiment` under `out` that have no checksum; a line per record sealed."
+    if not out.strip(): return _fail("seal", ValueError("--out is empty: give the folder `topk-nb run` wrote"))
+    try:
+        folder = Path(out) / check_folder_name(experiment)
+        if not folder.is_dir():
+            raise ValueError(f"{str(folder)!r} is not a folder: give the experiment and the --out folder of its runs")
+        sealed = seal_records(out, experiment)
+    except (ValueError, OSError) as e:
+        return _fail("seal", e)
+    for path in sealed: print(f"sealed {path}")
+    print(f"topk-nb seal: {len(sealed)} record(s) of {experiment} sealed under {out}", file=sys.stderr)
+    return 0
+
+
 def _run_on_slurm(args: argparse.Namespace, options) -> int:
     "`topk-nb run --executor slurm`: submit what is neither done nor queued, wait (unless --no-wait), print the cells not ok with their Slurm jobs and logs, then the counts."
     try:
@@ -227,7 +245,7 @@ def _run_on_slurm(args: argparse.Namespace, options) -> int:
 
 def main(argv: Sequence[str] | None = None,  # the words after `topk-nb` (sys.argv[1:] by default)
          ) -> int:
-    "The `topk-nb` command: `list`, `run`, `status` and `report`; returns the exit status (2: a mistake on the command line, nothing run)."
+    "The `topk-nb` command: `list`, `run`, `status`, `report` and `seal`; returns the exit status (2: a mistake on the command line, nothing run)."
     args = _parser().parse_args(sys.argv[1:] if argv is None else list(argv))
     if args.command == "job":
         return _job_main(args.spec)
@@ -235,6 +253,8 @@ def main(argv: Sequence[str] | None = None,  # the words after `topk-nb` (sys.ar
         return _list(args.name)
     if args.command == "status":
         return _status(args.out, args.experiment)
+    if args.command == "seal":
+        return _seal(args.out, args.experiment)
     if args.command == "report":
         if not args.out.strip(): return _fail("report", ValueError("--out is empty: give the folder `topk-nb run` wrote"))
         try:
@@ -258,7 +278,8 @@ def main(argv: Sequence[str] | None = None,  # the words after `topk-nb` (sys.ar
     summary = run_grid(args.experiment, args.preset, parse_grid(args.grid), args.seeds, args.out, args.gpus,
                        args.jobs or 1, args.timeout, progress=not args.no_progress, data_root=args.data_root)
     for f in summary["failures"]:
-        print(f"not done: {json.dumps(f['params'])}: {short_error(f['error'])}", file=sys.stderr)
+        print(f"not done: {json.dumps(f['params'])}: {short_error(f['error'])}" + (f"; log: {f['log']}" if f.get("log") else ""),
+              file=sys.stderr)
     if "stopped" in summary:
         print(f"topk-nb run: stopped: {summary['stopped']}; {summary['failed'] + summary['missing']} of "
               f"{summary['total']} cells not done: " + ("free some space, then " if summary["signal"] is None else "")

@@ -16,8 +16,8 @@ from typing import Callable, Sequence
 import torch
 
 # %% auto #0
-__all__ = ['atomic_write', 'remove_temporary_files', 'CheckpointError', 'previous_checkpoint', 'save_checkpoint',
-           'load_checkpoint']
+__all__ = ['atomic_write', 'remove_temporary_files', 'atomic_write_text', 'save_figure', 'CheckpointError', 'previous_checkpoint',
+           'save_checkpoint', 'load_checkpoint']
 
 # %% ../nbs/18_files.ipynb #021f9277
 def _fsync_dir(folder: Path) -> None:
@@ -63,6 +63,23 @@ def remove_temporary_files(folder: str | os.PathLike,  # a folder `atomic_write`
     for p in stale:
         with contextlib.suppress(FileNotFoundError): p.unlink()
     return stale
+
+# %% ../nbs/18_files.ipynb #c594a459
+def atomic_write_text(path: str | os.PathLike,  # the file to write or replace
+                      text: str,  # its whole content
+                      ) -> Path:
+    "Write `text` to `path` as `atomic_write` does (UTF-8): a temporary sibling renamed over `path`."
+    return atomic_write(path, lambda f: f.write(text.encode("utf-8")))
+
+
+def save_figure(figure,  # a matplotlib figure
+                path: str | os.PathLike,  # the file; its suffix (png, svg, pdf) is the format
+                **savefig,  # matplotlib's `savefig` arguments (dpi, bbox_inches)
+                ) -> Path:
+    "Render `figure` in memory, then write it to `path` with `atomic_write`: a link at `path` is replaced, never written through."
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format=Path(path).suffix.lstrip(".").lower() or None, **savefig)
+    return atomic_write(path, lambda f: f.write(buffer.getbuffer()))
 
 # %% ../nbs/18_files.ipynb #7ca314ac
 _CHECKPOINT_MAGIC = "topk_nb checkpoint v1"

@@ -15,15 +15,16 @@ import os
 import pkgutil
 import re
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from .catalogue import Experiment, experiments_dir
 
 # %% auto #0
 __all__ = ['EXPERIMENTS', 'REGISTRIES', 'FILE_PARAMETERS', 'discover_experiments', 'check_folder_name', 'get_experiment',
            'parse_value', 'check_key', 'parse_grid', 'expand_grid', 'cell_id', 'cell_slug', 'cell_dir',
-           'with_parameters_tag', 'short_error', 'notebook_parameters', 'literal_values', 'parameter_choices',
-           'value_mismatch', 'unknown_names', 'value_problem', 'check_parameters', 'check_files', 'plan_grid']
+           'with_parameters_tag', 'short_error', 'notebook_parameters', 'literal_values', 'parameter_annotations',
+           'parameter_choices', 'annotation_kind', 'value_mismatch', 'unknown_names', 'value_problem',
+           'check_parameters', 'check_files', 'plan_grid']
 
 # %% ../nbs/22_grid.ipynb #49087b6d
 def discover_experiments(package: str = "topk_nb.experiments",  # the package whose modules declare the entries
@@ -109,7 +110,19 @@ def parse_grid(words: Sequence[str]) -> dict[str, list]:
         if any(not v.strip() for v in _split_values(values)):
             raise ValueError(f"--grid {word!r} has an empty value: write key=v1,v2,... without empty entries")
         grid[key] = [parse_value(v) for v in _split_values(values)]
+        for i, value in enumerate(grid[key]):
+            if twin := next((w for w in grid[key][:i] if _same_value(w, value)), None):
+                raise ValueError(f"--grid {word!r} gives one value twice ({json.dumps(twin)} and {json.dumps(value)} are equal, "
+                                 "one cell): give each value once")
     return grid
+
+
+def _same_value(a, b) -> bool:
+    "Whether two command-line values are one setting: equal as numbers (`10`, `10.0`, `1e1`), lists and objects element by element; true and 1 differ."
+    if isinstance(a, bool) or isinstance(b, bool): return type(a) is type(b) and a == b
+    if isinstance(a, list) and isinstance(b, list): return len(a) == len(b) and all(map(_same_value, a, b))
+    if isinstance(a, dict) and isinstance(b, dict): return a.keys() == b.keys() and all(_same_value(a[k], b[k]) for k in a)
+    return a == b
 
 # %% ../nbs/22_grid.ipynb #ee5842ec
 def expand_grid(preset: dict | Sequence[dict] | None = None, overrides: dict | None = None,
@@ -171,8 +184,8 @@ def with_parameters_tag(notebook):
 
 # %% ../nbs/22_grid.ipynb #4c1efc31
 def short_error(error) -> str:
-    "The last non-empty line of an error text (papermill puts the exception there), at most 200 characters."
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    "The last line of an error text that holds a word or a number (papermill puts the exception there; a rule of dashes is none), at most 200 characters."
+    lines = [line.strip() for line in str(error).splitlines() if any(ch.isalnum() for ch in line)]
     return lines[-1][:200] if lines else ""
 
 # %% ../nbs/22_grid.ipynb #2a03a5e6
@@ -225,13 +238,57 @@ def literal_values(annotation,  # an annotation: a `typing.Literal[...]` object,
     return typing.get_args(annotation) if typing.get_origin(annotation) is typing.Literal else None
 
 
-def parameter_choices(notebook,  # an experiment notebook
-                      ) -> dict:
-    "{parameter: its allowed values} for each parameter its parameters cell annotates with `Literal[...]`."
+def parameter_annotations(notebook,  # an experiment notebook
+                          ) -> dict:
+    "{parameter: its annotation, an `ast` node} for each parameter its parameters cell annotates (`d: float | None = None`)."
     import ast
     tree = _parameters_tree(notebook)
     nodes = [] if tree is None else [n for n in tree.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)]
-    return {n.target.id: values for n in nodes if (values := literal_values(n.annotation)) is not None}
+    return {n.target.id: n.annotation for n in nodes}
+
+
+def parameter_choices(notebook,  # an experiment notebook
+                      ) -> dict:
+    "{parameter: its allowed values} for each parameter its parameters cell annotates with `Literal[...]`."
+    return {k: values for k, a in parameter_annotations(notebook).items() if (values := literal_values(a)) is not None}
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+_TYPES = {"int": ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+          "float": ("a number", _finite), "str": ("a string", lambda v: isinstance(v, str)),
+          "bool": ("true or false", lambda v: isinstance(v, bool)), "list": ("a list", lambda v: isinstance(v, list)),
+          "dict": ("a JSON object", lambda v: isinstance(v, dict)), "None": ("null", lambda v: v is None)}
+
+
+def annotation_kind(annotation,  # an annotation's `ast` node in a parameters cell
+                    ) -> tuple[str, Callable] | None:
+    "(what it takes, in words; a test of a value) for the annotations a parameters cell declares: int, float, str, bool, None, list, dict, list[T], X | Y, Optional[X], Union[...], Literal[...]; None for any other."
+    import ast
+    node = annotation
+    if isinstance(node, ast.Constant) and node.value is None: return _TYPES["None"]
+    if isinstance(node, ast.Name) and node.id in _TYPES: return _TYPES[node.id]
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
+        parts = [annotation_kind(node.left), annotation_kind(node.right)]
+    elif isinstance(node, ast.Subscript):
+        head = node.value.id if isinstance(node.value, ast.Name) else getattr(node.value, "attr", None)
+        items = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+        if head == "Literal":
+            values = literal_values(node)
+            return None if values is None else (f"one of {', '.join(map(repr, values))}", lambda v: v in values)
+        if head in ("list", "List"):
+            inner = annotation_kind(items[0])
+            return None if inner is None else (f"a list of values each {inner[0]}",
+                                               lambda v: isinstance(v, list) and all(map(inner[1], v)))
+        if head in ("dict", "Dict"): return _TYPES["dict"]
+        if head not in ("Optional", "Union"): return None
+        parts = [annotation_kind(i) for i in items] + ([_TYPES["None"]] if head == "Optional" else [])
+    else:
+        return None
+    if None in parts: return None
+    return " or ".join(w for w, _ in parts), lambda v: any(test(v) for _, test in parts)
 
 # %% ../nbs/22_grid.ipynb #47155c14
 def value_mismatch(default,  # the parameter's default in the notebook's parameters cell (None: any value)
@@ -289,12 +346,21 @@ def value_problem(key: str,  # a parameter's name
                   value,  # a value given for it
                   choices: tuple | None = None,  # the values its `Literal[...]` annotation allows (None: no annotation)
                   notebook: str | None = None,  # the notebook's file name, to say where the default is declared
+                  annotation=None,  # its annotation's `ast` node in the parameters cell (None: none)
                   ) -> str | None:
-    "What is wrong with `value` for parameter `key`, in words (its kind, its annotation's choices, the registries); None if nothing."
+    "What is wrong with `value` for parameter `key`, in words (its kind by its default, its annotation's choices or type, the registries); None if nothing. A parameter whose default is None takes only null unless its annotation says what else."
+    where = f" in {notebook}" if notebook else ""
     if kind := value_mismatch(default, value):
-        return f"{key} takes {kind} (its default{' in ' + notebook if notebook else ''} is {default!r})"
+        return f"{key} takes {kind} (its default{where} is {default!r})"
     if choices is not None and value not in choices:
         return f"{key} takes one of {', '.join(map(repr, choices))}"
+    import ast
+    declared = annotation_kind(annotation) if annotation is not None else None
+    if declared is not None and value is not None and not declared[1](value):
+        return f"{key} takes {declared[0]} (its type{where} is {ast.unparse(annotation)})"
+    if default is None and annotation is None and value is not None:
+        return (f"{key} takes only null: its default{where} is None and its parameters cell declares no type "
+                f"(annotate it there, e.g. `{key}: float | None = None`)")
     return unknown_names(key, default, value)
 
 # %% ../nbs/22_grid.ipynb #9b3eb71a
@@ -308,9 +374,9 @@ def check_parameters(exp: Experiment,  # the catalogue entry
     known = notebook_parameters(exp.notebook_path())
     if known is None:
         return                                   # a parameters cell that does not parse: papermill will say so
-    choices = parameter_choices(exp.notebook_path())
+    choices, annotations = parameter_choices(exp.notebook_path()), parameter_annotations(exp.notebook_path())
     name, allowed = exp.notebook_path().name, ", ".join(sorted(set(known) - {"record_path"}))
-    def problem(key, value): return value_problem(key, known[key], value, choices.get(key), name)
+    def problem(key, value): return value_problem(key, known[key], value, choices.get(key), name, annotations.get(key))
     for key in grid or {}:
         if key == "record_path" or key not in known:
             raise ValueError(f"--grid {key}=...: {key!r} is not a parameter of {name}; its parameters: {allowed}")

@@ -5,6 +5,7 @@
 # %% ../nbs/19_records.ipynb #dcfadf64
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
 import importlib
@@ -12,6 +13,7 @@ import json
 import os
 import platform
 import re
+import stat
 import subprocess
 import time
 from pathlib import Path
@@ -19,9 +21,10 @@ from pathlib import Path
 from .catalogue import package_dir
 
 # %% auto #0
-__all__ = ['RECORD', 'EXECUTED', 'RECORD_FORMAT', 'UNCHECKED', 'git_commit', 'environment', 'atomic_write_json',
-           'record_checksum', 'seal_record', 'record_problem', 'catalogue_metrics', 'metric_problem', 'write_record',
-           'RecordError', 'inspect_record', 'read_record', 'load_records', 'training_metrics']
+__all__ = ['RECORD', 'EXECUTED', 'RECORD_FORMAT', 'NO_CHECKSUM', 'RECORD_MAX_BYTES', 'git_commit', 'environment',
+           'atomic_write_json', 'record_checksum', 'seal_record', 'record_problem', 'catalogue_metrics',
+           'metric_problem', 'write_record', 'RecordError', 'seal_command', 'read_plain_file', 'inspect_record',
+           'read_record', 'load_records', 'seal_records', 'training_metrics']
 
 # %% ../nbs/19_records.ipynb #cfc8db04
 RECORD = "record.json"
@@ -74,13 +77,10 @@ def _json_default(x):
 RECORD_FORMAT = "topk_nb record v1"   # the `format` field of the records this version writes
 
 
-UNCHECKED = "unchecked"   # the key `inspect_record` sets on a record written without a checksum (an older version)
-
-
 def record_checksum(record: dict,  # a record, with or without its `checksum` (and the `path` `load_records` adds)
                     ) -> str:
-    "SHA-256 of the record's canonical JSON (sorted keys, no spaces), leaving out `checksum`, `path` and `UNCHECKED`."
-    body = {k: v for k, v in record.items() if k not in ("checksum", "path", UNCHECKED)}
+    "SHA-256 of the record's canonical JSON (sorted keys, no spaces), leaving out `checksum` and `path`."
+    body = {k: v for k, v in record.items() if k not in ("checksum", "path")}
     text = json.dumps(body, sort_keys=True, separators=(",", ":"), default=_json_default)
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -88,7 +88,7 @@ def record_checksum(record: dict,  # a record, with or without its `checksum` (a
 def seal_record(record: dict,  # the fields of a record (status, params, metrics, ...)
                 ) -> dict:
     "The record as it is written: its JSON form, with `format` set to `RECORD_FORMAT` and its `checksum` added last."
-    body = {k: v for k, v in record.items() if k not in ("checksum", "path", UNCHECKED)}
+    body = {k: v for k, v in record.items() if k not in ("checksum", "path")}
     body = json.loads(json.dumps({**body, "format": RECORD_FORMAT}, default=_json_default))   # what reading gives back
     return {**body, "checksum": record_checksum(body)}
 
@@ -105,10 +105,14 @@ _FIELDS = {"params": ("an object",), "experiment": ("a string", "null"), "error"
            "wall_time_s": ("a number", "null")}   # the kinds each field of a record may have
 
 
+NO_CHECKSUM = "it has no 'checksum' (the runner seals every record it writes: it was removed, or the record was written by hand or by an older version)"
+
+
 def record_problem(rec,  # a record as read from JSON
                    metrics=(),  # metric names a result row must hold as numbers, besides those of its catalogue entry
+                   sealed: bool = True,  # require the checksum (False: a record as a notebook writes it, before the runner seals it)
                    ) -> str | None:
-    "What is wrong with `rec`: a missing or ill-kinded field, a result value that is not a number where one is expected (`metric_problem`), an ok record without metrics, a format or checksum that does not match; None for a sound record."
+    "What is wrong with `rec`: a missing or ill-kinded field, a result value that is not a number where one is expected (`metric_problem`), an ok record without metrics, a format that does not match, a checksum missing (`NO_CHECKSUM`, unless not `sealed`) or not matching; None for a sound record."
     if not isinstance(rec, dict) or rec.get("status") not in ("ok", "failed"):
         return "not a record: no 'status' of 'ok' or 'failed'"
     if "params" not in rec: return "not a record: no 'params'"
@@ -130,7 +134,7 @@ def record_problem(rec,  # a record as read from JSON
     if "format" in rec and rec["format"] != RECORD_FORMAT:
         return f"written in the format {str(rec['format'])[:40]!r}; this version reads {RECORD_FORMAT!r}"
     if "checksum" not in rec:
-        return None if "format" not in rec else "its 'checksum' is missing (removed after the record was written)"
+        return NO_CHECKSUM if sealed else None
     if rec["checksum"] != record_checksum(rec):
         return "its content does not match its checksum (the file was changed after it was written)"
     return None
@@ -200,27 +204,75 @@ class RecordError(ValueError):
     "Records that exist but cannot be read; the message names each file and what is wrong with it."
 
 # %% ../nbs/19_records.ipynb #b3352a24
+def seal_command(path,  # a record file, OUT/EXPERIMENT/CELL/record.json
+                 ) -> str:
+    "The command that seals the records of the experiment holding the record `path` (`topk-nb seal EXPERIMENT --out OUT`)."
+    import shlex
+    cell = Path(os.path.abspath(path)).parent
+    return f"topk-nb seal {shlex.quote(cell.parent.name)} --out {shlex.quote(str(cell.parent.parent))}"
+
+
+RECORD_MAX_BYTES = 16 * 2**20   # a record larger than this is refused unread (records are kilobytes; a history of every epoch stays far below)
+
+
+def read_plain_file(path,  # a file the runner wrote: a record, an executed notebook, a ledger file
+                    limit: int,  # the most bytes such a file may hold
+                    ) -> bytes:
+    "The bytes of `path` if it is a regular file of at most `limit` bytes, checked on the open file (no link followed, no wait on a FIFO or device) before any byte is read; FileNotFoundError if it is missing, else a one-line ValueError saying what it is."
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        if e.errno == errno.ELOOP: raise ValueError("is a symbolic link, which the runner never writes (remove it)") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = ("a folder" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode) else
+                    "a socket" if stat.S_ISSOCK(st.st_mode) else "a device")
+            raise ValueError(f"is not a regular file but {kind}, which the runner never writes (remove it)")
+        if st.st_size > limit:
+            raise ValueError(f"is {st.st_size} bytes, more than the {limit} such a file may hold: not read (remove it)")
+        chunks, size = [], 0
+        while size <= limit and (chunk := os.read(fd, min(1 << 20, limit + 1 - size))):
+            chunks.append(chunk); size += len(chunk)
+        if size > limit:                                 # it grew since fstat
+            raise ValueError(f"holds more than the {limit} bytes such a file may hold: not read (remove it)")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
 def inspect_record(path,  # a record file
                    metrics=(),  # metric names its result rows must hold as numbers, besides those of its catalogue entry
+                   sealed: bool = True,  # require the checksum (False: a record a notebook wrote, which the runner seals)
                    ) -> tuple[dict | None, str | None]:
-    "`(record, None)` for a sound record (marked `UNCHECKED` when it has no checksum), `(None, None)` when there is none, `(None, what is wrong)` when it cannot be read or fails `record_problem`."
+    "`(record, None)` for a sound record, `(None, None)` when there is none, `(None, what is wrong)` when it is no regular file of at most `RECORD_MAX_BYTES` (`read_plain_file`), no JSON, or fails `record_problem` (without a checksum: with the `seal_command` for records one trusts)."
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
-        with open(fd, encoding="utf-8") as f:
-            text = f.read()
+        data = read_plain_file(path, RECORD_MAX_BYTES)
     except FileNotFoundError:
         return None, None
-    except (OSError, UnicodeDecodeError) as e:
-        if Path(path).is_symlink():
-            return None, "is a symbolic link, which the runner never writes (remove it)"
-        return None, f"cannot be read ({type(e).__name__}: {e})"
+    except ValueError as e:
+        return None, str(e)
+    except OSError as e:
+        return None, f"cannot be read ({type(e).__name__}: {e.strerror or e})"
     try:
+        text = data.decode("utf-8")
         rec = json.loads(text)
+        problem = record_problem(rec, metrics, sealed)
+    except UnicodeDecodeError as e:
+        return None, f"is not UTF-8 text ({e.reason} at byte {e.start})"
     except json.JSONDecodeError as e:
         return None, f"not complete JSON ({len(text)} characters; {e})"
-    if problem := record_problem(rec, metrics):
+    except RecursionError:
+        return None, "not a record: its JSON is nested too deeply to be read"
+    except ValueError as e:                               # a number of too many digits, say
+        return None, f"not a record: its JSON cannot be read ({' '.join(str(e).split())[:200]})"
+    if problem:
+        if problem == NO_CHECKSUM:
+            problem += f"; if you trust its numbers, seal it: {seal_command(path)}"
         return None, problem
-    return (rec if "checksum" in rec else {**rec, UNCHECKED: True}), None
+    return rec, None
 
 # %% ../nbs/19_records.ipynb #b85590b9
 def read_record(path,  # a record file
@@ -249,6 +301,20 @@ def load_records(out_dir,  # the --out folder of the runs
     elif bad:
         raise RecordError(f"{len(bad)} unreadable record(s): " + "; ".join(f"{p}: {what}" for p, what in bad))
     return records
+
+# %% ../nbs/19_records.ipynb #310436ca
+def seal_records(out_dir,  # the --out folder of the runs
+                 experiment: str,  # the experiment whose records are sealed (its folder under out_dir)
+                 ) -> list[Path]:
+    "Seal (`seal_record`) every record under `out_dir/experiment` that has no checksum but is otherwise sound; returns their paths."
+    sealed = []
+    metrics = catalogue_metrics(experiment)
+    for path in sorted((Path(out_dir) / experiment).rglob(RECORD)):
+        rec, problem = inspect_record(path, metrics, sealed=False)
+        if rec is not None and "checksum" not in rec:
+            atomic_write_json(path, seal_record(rec))
+            sealed.append(path)
+    return sealed
 
 # %% ../nbs/19_records.ipynb #09a4ad31
 def training_metrics(result: dict, **row) -> dict:

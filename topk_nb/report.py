@@ -13,6 +13,7 @@ from typing import Sequence
 
 from .catalogue import Experiment, Figure, Finding, PaperValue, unit_scale
 from .grid import expand_grid, get_experiment, short_error
+from .files import atomic_write_text, save_figure
 from .records import RecordError, load_records
 
 # %% auto #0
@@ -449,9 +450,8 @@ def plot_figure(rows: list[dict],  # tidy result rows (`unique_rows`)
     panels.suptitle("\n".join(textwrap.wrap(fig.title, width) + (textwrap.wrap(banner, width) if banner else [])),
                     fontsize=10, color="k" if not banner else "tab:red")
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    panels.savefig(path, dpi=150)
-    panels.savefig(path.with_suffix(".svg"))
+    save_figure(panels, path, dpi=150)                   # never through a link (`topk_nb.files.save_figure`)
+    save_figure(panels, path.with_suffix(".svg"))
     plt.close(panels)
     return path
 
@@ -623,18 +623,6 @@ def _header(exp: Experiment, warnings: Sequence[str], counts: tuple[int, int, in
                   + ").", ""]
     return lines
 
-# %% ../nbs/20_report.ipynb #d51073fb
-from .records import UNCHECKED
-
-
-def _unchecked_section(records: list[dict]) -> list[str]:
-    "The records without a checksum (written by an older version), listed under the header: used, but not verified."
-    old = [r for r in records if r.get(UNCHECKED)]
-    if not old: return []
-    return [f"> **{len(old)} of {len(records)} records carry no checksum** (written before records had one): their numbers "
-            "are used below but cannot be verified. To replace them, delete them and run their cells again.", ""] + \
-        _table(["record without a checksum", "status"], [[r.get("path"), r.get("status")] for r in old]) + [""]
-
 # %% ../nbs/20_report.ipynb #5eab316c
 def report(experiment: str | Experiment,  # a catalogue name, or an entry
            out_dir="runs",  # the --out folder of the runs
@@ -659,13 +647,11 @@ def report(experiment: str | Experiment,  # a catalogue name, or an entry
     report_dir = Path(report_dir) if report_dir else Path(out_dir) / exp.name / "report"
     report_dir.mkdir(parents=True, exist_ok=True)
     lines = _header(exp, [long for long, _ in notes], (len(ok), len(failed), len(unreadable), len(rows)), dropped, results, level)
-    lines += _unchecked_section(records)
     lines += _paper_section(exp, rows) + _findings_section(results, level, exp.samples) + \
         _figure_sections(exp, rows, report_dir, figures, results, "; ".join(short for _, short in notes) or None) + \
         [line for draw in (exp.drawings if figures else ()) for line in draw(ok, report_dir)] + \
         _records_section(ok, failed, unreadable)
-    path = report_dir / "report.md"
-    path.write_text("\n".join(lines))
+    path = atomic_write_text(report_dir / "report.md", "\n".join(lines))   # a link there is replaced, never written through
     if unreadable:
         raise RecordError(f"{len(unreadable)} unreadable record(s), left out of the report {path}: "
                           + "; ".join(f"{p}: {what}" for p, what in unreadable))

@@ -17,16 +17,16 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Sequence
 
-from .batch import FAILED_ATTEMPT, JOB_LOG, STOP_GRACE, RunStop, _launch, cell_done, check_out_dir, record_stamp
-from .batch import _signals_held
+from .batch import FAILED_ATTEMPT, JOB_LOG, STOP_GRACE, RunStop, _launch, cell_done, cell_running, check_out_dir, record_stamp
+from .batch import _signals_held, open_in_place
 from .grid import cell_dir, cell_id, check_folder_name, get_experiment, plan_grid, short_error
 from .catalogue import Experiment
-from .records import RECORD, atomic_write_json, read_record
+from .records import RECORD, RECORD_MAX_BYTES, atomic_write_json, read_plain_file, read_record
 
 # %% auto #0
-__all__ = ['SLURM_DIR', 'QUEUED', 'RUNNING', 'CANCEL_TIMEOUT', 'SlurmOptions', 'SlurmCell', 'slurm_folder', 'task_log',
-           'write_submission', 'read_submissions', 'parse_squeue', 'squeue_states', 'cell_state', 'grid_states',
-           'count_states', 'submit_cells', 'slurm_available', 'run_slurm', 'status_lines']
+__all__ = ['SLURM_DIR', 'QUEUED', 'RUNNING', 'PING_TIMEOUT', 'CANCEL_TIMEOUT', 'SlurmOptions', 'SlurmCell', 'slurm_folder',
+           'task_log', 'write_submission', 'read_submissions', 'parse_squeue', 'squeue_states', 'cell_state',
+           'grid_states', 'count_states', 'submit_cells', 'slurm_available', 'run_slurm', 'status_lines']
 
 # %% ../nbs/21_slurm.ipynb #b4888592
 @dataclass
@@ -170,9 +170,9 @@ def read_submissions(folder: Path) -> dict[str, dict]:
     files = sorted((Path(folder) / "submissions").glob("*.json"), key=lambda p: (len(p.stem), p.stem))
     for path in files:
         try:
-            sub = json.loads(path.read_text())
+            sub = json.loads(read_plain_file(path, RECORD_MAX_BYTES))     # a regular file, of a record's size at most
             entries = [(c["cell_id"], {"job": c["job"], "params": c["params"]}) for c in sub["cells"]]
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
             raise ValueError(f"the Slurm ledger file {path} cannot be read ({type(e).__name__}: {e}); "
                              "delete it if its jobs have ended") from None
         latest.update(entries)
@@ -222,7 +222,7 @@ def cell_state(directory,  # the cell's folder
     directory = Path(directory)
     if cell_done(directory): return "ok"
     if slurm_state in QUEUED: return "queued"
-    if slurm_state in RUNNING: return "running"
+    if slurm_state in RUNNING or cell_running(directory): return "running"      # a Slurm task, or a local job
     rec = read_record(directory / RECORD) or {}
     if rec.get("status") == "failed" or (rec.get("status") == "ok" and (directory / FAILED_ATTEMPT).exists()):
         return "failed"
@@ -230,7 +230,7 @@ def cell_state(directory,  # the cell's folder
 
 
 def grid_states(experiment: Experiment,  # the catalogue entry
-                cells: Sequence[dict] | None,  # the grid's cells (None: every cell of the ledger and of the records on disk)
+                cells: Sequence[dict] | None,  # the grid's cells (None: every cell of the ledger, of the records on disk, and those a local job runs)
                 out_dir,  # the --out folder
                 squeue_timeout: float | None = 120,  # seconds squeue may take (None: no squeue, the disk alone)
                 ) -> list[dict]:
@@ -240,9 +240,15 @@ def grid_states(experiment: Experiment,  # the catalogue entry
     if cells is None:                   # the cells Slurm ran, and those with a record (a local run, say)
         known = {k: s["params"] for k, s in subs.items()}
         for path in sorted((Path(out_dir).resolve() / experiment.name).glob(f"*/{RECORD}")):
-            params = (read_record(path) or {}).get("identity", {}).get("cell")
+            params = ((read_record(path) or {}).get("identity") or {}).get("cell")
             if isinstance(params, dict): known.setdefault(cell_id(params), params)
         cells = list(known.values())
+        seen = {cell_dir(out_dir, experiment, c) for c in cells}
+        folder_of = Path(out_dir).resolve() / experiment.name   # a local job's cell without a record yet: running by its lock
+        running = [d for d in sorted(folder_of.iterdir()) if not d.name.startswith(".") and d not in seen
+                   and not d.is_symlink() and d.is_dir() and cell_running(d)] if folder_of.is_dir() else []
+    else:
+        running = []
     queue = {} if squeue_timeout is None else squeue_states([s["job"].split("_")[0] for s in subs.values()], squeue_timeout)
     rows = []
     for params in cells:
@@ -257,6 +263,7 @@ def grid_states(experiment: Experiment,  # the catalogue entry
             rec = read_record(directory / RECORD) or {}
             if rec.get("error"): row["error"] = short_error(rec["error"])
         rows.append(row)
+    rows += [{"state": "running", "params": None, "dir": str(d), "job": None, "slurm_state": None} for d in running]
     return rows
 
 
@@ -267,10 +274,10 @@ def count_states(rows: Sequence[dict]) -> dict:
 # %% ../nbs/21_slurm.ipynb #65247484
 @contextlib.contextmanager
 def _ledger_lock(folder: Path):
-    "Own the experiment's Slurm folder (`flock` on `.lock`) inside the block."
+    "Own the experiment's Slurm folder (`flock` on `.lock`) inside the block; a link there (the folder, or the lock: symbolic or hard) raises UnsafeCell, naming it, and nothing is created through it."
     import fcntl
     folder.mkdir(parents=True, exist_ok=True)
-    fd = os.open(folder / ".lock", os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0))
+    fd = open_in_place(folder, ".lock", os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield folder
@@ -288,20 +295,24 @@ def submit_cells(experiment: Experiment, cells: Sequence[dict], out_dir, options
     return [j.job_id for j in jobs]
 
 
+PING_TIMEOUT = 30.0   # seconds `scontrol ping` may take (a controller that is down is said at once)
+
+
 def slurm_available() -> str | None:
-    "None if `sbatch` and `squeue` are here and the controller answers; else why not, in one line."
+    "None if `sbatch`, `squeue`, `scancel` and `scontrol` are here and the controller answers `scontrol ping` (UP); else why not, in one line."
     import shutil
-    missing = [c for c in ("sbatch", "squeue", "scancel") if shutil.which(c) is None]
+    missing = [c for c in ("sbatch", "squeue", "scancel", "scontrol") if shutil.which(c) is None]
     if missing: return f"{', '.join(missing)} not found: run on a Slurm login node (or use the local executor)"
     conf = os.environ.get("SLURM_CONF")
-    if conf and not Path(conf).is_file():             # else squeue retries for a minute before it says so
+    if conf and not Path(conf).is_file():             # else the commands retry for a minute before they say so
         return f"SLURM_CONF={conf} names no file"
-    try:
-        out = subprocess.run(["squeue", "--noheader", "--jobs", "0"], capture_output=True, text=True, timeout=60)
+    try:                                              # a question only the controller answers (squeue refuses job 0 by itself)
+        out = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=PING_TIMEOUT)
     except (OSError, subprocess.TimeoutExpired) as e:
-        return f"squeue did not answer ({e})"
-    if out.returncode != 0 and "Invalid job id" not in out.stderr:
-        return f"the Slurm controller does not answer ({(out.stderr.strip().splitlines() or [''])[-1][:200]})"
+        return f"the Slurm controller does not answer (scontrol ping: {' '.join(str(e).split())[:200]})"
+    said = " ".join(line.strip() for line in (out.stdout + out.stderr).splitlines() if line.strip() and "*" not in line)
+    if out.returncode != 0 or " is UP" not in out.stdout:
+        return f"the Slurm controller does not answer (scontrol ping: {said[:200] or f'exit status {out.returncode}'}): start it, or use the local executor"
     return None
 
 

@@ -53,6 +53,7 @@ def sawada_fig5(records: list[dict],  # the successful records of circles_tradeo
                 ) -> list[str]:
     "Sawada Fig. 5 (a: exp. 2, d = 90°; b: exp. 3, m = 8): where each loss predicts class `target` along the circle; the report's lines (none without such records)."
     import matplotlib
+    from topk_nb.files import save_figure
     from topk_nb.report import _newness   # the newest record of a setting
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -68,8 +69,8 @@ def sawada_fig5(records: list[dict],  # the successful records of circles_tradeo
         _draw_regions(ax, rec, target)
         ax.set_title(f"({tag}) {label}", fontsize=9)
     panels.suptitle(f"Sawada Fig. 5: where class {target} is predicted along the circle", fontsize=10)
-    panels.savefig(report_dir / "fig5.png", dpi=150)
-    panels.savefig(report_dir / "fig5.svg")
+    save_figure(panels, Path(report_dir) / "fig5.png", dpi=150)   # never through a link
+    save_figure(panels, Path(report_dir) / "fig5.svg")
     plt.close(panels)
     return [f"## Sawada Fig. 5: predictions for class {target} along the circle", "",
             f"![Sawada Fig. 5](fig5.png)", "",

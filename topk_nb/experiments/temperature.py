@@ -51,6 +51,7 @@ def berrada_fig2a(records: list[dict],  # the successful records of temperature
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from topk_nb.files import save_figure
     from topk_nb.report import _newness, record_settings, series_colours
     newest = {}
     for r in records:
@@ -75,8 +76,8 @@ def berrada_fig2a(records: list[dict],  # the successful records of temperature
     ax.set_title("Berrada 2018, Fig. 2a: top-5 training error per epoch, L_{5,τ}", fontsize=10)
     ax.legend(fontsize=7)
     path = Path(report_dir) / "fig2a.png"
-    fig.savefig(path, dpi=150)
-    fig.savefig(path.with_suffix(".svg"))
+    save_figure(fig, path, dpi=150)                   # never through a link
+    save_figure(fig, path.with_suffix(".svg"))
     plt.close(fig)
     return ["## Berrada 2018, Fig. 2a: top-5 training error per epoch", "", "![Berrada 2018, Fig. 2a](fig2a.png)", "",
             "One curve per record, from its per-epoch history (τ held constant during training, as in the paper); "
