@@ -358,7 +358,7 @@ def value_problem(key: str,  # a parameter's name
     declared = annotation_kind(annotation) if annotation is not None else None
     if declared is not None and value is not None and not declared[1](value):
         return f"{key} takes {declared[0]} (its type{where} is {ast.unparse(annotation)})"
-    if default is None and annotation is None and value is not None:
+    if default is None and annotation is None and choices is None and value is not None:
         return (f"{key} takes only null: its default{where} is None and its parameters cell declares no type "
                 f"(annotate it there, e.g. `{key}: float | None = None`)")
     return unknown_names(key, default, value)

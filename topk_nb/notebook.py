@@ -162,6 +162,8 @@ def start(namespace: dict,  # the notebook's `globals()`, right after its parame
     for name, value in found.items():
         choices = literal_values(annotations[name]) if name in annotations else None
         default = declared.get(name) if declared is not None else value   # unknown: only the choices are checked
+        if default is None and name in annotations:      # None, annotated: the runner checked its type before the run
+            default = value
         if problem := value_problem(name, default, value, choices):
             raise ValueError(f"{name}={json.dumps(value)}: {problem}")
     print(json.dumps(found))
