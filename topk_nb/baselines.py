@@ -402,7 +402,7 @@ class Focal(_NativeSoft):
                  gamma: float = 2.0,   # focusing parameter; 0 gives cross-entropy
                  **conventions):       # weight, ignore_index, reduction, max_support, check_finite
         super().__init__(**conventions)
-        self.gamma = check_real(gamma, "gamma", 0.0)
+        self.gamma = gamma                     # checked as set (ATTRIBUTE_CHECKS)
 
     def per_sample(self, scores, target):
         return focal(scores, target, self.gamma, "none", self.check_finite)
@@ -430,7 +430,7 @@ class LDAM(_NativeSoft):
         super().__init__(**conventions)
         self.register_buffer("class_counts", torch.as_tensor(class_counts, dtype=torch.float64))
         margins_from_counts(self.class_counts, max_m)                       # validate now, not at the first batch
-        self.max_m, self.scale = check_real(max_m, "max_m", 0.0), check_real(scale, "scale", 0.0, lo_open=True)
+        self.max_m, self.scale = max_m, scale  # checked as set (ATTRIBUTE_CHECKS)
 
     def margins(self) -> torch.Tensor:
         "The margins (n,) of the current `class_counts` and `max_m`; on the host path computed again only when either changes."
@@ -459,7 +459,7 @@ class CvxHinge(_NativeSoft):
                  alpha: float = 1.0,   # margin
                  **conventions):       # weight, ignore_index, reduction, max_support, check_finite
         super().__init__(**conventions)
-        self.k, self.alpha = check_int(k, "k", 1), check_real(alpha, "alpha", 0.0)
+        self.k, self.alpha = k, alpha          # checked as set (ATTRIBUTE_CHECKS)
 
     def per_sample(self, scores, target):
         return cvx_hinge(scores, target, self.k, self.alpha, "none", scores.shape[1], self.check_finite)
@@ -477,7 +477,7 @@ class TopkGrouping(_NativeSoft):
                  k: int = 5,       # the size of the predicted group
                  **conventions):   # weight, ignore_index, reduction, max_support, check_finite
         super().__init__(**conventions)
-        self.k = check_int(k, "k", 1)
+        self.k = k                             # checked as set (ATTRIBUTE_CHECKS)
 
     def per_sample(self, scores, target):
         return topk_grouping(scores, target, self.k, "none", self.check_finite)
@@ -496,7 +496,7 @@ class TopkTransition(_NativeSoft):
                  detach_weight: bool = False,   # no gradient through the weight Q_G
                  **conventions):                # weight, ignore_index, reduction, max_support, check_finite
         super().__init__(**conventions)
-        self.k, self.detach_weight = check_int(k, "k", 1), bool(detach_weight)
+        self.k, self.detach_weight = k, bool(detach_weight)   # k checked as set (ATTRIBUTE_CHECKS)
 
     def per_sample(self, scores, target):
         return topk_transition(scores, target, self.k, self.detach_weight, "none", self.check_finite)

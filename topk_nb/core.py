@@ -643,7 +643,7 @@ def _per_sample_soft(self, scores: torch.Tensor, probs: torch.Tensor, **draws) -
     "sum_j w_j t_j loss(s, j) over the classes each row puts mass on: (N,); `draws` (a stochastic loss's explicit noise) go to every term."
     t, labels = probs.topk(_support(probs, self.max_support), dim=1)        # (N, m)
     if self.weight is not None:
-        t = t * self.weight.to(t)[labels]
+        t = t * device_copy(self, "weight", self.weight, t).to(t.dtype)[labels]   # on the device once
     return sum(t[:, j] * self.per_sample(scores, labels[:, j], **draws) for j in range(t.shape[1]))
 
 

@@ -18,7 +18,7 @@ import torch.nn as nn
 from .baselines import (CE, CvxHinge, Focal, LDAM, TopkGrouping, TopkTransition,
                                expected_loss, split_target, ce, cvx_hinge, focal, ldam,
                                topk_grouping, topk_transition)
-from .core import check_int, check_real, check_reduction, reduce_loss, target_rank
+from .core import check_int, check_real, check_reduction, target_rank
 from .noised import CalHinge, NoisedBal, NoisedImbal, cal_hinge, noised_bal, noised_imbal
 from .svm import SmoothSVM, TopkHinge, smooth_svm, topk_hinge
 

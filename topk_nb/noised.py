@@ -115,7 +115,7 @@ class CalHinge(LossModule):
                  alpha: float = 1.0,   # margin
                  **conventions):       # weight, ignore_index, reduction, max_support, check_finite (see LossModule)
         super().__init__(**conventions)
-        self.k, self.alpha = check_int(k, "k", 1), check_real(alpha, "alpha", 0.0)
+        self.k, self.alpha = k, alpha          # checked as set (ATTRIBUTE_CHECKS)
 
     def per_sample(self, scores, labels):
         return cal_hinge(scores, labels, self.k, self.alpha, "none", self.check_finite)
@@ -145,8 +145,7 @@ class NoisedBal(_NoisedModule):
                  generator: torch.Generator | None = None,   # random source of the noise
                  **conventions):                             # weight, ignore_index, reduction, max_support, check_finite
         super().__init__(**conventions)
-        self.k, self.epsilon = check_int(k, "k", 1), check_real(epsilon, "epsilon", 0.0)
-        self.n_samples, self.alpha = check_int(n_samples, "n_samples", 1), check_real(alpha, "alpha", 0.0)
+        self.k, self.epsilon, self.n_samples, self.alpha = k, epsilon, n_samples, alpha   # checked as set (ATTRIBUTE_CHECKS)
         self.generator = generator
 
     def per_sample(self, scores, labels, noise=None):
@@ -181,9 +180,8 @@ class NoisedImbal(_NoisedModule):
         super().__init__(**conventions)
         self.register_buffer("class_counts", torch.as_tensor(class_counts, dtype=torch.float64))
         margins_from_counts(self.class_counts, max_m)                       # validate now, not at the first batch
-        self.k, self.epsilon = check_int(k, "k", 1), check_real(epsilon, "epsilon", 0.0)
-        self.n_samples, self.max_m = check_int(n_samples, "n_samples", 1), check_real(max_m, "max_m", 0.0)
-        self.scale, self.generator = check_real(scale, "scale", 0.0, lo_open=True), generator
+        self.k, self.epsilon, self.n_samples, self.max_m = k, epsilon, n_samples, max_m   # checked as set (ATTRIBUTE_CHECKS)
+        self.scale, self.generator = scale, generator
         self.register_buffer("margins", margins_from_counts(self.class_counts, self.max_m), persistent=False)   # (n,)
         self.register_load_state_dict_post_hook(NoisedImbal._counts_loaded)   # loaded counts: the margins follow too
 
@@ -193,9 +191,7 @@ class NoisedImbal(_NoisedModule):
 
     def __setattr__(self, name, value):
         "Setting `class_counts` or `max_m` takes effect (the margins the kernels read are made again from them), or is refused before it changes anything."
-        if name == "max_m":
-            value = check_real(value, "max_m", 0.0)
-        elif name == "class_counts" and "margins" in self._buffers:
+        if name == "class_counts" and "margins" in self._buffers:
             margins_from_counts(value, self.max_m)                             # bad counts: refused here, nothing set
         super().__setattr__(name, value)
         if name in ("class_counts", "max_m") and "margins" in self._buffers:

@@ -259,8 +259,8 @@ class SmoothSVM(LossModule):
                  hard_switch: bool = True,  # rows where the smooth loss equals the hinge to rounding take the hinge
                  **conventions):            # weight, ignore_index, reduction, max_support, check_finite (see LossModule)
         super().__init__(**conventions)
-        self.k, self.tau = check_int(k, "k", 1), check_real(tau, "tau", 0.0)
-        self.alpha, self.hard_switch = check_real(1.0 if alpha is None else alpha, "alpha", 0.0), hard_switch
+        self.k, self.tau = k, tau                  # each checked as it is set (ATTRIBUTE_CHECKS, chapter 00)
+        self.alpha, self.hard_switch = 1.0 if alpha is None else alpha, hard_switch
 
     def per_sample(self, scores, labels):
         return smooth_svm(scores, labels, self.k, self.tau, self.alpha, "none", self.hard_switch, self.check_finite)
@@ -321,7 +321,7 @@ class TopkHinge(LossModule):
                  alpha: float = 1.0,   # margin
                  **conventions):       # weight, ignore_index, reduction, max_support, check_finite (see LossModule)
         super().__init__(**conventions)
-        self.k, self.alpha = check_int(k, "k", 1), check_real(alpha, "alpha", 0.0)
+        self.k, self.alpha = k, alpha          # checked as set (ATTRIBUTE_CHECKS)
 
     def per_sample(self, scores, labels):
         return topk_hinge(scores, labels, self.k, self.alpha, "none", self.check_finite)
