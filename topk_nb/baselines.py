@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .core import (LossModule, all_kept, device_assert, device_copy, transformed, check_finite, check_int, check_k, check_real, check_reduction, check_scores, check_target,
+from .core import (LossModule, planned, sync_free, all_kept, device_assert, device_copy, transformed, check_finite, check_int, check_k, check_real, check_reduction, check_scores, check_target,
                           check_loss_finite, check_weight, flatten_classes, loss_dtype, reduce_loss, selected_hinge, sync_free,
                           twice_differentiable)
 from .noised import margins_from_counts
@@ -362,8 +362,25 @@ class CE(LossModule):
     def per_sample(self, scores, target):
         return ce(scores, target, self.label_smoothing, "none", self.check_finite)
 
+    def plan(self, scores, target):
+        "On the sync-free path, for class indices (B,) and float32 or float64 scores (B, n) outside autocast, F.cross_entropy itself with this module's settings: it asserts the labels on the device; None otherwise."
+        if not (sync_free(scores) and scores.ndim == 2 and target.ndim == 1 and target.dtype == torch.int64
+                and scores.device == target.device and target.shape[0] == scores.shape[0] > 0 and scores.shape[1] > 1
+                and scores.dtype in (torch.float32, torch.float64) and self.check_finite is not True
+                and not torch.is_autocast_enabled(scores.device.type)):
+            return None
+        check_weight(self.weight, scores.shape[1])
+
+        def run(scores, target):
+            w = device_copy(self, "weight", self.weight, scores)
+            return F.cross_entropy(scores, target, weight=None if w is None else w.to(scores.dtype), ignore_index=self.ignore_index,
+                                   reduction=self.reduction, label_smoothing=self.label_smoothing)
+        return run
+
     def forward(self, scores, target):
         "The loss of `scores` (B, n) or (B, n, d_1, ...) for `target` class indices or probabilities: F.cross_entropy with this module's settings."
+        if (plan := planned(self, scores, target)) is not None:
+            return plan(scores, target)
         out_dtype = loss_dtype(scores)
         s, t, _ = flatten_classes(scores, target)                         # validates the shapes
         if s.device.type == "meta":                                        # shapes only: F.cross_entropy's own meta result

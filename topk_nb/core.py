@@ -21,13 +21,14 @@ import torch
 import torch.nn as nn
 
 # %% auto #0
-__all__ = ['FLOAT_DTYPES', 'REDUCTIONS', 'CONVENTIONS', 'ARGUMENTS', 'PEER_SPELLINGS', 'ATTRIBUTE_CHECKS', 'transformed', 'plain',
-           'device_assert', 'sync_free', 'thread_flag', 'force_sync_free', 'check_int', 'check_real', 'check_finite',
-           'check_scores', 'check_target', 'check_k', 'check_loss_input', 'check_reduction', 'reduce_loss',
-           'scores_without_target', 'target_rank', 'topk_correct', 'topk_accuracy', 'macro_topk_accuracy', 'brute_esp',
-           'brute_log_esp', 'log_binom', 'workspace', 'time_fn', 'median_time', 'fwd_bwd', 'twice_differentiable',
-           'selected_hinge', 'flatten_classes', 'device_copy', 'check_weight', 'LossModule', 'loss_dtype',
-           'check_loss_finite', 'all_kept', 'check_labels', 'conventions_loss']
+__all__ = ['FLOAT_DTYPES', 'REDUCTIONS', 'CONVENTIONS', 'ARGUMENTS', 'PEER_SPELLINGS', 'ATTRIBUTE_CHECKS', 'ROUTE_FLAGS',
+           'MAX_PLANS', 'transformed', 'plain', 'device_assert', 'sync_free', 'thread_flag', 'force_sync_free',
+           'check_int', 'check_real', 'check_finite', 'check_scores', 'check_target', 'check_k', 'check_loss_input',
+           'check_reduction', 'reduce_loss', 'scores_without_target', 'target_rank', 'topk_correct', 'topk_accuracy',
+           'macro_topk_accuracy', 'brute_esp', 'brute_log_esp', 'log_binom', 'workspace', 'time_fn', 'median_time',
+           'fwd_bwd', 'twice_differentiable', 'selected_hinge', 'flatten_classes', 'device_copy', 'check_weight',
+           'LossModule', 'loss_dtype', 'check_loss_finite', 'all_kept', 'check_labels', 'conventions_loss', 'plan_key',
+           'planned', 'fused_plan']
 
 # %% ../nbs/00_core.ipynb #576df6fa
 _SYNC_FREE = threading.local()
@@ -612,9 +613,18 @@ class LossModule(nn.Module):
         self.label_smoothing, self.check_finite = label_smoothing, check_finite
 
     def __setattr__(self, name, value):
-        "Check a hyper-parameter as it is set (`ATTRIBUTE_CHECKS`): `m.reduction = 'avg'` stops here, naming the allowed values."
+        "Check a hyper-parameter as it is set (`ATTRIBUTE_CHECKS`): `m.reduction = 'avg'` stops here, naming the allowed values. Any setting drops the kept plans (`plan`)."
         check = ATTRIBUTE_CHECKS.get(name)
         super().__setattr__(name, value if check is None else check(value))
+        self.__dict__.pop("_plans", None)
+
+    def plan(self, scores: torch.Tensor, target: torch.Tensor):
+        "A callable (scores, target) -> loss kept for every later call of this signature (`plan_key`), or None: the general path."
+        return fused_plan(self, scores, target)
+
+    def kernel_plan(self, scores: torch.Tensor):
+        "A callable (s, labels, weight) -> the loss with the conventions applied, for scores of this signature on the sync-free path; None where no kernel takes them (here: never)."
+        return None
 
     def per_sample(self, scores: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         "The loss of each row of `scores` (N, n) for class indices `labels` (N,): (N,). Subclasses define it."
@@ -786,8 +796,57 @@ def conventions_loss(self: LossModule,            # the loss module: its per_sam
     return check_loss_finite(loss, scores, type(self).__name__, self.check_finite, out_dtype, count)
 
 
+ROUTE_FLAGS = [_SYNC_FREE, _KEPT]           # thread-local flags a route depends on; modules below add theirs
+MAX_PLANS = 64                               # plans a module keeps; beyond, it forgets them all and starts again
+
+
+def plan_key(scores, target) -> tuple | None:
+    "The signature a plan is kept for: shapes, dtypes and devices, autocast and the route flags; None where no plan is kept (torch.compile tracing, torch.func transforms, tensor subclasses)."
+    if (type(scores) is not torch.Tensor or type(target) is not torch.Tensor or torch.compiler.is_compiling()
+            or torch._C._functorch.is_functorch_wrapped_tensor(scores) or torch._C._functorch.is_functorch_wrapped_tensor(target)):
+        return None
+    device = scores.device
+    return (scores.shape, scores.dtype, device, target.shape, target.dtype, target.device,
+            device.type != "meta" and torch.is_autocast_enabled(device.type), *(getattr(f, "on", False) for f in ROUTE_FLAGS))
+
+
+def planned(self, scores, target):
+    "`self.plan`'s callable for this call's signature, made at the signature's first call and kept; None: the general path."
+    key = plan_key(scores, target)
+    if key is None: return None
+    plans = self.__dict__.get("_plans")
+    if plans is None or len(plans) >= MAX_PLANS:
+        plans = self.__dict__["_plans"] = {}
+    try:
+        return plans[key]
+    except KeyError:
+        plan = plans[key] = self.plan(scores, target)
+        return plan
+
+
+def fused_plan(self: LossModule, scores: torch.Tensor, target: torch.Tensor):
+    "The plan of a loss with fused kernels (`kernel_plan`): for class indices (B,) and scores (B, n) on the sync-free path, with no label smoothing and no finiteness check asked for, the kernels' callable and nothing else; None otherwise."
+    if not (sync_free(scores) and scores.ndim == 2 and target.ndim == 1 and target.dtype == torch.int64 and scores.device == target.device
+            and target.shape[0] == scores.shape[0] > 0 and scores.shape[1] > 1 and scores.dtype in FLOAT_DTYPES
+            and self.label_smoothing == 0 and self.check_finite is not True):
+        return None
+    work = scores.dtype if scores.dtype in (torch.float32, torch.float64) else torch.float32     # half computed in float32
+    kernel = self.kernel_plan(scores if work == scores.dtype else scores.to(work))
+    if kernel is None: return None
+    check_weight(self.weight, scores.shape[1])
+    out_dtype = loss_dtype(scores)
+
+    def run(scores, target):
+        s = scores if scores.dtype == work else scores.to(work)
+        loss = kernel(s, target, device_copy(self, "weight", self.weight, s))
+        return loss if loss.dtype == out_dtype else loss.to(out_dtype)
+    return run
+
+
 def _forward(self, scores: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     "The loss of `scores` (B, n) or (B, n, d_1, ...) for `target` class indices (B, d_1, ...) or probabilities (the scores' shape), or of one unbatched sample (n,), with nn.CrossEntropyLoss's conventions."
+    plan = planned(self, scores, target)
+    if plan is not None: return plan(scores, target)
     return conventions_loss(self, scores, target)
 
 

@@ -5,6 +5,7 @@
 # %% ../nbs/02a_kernels.ipynb #78937b33
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import struct
@@ -13,7 +14,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .core import check_int, check_real, sync_free, thread_flag, transformed, twice_differentiable
+from .core import ROUTE_FLAGS, check_int, check_real, sync_free, thread_flag, transformed, twice_differentiable
 from .esp_backward import tree_svm_loss
 
 try:                                           # triton ships with the CUDA builds of torch
@@ -29,10 +30,11 @@ except ImportError:                            # pragma: no cover - CPU-only tor
 _OPS = "topk_nb" if __name__.startswith("topk_nb") else "topk_nb_chapter"
 
 # %% auto #0
-__all__ = ['MAX_ROW', 'MAX_KTH', 'ROWS', 'REDUCTION_CODES', 'kth_max_row', 'force_triton', 'triton_ok', 'count_launches', 'lean_op', 'call_op', 'cdiv', 'next_pow2', 'f64_bits', 'SVM_MAX_K', 'SVM32_MAX_K', 'SVMW_PROGRAMS', 'svm_triton_ok', 'svm_blocks', 'smooth_svm_triton', 'smooth_svm_fused', 'svm32_plan', 'svm32_tiles', 'svmw_plan', 'RANDN_BOUND', 'PRUNE_MIN', 'PRUNE_MIN_FULL', 'TARGET_PROGRAMS', 'TILE', 'perturbed_kth_triton', 'triton_sampled_topk_value', 'triton_noised_hinge', 'noised_hinge_fused']
+__all__ = ['MAX_ROW', 'MAX_KTH', 'ROWS', 'REDUCTION_CODES', 'kth_max_row', 'force_triton', 'triton_ok', 'count_launches', 'lean_op', 'loss_op', 'call_op', 'cdiv', 'next_pow2', 'f64_bits', 'SVM_MAX_K', 'SVM32_MAX_K', 'SVMW_PROGRAMS', 'svm_triton_ok', 'svm_blocks', 'smooth_svm_triton', 'smooth_svm_fused', 'smooth_svm_plan', 'svm32_plan', 'svm32_tiles', 'svmw_plan', 'RANDN_BOUND', 'PRUNE_MIN', 'PRUNE_MIN_FULL', 'TARGET_PROGRAMS', 'TILE', 'perturbed_kth_triton', 'triton_sampled_topk_value', 'triton_noised_hinge', 'noised_hinge_fused', 'noised_hinge_plan']
 
 # %% ../nbs/02a_kernels.ipynb #c63387a8
 _FORCE = threading.local()
+ROUTE_FLAGS.append(_FORCE)                # a loss's kept plan depends on it (chapter 00)
 MAX_ROW = 8192            # classes of a chunk of a row: one program holds a chunk in registers
 MAX_KTH = 64              # the largest K of top_K the selection kernel unrolls to
 
@@ -105,6 +107,7 @@ def count_launches(fn: Callable[[], object], # called once, with no arguments
 
 # %% ../nbs/02a_kernels.ipynb #c09d6a67
 _LEAN: dict = {}                                   # custom operator -> what eager code calls instead
+_LEAN_LOSS: dict = {}                              # custom operator -> (function, setup_context, backward): `loss_op`
 
 
 def lean_op(op,                                    # a torch.library custom operator
@@ -136,6 +139,28 @@ def lean_op(op,                                    # a torch.library custom oper
         return Eager.apply(*args)
 
     _LEAN[op] = apply
+    _LEAN_LOSS[op] = (fn, setup_context, backward)
+
+
+class _LossOutput(torch.autograd.Function):
+    "An operator's first output alone as one autograd node, the others kept for its backward only: what a kept plan calls."
+
+    @staticmethod
+    def forward(ctx, impl, *args):                 # impl: (the operator's function, its setup_context, its backward)
+        out = impl[0](*args)
+        impl[1](ctx, args, out)                    # saves what the backward reads; its marks on the rest change nothing
+        ctx.backward = impl[2]
+        return out[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, *ctx.backward(ctx, grad)
+
+
+def loss_op(op):
+    "A callable of all of `op`'s arguments that returns its first output (the loss) alone, by `_LossOutput`, for a kept plan in eager code."
+    impl = _LEAN_LOSS[op]
+    return lambda *args: _LossOutput.apply(impl, *args)
 
 
 def call_op(op, *args):
@@ -158,6 +183,7 @@ def next_pow2(x: int # a positive integer
     return 1 << (x - 1).bit_length()
 
 # %% ../nbs/02a_kernels.ipynb #d031169f
+@functools.lru_cache(maxsize=1024)                  # asked again at every call of a signature
 def f64_bits(value: float, # a Python float
              ) -> int:
     "The 64 bits of `value` as a double, as a signed integer: a kernel argument that `_f64` turns back into the exact float64."
@@ -267,7 +293,7 @@ def _finish(loss: Optional[torch.Tensor],   # (B,) each row's loss, or None: the
             some if margin is None else margin, target, some if weight is None else weight, wl, out, den, ok, B, n,
             ignore_index, f64_bits(alpha), f64_bits(scale), REDUCTION=reduction, HAS_WEIGHT=weight is not None,
             HINGE=loss is None, HAS_MARGIN=margin is not None, ASSERT=assert_labels, BLOCK=block, num_warps=4)
-    if assert_labels and isinstance(_finish_kernel, InterpretedFunction):   # the interpreter skips device asserts: this
+    if assert_labels and isinstance(_finish_kernel, InterpretedFunction) and not _LAUNCHES.stub:   # the interpreter skips device asserts: this
         with torch.utils._python_dispatch._disable_current_modes():         # stands in for the kernel's, outside any
             torch._assert_async(ok, f"target must hold class indices in [0, {n - 1}]")   # mode, as its launch is
     return out, (wl if reduction else wl.new_empty(0)), den, ok
@@ -473,6 +499,7 @@ if HAS_TRITON:
             tl.debug_barrier()
 
 # %% ../nbs/03a_svm_kernels.ipynb #05485d33
+@functools.lru_cache(maxsize=1024)                  # asked again at every call of a signature
 def svm_blocks(n: int,                    # classes per row
                k: int,                    # the k of top-k
                block_n: int | None = None # classes per block; by default as many as fit with k+1 degrees
@@ -610,6 +637,16 @@ def smooth_svm_fused(scores: torch.Tensor,           # (B, n) float32 or float64
     out, _, den, ok, *_ = call_op(op, scores.contiguous(), target.contiguous(), w, k, tau, alpha, layout, ignore_index,
                              REDUCTION_CODES[reduction], on_device)
     return out, den, None if on_device else ok
+
+def smooth_svm_plan(s: torch.Tensor,     # (B, n) float32 or float64 scores of the signature planned for
+                    k: int, tau: float, alpha: float, ignore_index: int, reduction: str) -> Callable:
+    "A loss module's kept plan on the sync-free path: (s, labels, weight) -> the loss, the labels asserted on the device."
+    op, layout = _svm_operator(s, k, None, None)
+    fn, code = loss_op(op), REDUCTION_CODES[reduction]
+
+    def run(s, target, weight):
+        return fn(s.contiguous(), target.contiguous(), weight, k, tau, alpha, layout, ignore_index, code, True)
+    return run
 
 # %% ../nbs/03a_svm_kernels.ipynb #419904b7
 SVM32_MAX_K = 32          # the largest k of a polynomial a thread (its code grows with k^2); above, a polynomial a warp
@@ -1102,6 +1139,7 @@ if HAS_TRITON:
 _LOG2E = 1.4426950408889634
 
 
+@functools.lru_cache(maxsize=1024)                  # asked again at every call of a signature
 def svm32_plan(B: int,                  # rows
                n: int,                  # classes per row
                tile: int | None = None, # classes per tile; by default about 512 programs in all (256 for rows of one warp), from 256 to 32768 classes each
@@ -1541,6 +1579,7 @@ if HAS_TRITON:
 SVMW_PROGRAMS = 4096      # the large-k forward cuts rows into tiles until the grid has about this many warps
 
 
+@functools.lru_cache(maxsize=1024)                  # asked again at every call of a signature
 def svmw_plan(B: int,                  # rows
               n: int,                  # classes per row
               tile: int | None = None, # classes per tile (a multiple of 32); by default rows cut evenly into about SVMW_PROGRAMS / B tiles of at least 256
@@ -1856,6 +1895,7 @@ TARGET_PROGRAMS = 1024    # the draws of a row are split over programs until the
 TILE = 4096               # values of the (draws, live classes) tile a pruned program holds
 
 
+@functools.lru_cache(maxsize=1024)                  # asked again at every call of a signature
 def _selection_plan(B: int, n: int, n_samples: int,
                     block: int,  # classes per chunk (0: one block up to MAX_ROW, chunks of MAX_ROW beyond)
                     cap: int,    # live classes a pruned chunk holds in its tile (0: by the chunk's size; -1: no pruning)
@@ -2156,3 +2196,14 @@ def noised_hinge_fused(scores: torch.Tensor,           # (B, n) scores, float32 
     out, _, den, ok, _ = call_op(_noised_hinge_op, s, target.contiguous(), m, _device_seed(generator, dev), w, k, epsilon, n_samples,
                                           alpha, scale, ignore_index, REDUCTION_CODES[reduction], on_device)
     return out, den, None if on_device else ok
+
+def noised_hinge_plan(k: int,                         # the K of top_K (the noised losses' k + 1), checked by the caller
+                      epsilon: float, n_samples: int, alpha: float, scale: float, ignore_index: int, reduction: str,
+                      ) -> Callable:
+    "A noised loss module's kept plan on the sync-free path: (s, labels, weight, margins, generator) -> the loss, the labels asserted on the device."
+    fn, code = loss_op(_noised_hinge_op), REDUCTION_CODES[reduction]
+
+    def run(s, target, weight, margins, generator):
+        return fn(s.contiguous(), target.contiguous(), margins, _device_seed(generator, s.device), weight, k, epsilon,
+                  n_samples, alpha, scale, ignore_index, code, True)
+    return run

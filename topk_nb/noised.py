@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .core import (LossModule, check_int, conventions_loss, device_copy, check_loss_input, check_real, check_reduction, loss_dtype, reduce_loss,
+from .core import (LossModule, check_int, conventions_loss, planned, device_copy, check_loss_input, check_real, check_reduction, loss_dtype, reduce_loss,
                           selected_hinge, sync_free)
 from .perturbed import draw_noise, sampled_topk_value, smooth_topk, topk_value
 
@@ -130,7 +130,13 @@ class _NoisedModule(LossModule):
 
     def forward(self, scores, target, noise: torch.Tensor | None = None):
         "The loss of `scores` for `target`, as nn.CrossEntropyLoss (every shape, target kind and convention); with `noise` (n_samples, *scores.shape), on those draws."
+        if noise is None and (plan := planned(self, scores, target)) is not None:
+            return plan(scores, target)
         return conventions_loss(self, scores, target, noise)
+
+    def kernels_take(self, scores) -> bool:
+        "Whether the fused kernels take the hinge of these scores (chapter 05a)."
+        return self.epsilon > 0 and 1 <= self.k < scores.shape[1] and _fused(scores, self.k + 1, None)
 
 # %% ../nbs/05_noised.ipynb #41c15c5b
 class NoisedBal(_NoisedModule):
@@ -159,6 +165,13 @@ class NoisedBal(_NoisedModule):
             return None
         return noised_hinge_fused(scores, labels, self.k + 1, self.epsilon, self.n_samples, None, self.alpha, 1.0,
                                   self.generator, weight, self.ignore_index, self.reduction)
+
+    def kernel_plan(self, scores):
+        "The fused kernels' plan for scores of this signature (chapter 05a), or None where they do not take them."
+        from topk_nb.kernels import noised_hinge_plan
+        if not self.kernels_take(scores): return None
+        run = noised_hinge_plan(self.k + 1, self.epsilon, self.n_samples, self.alpha, 1.0, self.ignore_index, self.reduction)
+        return lambda s, target, weight: run(s, target, weight, None, self.generator)
 
     def extra_repr(self):
         return f"k={self.k}, epsilon={self.epsilon}, n_samples={self.n_samples}, alpha={self.alpha}"
@@ -212,6 +225,13 @@ class NoisedImbal(_NoisedModule):
         margins = device_copy(self, "margins", self.margins, scores)        # (n,): copied to the scores' device once
         return noised_hinge_fused(scores, labels, self.k + 1, self.epsilon, self.n_samples, margins, 0.0, self.scale,
                                   self.generator, weight, self.ignore_index, self.reduction)
+
+    def kernel_plan(self, scores):
+        "The fused kernels' plan for scores of this signature (chapter 05a), the margins read on the scores' device, or None where the kernels do not take them."
+        from topk_nb.kernels import noised_hinge_plan
+        if not self.kernels_take(scores) or self.margins.numel() != scores.shape[1]: return None
+        run = noised_hinge_plan(self.k + 1, self.epsilon, self.n_samples, 0.0, self.scale, self.ignore_index, self.reduction)
+        return lambda s, target, weight: run(s, target, weight, device_copy(self, "margins", self.margins, s), self.generator)
 
     def extra_repr(self):
         return (f"n_classes={self.class_counts.numel()}, k={self.k}, epsilon={self.epsilon}, "

@@ -17,7 +17,7 @@ from .core import (LossModule, check_int, check_k, check_loss_input, transformed
                           twice_differentiable)
 from .esp_backward import (head_size, power_backward, power_forward, power_inputs, power_log_sigma,
                                   power_tolerances, tree_svm_loss)
-from .kernels import smooth_svm_fused, smooth_svm_triton, svm_triton_ok
+from .kernels import smooth_svm_fused, smooth_svm_plan, smooth_svm_triton, svm_triton_ok
 
 # %% auto #0
 __all__ = ['SVM_ROUTES', 'smooth_topk_svm', 'topk_hinge', 'subset_sums_bruteforce', 'smooth_topk_svm_bruteforce', 'hard_enough',
@@ -272,6 +272,12 @@ class SmoothSVM(LossModule):
             return None
         return smooth_svm_fused(scores, labels, self.k, tau, check_real(self.alpha, "alpha", 0.0), weight,
                                 self.ignore_index, self.reduction)
+
+    def kernel_plan(self, scores):
+        "The fused kernels' plan for scores of this signature (chapter 03a), or None where they do not take them."
+        if self.tau == 0 or not svm_triton_ok(scores, self.k):
+            return None
+        return smooth_svm_plan(scores, self.k, self.tau, self.alpha, self.ignore_index, self.reduction)
 
     def extra_repr(self) -> str:
         return f"k={self.k}, tau={self.tau}, alpha={self.alpha}, reduction={self.reduction!r}"
