@@ -424,6 +424,11 @@ class Focal(_NativeSoft):
     def per_sample(self, scores, target):
         return focal(scores, target, self.gamma, "none", self.check_finite)
 
+    def kernel_plan(self, scores):
+        "The row kernels' plan (chapter 06a), or None where they do not take these scores."
+        from topk_nb.row_kernels import row_plan
+        return row_plan(self, scores, "focal", gamma=self.gamma)
+
     def extra_repr(self):
         return f"gamma={self.gamma}, reduction={self.reduction!r}"
 
@@ -463,6 +468,20 @@ class LDAM(_NativeSoft):
         margins = device_copy(self, "margins", self.margins(), scores)     # (n,): copied to the scores' device once
         return _ldam(scores, target, margins, self.scale, "none", scores.shape[1], self.check_finite)
 
+    def kernel_plan(self, scores):
+        "The row kernels' plan (chapter 06a), the margins kept on the scores' device, or None where the kernels do not take these scores."
+        from topk_nb.row_kernels import row_plan
+        if self.class_counts.numel() != scores.shape[1]: return None     # the general path names the mismatch
+        return row_plan(self, scores, "ldam", scale=self.scale, margins=self.device_margins)
+
+    def device_margins(self, like: torch.Tensor) -> torch.Tensor:
+        "The margins (n,) on `like`'s device, made again only when the counts (in place too) or max_m change."
+        counts, kept = self.class_counts, self.__dict__.get("_device_margins")
+        key = (counts, counts._version, self.max_m, like.device)
+        if kept is None or any(a is not b and a != b for a, b in zip(kept[0], key)):
+            kept = self.__dict__["_device_margins"] = (key, margins_from_counts(counts, self.max_m).to(like.device))
+        return kept[1]
+
     def extra_repr(self):
         return f"n_classes={self.class_counts.numel()}, max_m={self.max_m}, scale={self.scale}"
 
@@ -480,6 +499,11 @@ class CvxHinge(_NativeSoft):
 
     def per_sample(self, scores, target):
         return cvx_hinge(scores, target, self.k, self.alpha, "none", scores.shape[1], self.check_finite)
+
+    def kernel_plan(self, scores):
+        "The row kernels' plan (chapter 06a), or None where they do not take these scores."
+        from topk_nb.row_kernels import row_plan
+        return row_plan(self, scores, "cvx_hinge", check_k(self.k, scores.shape[1]), alpha=self.alpha)
 
     def extra_repr(self):
         return f"k={self.k}, alpha={self.alpha}, reduction={self.reduction!r}"
@@ -499,6 +523,11 @@ class TopkGrouping(_NativeSoft):
     def per_sample(self, scores, target):
         return topk_grouping(scores, target, self.k, "none", self.check_finite)
 
+    def kernel_plan(self, scores):
+        "The row kernels' plan (chapter 06a), or None where they do not take these scores."
+        from topk_nb.row_kernels import row_plan
+        return row_plan(self, scores, "topk_grouping", check_k(self.k, scores.shape[1]))
+
     def extra_repr(self):
         return f"k={self.k}, reduction={self.reduction!r}"
 
@@ -517,6 +546,11 @@ class TopkTransition(_NativeSoft):
 
     def per_sample(self, scores, target):
         return topk_transition(scores, target, self.k, self.detach_weight, "none", self.check_finite)
+
+    def kernel_plan(self, scores):
+        "The row kernels' plan (chapter 06a), or None where they do not take these scores."
+        from topk_nb.row_kernels import row_plan
+        return row_plan(self, scores, "topk_transition", check_k(self.k, scores.shape[1]), detach_weight=self.detach_weight)
 
     def extra_repr(self):
         return f"k={self.k}, detach_weight={self.detach_weight}, reduction={self.reduction!r}"

@@ -27,12 +27,13 @@ from .models import get_model
 
 # %% auto #0
 __all__ = ['SYNCING_OPS', 'SASS_CLASSES', 'F64_CHAIN', 'H100', 'MODULE_MEAN', 'KERNEL_MODELS', 'COST_STEPS', 'BUDGETS',
-           'time_interleaved', 'bench_scores', 'bench_loss', 'largest_tensor', 'peak_memory', 'loss_speed', 'esp_speed',
-           'epoch_times', 'OpCall', 'op_calls', 'aten_ops', 'syncing_ops', 'op_table', 'SassInstr', 'KernelSass',
-           'parse_sass', 'kernel_sass', 'sass_class', 'f64_transcendentals', 'SourceLoop', 'source_loops',
-           'SourceBranch', 'source_branches', 'sass_loops', 'dynamic_counts', 'estimate_time', 'ce_triton',
-           'KernelModel', 'StepModel', 'live_classes', 'kernel_cost', 'cost_table', 'Budget', 'within_budget',
-           'print_cost_table', 'host_work', 'host_table']
+           'LAUNCH_OPS', 'GPU_RECORDS', 'time_interleaved', 'bench_scores', 'bench_loss', 'largest_tensor',
+           'peak_memory', 'loss_speed', 'esp_speed', 'epoch_times', 'OpCall', 'op_calls', 'aten_ops', 'syncing_ops',
+           'op_table', 'SassInstr', 'KernelSass', 'parse_sass', 'kernel_sass', 'sass_class', 'f64_transcendentals',
+           'SourceLoop', 'source_loops', 'SourceBranch', 'source_branches', 'sass_loops', 'dynamic_counts',
+           'estimate_time', 'ce_triton', 'KernelModel', 'StepModel', 'live_classes', 'kernel_cost', 'cost_table',
+           'Budget', 'within_budget', 'print_cost_table', 'host_work', 'host_table', 'recorded_launch_ops',
+           'record_device', 'op_host_time', 'host_time', 'host_cost_table']
 
 # %% ../nbs/14_bench.ipynb #f6ddc67b
 def time_interleaved(fns: Sequence[Callable[[], object]], device="cpu", rounds: int = 5, block: int = 3,
@@ -1374,4 +1375,101 @@ def host_table(names: Sequence[str] | None = None,  # registry losses; all by de
         crit = get_loss(name, **kw)
         with force_sync_free(), force_triton():
             rows.append({"loss": name, **host_work(step(crit))})
+    return rows
+
+# %% ../nbs/14_bench.ipynb #ccd56897
+import time
+
+LAUNCH_OPS = (2.0, "assumed: Triton's launcher binds and specialises each launch's arguments in Python, about twice a "
+                   "PyTorch operator's C++ dispatch; replaced by the newest GPU record's measurement (launch_ops)")
+GPU_RECORDS = Path(__file__).resolve().parents[1] / "results" / "gpu" if "__file__" in globals() else Path("../results/gpu")
+
+
+def recorded_launch_ops(folder: Path | str = GPU_RECORDS, # the GPU records (`make gpu-check`'s JSON files)
+                        ) -> tuple[float, str]:
+    "(a Triton launch's host time in small PyTorch operators', where it comes from): the newest record whose host section measured it, else `LAUNCH_OPS`."
+    import json
+    found = []
+    for path in Path(folder).glob("*.json") if Path(folder).is_dir() else ():
+        try:
+            record = json.loads(path.read_text())
+            value = record["sections"]["host"]["launch_ops"]
+        except (ValueError, KeyError, TypeError):
+            continue
+        if isinstance(value, (int, float)) and value > 0:
+            found.append((str(record.get("date", "")), path.name, float(value)))
+    if not found:
+        return LAUNCH_OPS
+    date, name, value = max(found)
+    return value, f"measured on {record_device(name)} ({name})"
+
+
+def record_device(name: str) -> str:
+    "The device slug of a GPU record's file name: what precedes the date."
+    import re
+    match = re.match(r"(.+?)-\d{4}-\d{2}-\d{2}", name)
+    return match.group(1) if match else name
+
+# %% ../nbs/14_bench.ipynb #3d6af072
+def op_host_time(calls: int = 2000,  # calls per round
+                 rounds: int = 5,    # the least of these rounds is kept
+                 ) -> float:
+    "Seconds of host time of one small PyTorch operator call on this machine: an addition of two (8,) tensors."
+    a = torch.ones(8)
+    best = math.inf
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(calls): torch.add(a, a)
+        best = min(best, (time.perf_counter() - t0) / calls)
+    return best
+
+
+def host_time(step: Callable[[], object],  # one eager call as a user makes it: forward and backward
+              calls: int = 100,            # calls timed back to back
+              ) -> float:
+    "Seconds of host time per `step()` with its Triton launches stubbed (counted, not run) and its device asserts stubbed: the Python and the PyTorch operators of the call."
+    from unittest import mock
+    from topk_nb.kernels import count_launches
+
+    def loop():
+        for _ in range(calls): step()
+    with mock.patch.object(torch, "_assert_async", lambda *args, **kwargs: None):   # stubbed kernels set no flag
+        t0 = time.perf_counter()
+        count_launches(loop, stub=True)
+        return (time.perf_counter() - t0) / calls
+
+# %% ../nbs/14_bench.ipynb #8fd23ead
+def host_cost_table(names: Sequence[str] | None = None,  # registry losses; all by default
+                    B: int = 8, n: int = 64,              # a small batch: the host's work does not depend on its size
+                    calls: int = 100, rounds: int = 5,    # calls a round; the least of the rounds is kept
+                    launch_ops: float | None = None,      # a launch in small operators' time (None: `recorded_launch_ops`)
+                    ) -> list[dict]:
+    "Each registry loss's host cost per forward+backward call (defaults, class indices, the GPU's route), against F.cross_entropy's in the same rounds: `python_us` (`host_time`), its Triton `launches` (`host_work`), and `estimate_us` = python_us + launches x launch_ops x `op_host_time`; `ratio` = estimate over cross-entropy's."
+    from topk_nb.kernels import force_triton
+    launch_ops = recorded_launch_ops()[0] if launch_ops is None else launch_ops
+    g = torch.Generator().manual_seed(0)
+    s, y = torch.randn(B, n, generator=g), torch.randint(0, n, (B,), generator=g)
+    crits = {"F.cross_entropy": F.cross_entropy}
+    for name in names or LOSSES:
+        kw = {"class_counts": torch.arange(1, n + 1)} if LOSSES[name].needs_class_counts else {}
+        crits[name] = get_loss(name, **kw)
+    steps = {}
+    for name, crit in crits.items():
+        x = s.clone().requires_grad_()
+        steps[name] = lambda crit=crit, x=x: crit(x, y).backward()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)                                   # the host's work, not the CPU kernels' threads
+    try:
+        with force_sync_free(), force_triton():
+            launches = {name: host_work(step)["launches"] for name, step in steps.items()}   # and the plans made
+            best = dict.fromkeys(steps, math.inf)
+            for _ in range(rounds):                            # taking turns: a slow spell hits every loss alike
+                for name, step in steps.items():
+                    best[name] = min(best[name], host_time(step, calls))
+        op = op_host_time()
+    finally:
+        torch.set_num_threads(threads)
+    rows = [{"loss": name, "python_us": best[name] * 1e6, "launches": launches[name],
+             "estimate_us": (best[name] + launches[name] * launch_ops * op) * 1e6} for name in steps]
+    for r in rows: r["ratio"] = r["estimate_us"] / rows[0]["estimate_us"]
     return rows

@@ -35,9 +35,9 @@ from .losses import LOSSES, get_loss
 # %% auto #0
 __all__ = ['PRESETS', 'SECTIONS', 'TOLERANCE', 'NO_CUDA', 'GPU_HOST_COMPILE', 'INDUCTOR_SECONDS', 'one_line', 'loss_and_grad',
            'compare_to_reference', 'loss_variants', 'check_correctness', 'check_syncs', 'speed_table', 'host_times',
-           'epoch_overhead', 'kernel_times', 'check_compile', 'capture_step', 'check_cuda_graphs', 'environment',
-           'device_slug', 'run_section', 'section_calls', 'render_markdown', 'gpu_check', 'main', 'recorded_launches',
-           'triton_variants', 'compile_estimate']
+           'launch_cost', 'epoch_overhead', 'kernel_times', 'check_compile', 'capture_step', 'check_cuda_graphs',
+           'environment', 'device_slug', 'run_section', 'section_calls', 'render_markdown', 'gpu_check', 'main',
+           'recorded_launches', 'triton_variants', 'compile_estimate']
 
 # %% ../nbs/15_gpucheck.ipynb #fbf51fd0
 PRESETS = {
@@ -195,6 +195,7 @@ def host_times(device="cuda", batch: int = 256, n: int = 1000, k: int = 5, calls
         if device.type == "cuda": torch.cuda.synchronize(device)
         return host * 1e3
 
+    launch = launch_cost(device)                                               # what the bench chapter's model assumes
     ce = per_call(F.cross_entropy)
     rows = [{"loss": "F.cross_entropy", "host_ms": ce, "ratio": 1.0}]
     for name in names or LOSSES:
@@ -205,7 +206,27 @@ def host_times(device="cuda", batch: int = 256, n: int = 1000, k: int = 5, calls
             rows.append({"loss": name, "host_ms": ms, "ratio": ms / ce})
         except Exception as e:
             rows.append({"loss": name, "error": one_line(e)})
-    return {"status": "ok", "batch": batch, "n": n, "k": k, "calls": calls, "rows": rows}
+    return {"status": "ok", "batch": batch, "n": n, "k": k, "calls": calls, "rows": rows, **launch}
+
+
+def launch_cost(device="cuda", calls: int = 2000) -> dict:
+    "Host microseconds of one Triton launch through the package's launcher (a kernel of one program storing one number) and of one small PyTorch operator (an addition of two (8,) tensors) on `device`, and their ratio `launch_ops`: what the bench chapter's host-cost model reads from the newest record."
+    from topk_nb.kernels import HAS_TRITON, _launch, store_one_kernel
+    device = torch.device(device)
+    out, a = torch.empty(1, device=device), torch.ones(8, device=device)
+
+    def per_call(fn) -> float:
+        for _ in range(10): fn()                                                 # warm-up: the kernel compiled
+        if device.type == "cuda": torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(calls): fn()
+        host = (time.perf_counter() - t0) / calls
+        if device.type == "cuda": torch.cuda.synchronize(device)
+        return host * 1e6
+
+    op = per_call(lambda: torch.add(a, a))
+    launch = per_call(lambda: _launch(store_one_kernel, (1,), out)) if HAS_TRITON else None
+    return {"launch_us": launch, "op_us": op, "launch_ops": None if launch is None else launch / op}
 
 # %% ../nbs/15_gpucheck.ipynb #ee934574
 def epoch_overhead(device="cuda", model: str = "densenet40_40", n_classes: int = 100, batch: int = 64,
@@ -510,9 +531,11 @@ def _md_speed(s: dict) -> list[str]:
 
 
 def _md_host(s: dict) -> list[str]:
-    return _table(["loss", "host ms / call", "x F.cross_entropy"],
-                  [[r["loss"], f"{r['host_ms']:.3f}" if "host_ms" in r else r.get("error"),
-                    f"{r['ratio']:.1f}x" if "ratio" in r else None] for r in s["rows"]])
+    launch = ([f"One Triton launch: {s['launch_us']:.1f} us of host time, {s['launch_ops']:.1f} small PyTorch operators' "
+               f"({s['op_us']:.1f} us each).", ""] if s.get("launch_us") else [])
+    return launch + _table(["loss", "host ms / call", "x F.cross_entropy"],
+                           [[r["loss"], f"{r['host_ms']:.3f}" if "host_ms" in r else r.get("error"),
+                             f"{r['ratio']:.1f}x" if "ratio" in r else None] for r in s["rows"]])
 
 # %% ../nbs/15_gpucheck.ipynb #5c898cdc
 def _md_epoch(s: dict) -> list[str]:

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .core import (LossModule, check_int, conventions_loss, planned, device_copy, check_loss_input, check_real, check_reduction, loss_dtype, reduce_loss,
+from .core import (LossModule, check_int, check_k, conventions_loss, planned, device_copy, check_loss_input, check_real, check_reduction, loss_dtype, reduce_loss,
                           selected_hinge, sync_free)
 from .perturbed import draw_noise, sampled_topk_value, smooth_topk, topk_value
 
@@ -119,6 +119,11 @@ class CalHinge(LossModule):
 
     def per_sample(self, scores, labels):
         return cal_hinge(scores, labels, self.k, self.alpha, "none", self.check_finite)
+
+    def kernel_plan(self, scores):
+        "The row kernels' plan (chapter 06a), or None where they do not take these scores."
+        from topk_nb.row_kernels import row_plan
+        return row_plan(self, scores, "cal_hinge", check_k(self.k, scores.shape[1]), alpha=self.alpha)
 
     def extra_repr(self):
         return f"k={self.k}, alpha={self.alpha}, reduction={self.reduction!r}"

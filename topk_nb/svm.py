@@ -332,6 +332,11 @@ class TopkHinge(LossModule):
     def per_sample(self, scores, labels):
         return topk_hinge(scores, labels, self.k, self.alpha, "none", self.check_finite)
 
+    def kernel_plan(self, scores):
+        "The row kernels' plan (chapter 06a), or None where they do not take these scores."
+        from topk_nb.row_kernels import row_plan
+        return row_plan(self, scores, "topk_hinge", check_k(self.k, scores.shape[1]), alpha=self.alpha)
+
     def extra_repr(self) -> str:
         return f"k={self.k}, alpha={self.alpha}, reduction={self.reduction!r}"
 
