@@ -1360,14 +1360,19 @@ def host_work(fn: Callable[[], object]  # called once, with no arguments
 def host_table(names: Sequence[str] | None = None,  # registry losses; all by default
                B: int = 8, n: int = 64,             # a small batch: the host's work does not depend on its size
                ) -> list[dict]:
-    "`host_work` of one forward and backward of each registry loss on the GPU's route (defaults, class indices), and of F.cross_entropy."
+    "`host_work` of one forward and backward of each registry loss on the GPU's route (defaults, class indices), and of F.cross_entropy: a call after the first, as every call of a training loop but its first."
     from topk_nb.kernels import force_triton
     g = torch.Generator().manual_seed(0)
     s, y = torch.randn(B, n, generator=g), torch.randint(0, n, (B,), generator=g)
 
-    def step(crit):
+    def step(crit):                                        # a later call: the plan made and the device copies kept
         x = s.clone().requires_grad_()
-        return lambda: crit(x, y).backward()
+
+        def call():
+            x.grad = None
+            crit(x, y).backward()
+        call()
+        return call
 
     rows = [{"loss": "F.cross_entropy", **host_work(step(F.cross_entropy))}]
     for name in names or LOSSES:

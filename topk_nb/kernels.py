@@ -13,6 +13,7 @@ import threading
 from typing import Callable, Optional
 
 import torch
+import torch.nn.functional as F
 
 from .core import ROUTE_FLAGS, check_int, check_real, sync_free, thread_flag, transformed, twice_differentiable
 from .esp_backward import tree_svm_loss
@@ -2078,6 +2079,19 @@ def _perturbed_grad_fake(idx, go, loss, target, weight, den, n, dtype, scale, ig
     return go.new_empty(idx.shape[1], n, dtype=dtype)
 
 
+def _draw_counts(idx: torch.Tensor,   # (S, B) each draw's index
+                 n: int, dtype: torch.dtype) -> torch.Tensor:
+    "The mean over draws of the one-hot vectors at `idx`: (B, n), eq. (12)'s Jacobian row by PyTorch operators."
+    S, B = idx.shape
+    return torch.zeros(B, n, dtype=dtype, device=idx.device).scatter_add_(1, idx.T, torch.full((B, S), 1.0 / S, dtype=dtype,
+                                                                                               device=idx.device))
+
+
+def _connected(s: torch.Tensor) -> torch.Tensor:
+    "A zero that depends on `s`: a gradient constant in the scores stays a node of their graph, as relu's is (chapter 00)."
+    return torch.where(torch.zeros((), dtype=torch.bool, device=s.device), s, 0.0)
+
+
 def _kth_setup_context(ctx, inputs, output):
     "Keep each draw's index and the scores' shape and dtype."
     ctx.save_for_backward(output[1])
@@ -2091,6 +2105,9 @@ def _kth_grad(ctx, grad, unused):
     if grad is None:                                                              # the value took no part
         return None, None, None, None, None, None, None, None
     (idx,) = ctx.saved_tensors                                                    # (S, B)
+    if torch.is_grad_enabled():                                                   # create_graph=True: by PyTorch operators,
+        return (grad[:, None] * _draw_counts(idx, ctx.shape[1], ctx.dtype),       # in the incoming gradient's graph
+                None, None, None, None, None, None, None)
     return (call_op(_perturbed_grad_op, idx, grad, None, None, None, None, ctx.shape[1], ctx.dtype, 1.0, -1, ROWS),
             None, None, None, None, None, None, None)
 
@@ -2137,7 +2154,7 @@ def _noised_hinge_fake(s, target, margin, seed, weight, k, epsilon, n_samples, a
 def _hinge_setup_context(ctx, inputs, output):
     "Keep the indices, the rows' loss (where it is positive the hinge passes the gradient), the labels, the weights and the denominator."
     out, wl, den, _, idx = output
-    ctx.save_for_backward(idx, out if inputs[11] <= 0 else wl, inputs[1], inputs[4], den)
+    ctx.save_for_backward(idx, out if inputs[11] <= 0 else wl, inputs[1], inputs[4], den, inputs[0])
     ctx.mark_non_differentiable(wl, den, output[3], idx)
     ctx.set_materialize_grads(False)
     ctx.shape, ctx.dtype, ctx.scale, ctx.ignore_index, ctx.reduction = inputs[0].shape, inputs[0].dtype, *inputs[9:12]
@@ -2147,7 +2164,12 @@ def _hinge_grad(ctx, grad, *unused):
     "Eq. (12) through scale (.)_+, -s_y and the conventions: one kernel writes the whole gradient."
     if grad is None:
         return (None,) * 13
-    idx, loss, target, weight, den = ctx.saved_tensors
+    idx, loss, target, weight, den, s = ctx.saved_tensors
+    if torch.is_grad_enabled():               # create_graph=True: the same gradient by PyTorch operators, in the graph
+        n = ctx.shape[1]                      # of the incoming gradient and of the scores (a zero second derivative)
+        go = _row_grads(grad, target, weight, den, n, ctx.ignore_index, ctx.reduction) * ctx.scale * (loss > 0)   # (B,)
+        y = torch.where((target >= 0) & (target < n), target, 0)
+        return (go[:, None] * (_draw_counts(idx, n, s.dtype) - F.one_hot(y, n).to(s.dtype)) + _connected(s),) + (None,) * 12
     g = call_op(_perturbed_grad_op, idx, grad, loss, target, weight, den, ctx.shape[1], ctx.dtype, ctx.scale, ctx.ignore_index,
                            ctx.reduction)
     return (g,) + (None,) * 12
