@@ -91,25 +91,29 @@ def test_eager_kernels_skip_the_dispatcher_and_compile_keeps_the_operators():
     # eager: the kernels' Python functions under their autograd formulas (no custom operator dispatched), the same
     # launches as through the registered operators; the same value and gradient either way
     from topk_nb.core import force_sync_free
-    from topk_nb.kernels import _LEAN, HAS_TRITON, force_triton
+    from topk_nb.kernels import _LEAN, _LEAN_LOSS, HAS_TRITON, force_triton
     if not HAS_TRITON:
         pytest.skip("triton is not installed")
     rows = {r["loss"]: r for r in bench.host_table(["smooth_svm", "noised_bal", "noised_imbal"])}
     for name in ("smooth_svm", "noised_bal", "noised_imbal"):
         assert not rows[name]["dispatched"] and rows[name]["launches"] == 4, rows[name]
         assert rows[name]["kernels"] + rows[name]["launches"] <= rows["F.cross_entropy"]["kernels"] + 4, rows[name]
-    kept = dict(_LEAN)
+    kept, kept_loss = dict(_LEAN), dict(_LEAN_LOSS)
     _LEAN.clear()
+    _LEAN_LOSS.clear()
     try:
         through = {r["loss"]: r for r in bench.host_table(["smooth_svm", "noised_bal"])}
     finally:
         _LEAN.update(kept)
+        _LEAN_LOSS.update(kept_loss)
     assert sum(through["smooth_svm"]["dispatched"].values()) == 2 and through["smooth_svm"]["launches"] == 4
     g = torch.Generator().manual_seed(0)
     s, y = torch.randn(6, 40, generator=g), torch.randint(0, 40, (6,), generator=g)
     grads = []
     for lean in (True, False):
-        if not lean: _LEAN.clear()
+        if not lean:
+            _LEAN.clear()
+            _LEAN_LOSS.clear()
         try:
             x = s.clone().requires_grad_()
             with force_sync_free(), force_triton():
@@ -118,4 +122,5 @@ def test_eager_kernels_skip_the_dispatcher_and_compile_keeps_the_operators():
             grads.append((loss.detach(), x.grad))
         finally:
             _LEAN.update(kept)
+            _LEAN_LOSS.update(kept_loss)
     torch.testing.assert_close(grads[0][0], grads[1][0]); torch.testing.assert_close(grads[0][1], grads[1][1])

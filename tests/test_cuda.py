@@ -59,7 +59,10 @@ def test_a_training_step_compiles_whole(name):
     assert out["status"] == "ok", out["losses"][name]
 
 
-@pytest.mark.parametrize("name", ["ldam", "noised_imbal", "smooth_svm", "noised_bal", "ce", "focal"])
+from topk_nb.losses import LOSSES  # noqa: E402
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
 def test_every_loss_is_captured_in_a_cuda_graph_with_its_module_on_the_cpu(name):
     "A loss module left on the CPU (class counts, margins and weights there) with scores on the GPU: after one warm-up call nothing is copied from the host, so a CUDA graph captures the step and its replay gives the eager value."
     from topk_nb.losses import LOSSES, get_loss
@@ -80,3 +83,45 @@ def test_every_loss_is_captured_in_a_cuda_graph_with_its_module_on_the_cpu(name)
     if not LOSSES[name].stochastic or kw.get("epsilon") == 0.0:
         torch.testing.assert_close(out, eager)
     assert torch.isfinite(out)
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_every_loss_forward_and_backward_replays_from_a_cuda_graph(name):
+    "The eager step through the module's kept plan, forward and backward, captured whole: its replay gives the eager gradient."
+    from topk_nb.losses import get_loss
+    kw = {"class_counts": torch.arange(1, 101)} if LOSSES[name].needs_class_counts else {}
+    if LOSSES[name].stochastic: kw["epsilon"] = 0.0 if name == "noised_imbal" else 0.2
+    crit = get_loss(name, **kw)
+    s, y = torch.randn(32, 100, device="cuda"), torch.randint(0, 100, (32,), device="cuda")
+    x = s.clone().requires_grad_()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):                                               # warm-up: the plan made, the copies kept
+            x.grad = None
+            crit(x, y).backward()
+    torch.cuda.current_stream().wait_stream(stream)
+    eager = x.grad.clone()
+    assert crit.__dict__.get("_plans"), "the eager call took no plan"
+    x.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        crit(x, y).backward()
+    x.grad.zero_()
+    graph.replay(); torch.cuda.synchronize()
+    if not LOSSES[name].stochastic or kw.get("epsilon") == 0.0:
+        torch.testing.assert_close(x.grad, eager)
+    assert torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("name", ["smooth_svm", "noised_imbal", "ldam"])
+def test_reduce_overhead_compiles_and_replays(name):
+    "torch.compile(mode='reduce-overhead'): the loss's graph captured by CUDA graphs (class counts and margins on the device once), the same value as eager."
+    from topk_nb.losses import get_loss
+    kw = {"class_counts": torch.arange(1, 101)} if LOSSES[name].needs_class_counts else {}
+    if name == "noised_imbal": kw["epsilon"] = 0.0
+    crit = get_loss(name, **kw).cuda()
+    s, y = torch.randn(32, 100, device="cuda"), torch.randint(0, 100, (32,), device="cuda")
+    compiled = torch.compile(crit, mode="reduce-overhead", fullgraph=True)
+    for _ in range(3): out = compiled(s, y)                             # recorded, then replayed
+    torch.testing.assert_close(out.clone(), crit(s, y), rtol=1e-5, atol=1e-5)

@@ -795,7 +795,7 @@ def conventions_loss(self: LossModule,            # the loss module: its per_sam
     count = total if self.reduction == "mean" else None                  # a mean over no sample is NaN, as in nn.CrossEntropyLoss
     return check_loss_finite(loss, scores, type(self).__name__, self.check_finite, out_dtype, count)
 
-
+# %% ../nbs/00_core.ipynb #b7f2e4c1
 ROUTE_FLAGS = [_SYNC_FREE, _KEPT]           # thread-local flags a route depends on; modules below add theirs
 MAX_PLANS = 64                               # plans a module keeps; beyond, it forgets them all and starts again
 

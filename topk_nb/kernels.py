@@ -165,8 +165,9 @@ class _LossOutput(torch.autograd.Function):
 
 
 def loss_op(op):
-    "A callable of all of `op`'s arguments that returns its first output (the loss) alone, by `_LossOutput`, for a kept plan in eager code."
-    impl = _LEAN_LOSS[op]
+    "A callable of all of `op`'s arguments that returns its first output (the loss) alone, by `_LossOutput`, for a kept plan in eager code; through the dispatcher where `op` has no lean form."
+    impl = _LEAN_LOSS.get(op)
+    if impl is None: return lambda *args: op(*args)[0]
     return lambda *args: _LossOutput.apply(impl, *args)
 
 
