@@ -27,28 +27,36 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .bench import aten_ops, bench_loss, bench_scores, epoch_times, loss_speed, syncing_ops
+from .bench import aten_ops, bench_loss, bench_scores, epoch_times, loss_speed, syncing_ops, time_interleaved
 from .kernels import count_launches
-from .core import check_int, check_real, force_sync_free, fwd_bwd
+from .core import check_int, check_real, force_sync_free, fwd_bwd, time_fn
 from .losses import LOSSES, get_loss
+from .models import INPUT_SHAPES, get_model
 
 # %% auto #0
-__all__ = ['PRESETS', 'SECTIONS', 'TOLERANCE', 'NO_CUDA', 'GPU_HOST_COMPILE', 'INDUCTOR_SECONDS', 'one_line', 'loss_and_grad',
-           'compare_to_reference', 'loss_variants', 'check_correctness', 'check_syncs', 'speed_table', 'host_times',
-           'launch_cost', 'epoch_overhead', 'kernel_times', 'check_compile', 'capture_step', 'check_cuda_graphs',
-           'environment', 'device_slug', 'run_section', 'section_calls', 'render_markdown', 'gpu_check', 'main',
-           'recorded_launches', 'triton_variants', 'compile_estimate']
+__all__ = ['PRESETS', 'SECTIONS', 'TOLERANCE', 'TRAINING_STEPS', 'NO_CUDA', 'GPU_HOST_COMPILE', 'INDUCTOR_SECONDS', 'one_line',
+           'loss_and_grad', 'compare_to_reference', 'loss_variants', 'check_correctness', 'check_syncs', 'speed_table',
+           'host_times', 'launch_cost', 'epoch_overhead', 'step_times', 'training_overheads', 'kernel_times',
+           'check_compile', 'capture_step', 'check_cuda_graphs', 'environment', 'device_slug', 'run_section',
+           'section_calls', 'render_markdown', 'gpu_check', 'main', 'recorded_launches', 'triton_variants',
+           'compile_estimate']
 
 # %% ../nbs/15_gpucheck.ipynb #fbf51fd0
 PRESETS = {
     "full": dict(cases=((256, 1000, 5), (64, 100_000, 20)), batch=256, ns=(100, 1000, 10_000, 100_000), ks=(1, 5, 20),
-                 repeats=15, epoch=dict(model="densenet40_40", n_classes=100, batch=64, rounds=50), step=(256, 64, 1000, 5)),
+                 repeats=15, epoch=dict(model="densenet40_40", n_classes=100, batch=64, rounds=50), step=(256, 64, 1000, 5),
+                 training=dict(rounds=30, steps=None)),
     "quick": dict(cases=((64, 100, 5),), batch=256, ns=(100,), ks=(5,), repeats=9,
-                  epoch=dict(model="densenet_tiny", n_classes=100, batch=64, rounds=10), step=(64, 32, 100, 5)),
+                  epoch=dict(model="densenet_tiny", n_classes=100, batch=64, rounds=10), step=(64, 32, 100, 5),
+                  training=dict(rounds=5, steps={"linear head 768 -> 1000, B = 256": dict(model="linear", features=768, batch=256,
+                                                                                        n_classes=1000, autocast=None)})),
     "dry": dict(cases=((8, 20, 3),), batch=8, ns=(20,), ks=(3,), repeats=3,
-                epoch=dict(model="densenet_tiny", n_classes=10, batch=4, rounds=2), step=(8, 16, 20, 3)),
+                epoch=dict(model="densenet_tiny", n_classes=10, batch=4, rounds=2), step=(8, 16, 20, 3),
+                training=dict(rounds=2, steps={"linear head 16 -> 20, B = 8": dict(model="linear", features=16, batch=8,
+                                                                                 n_classes=20, autocast=None)})),
 }
-SECTIONS = ("environment", "correctness", "syncs", "speed", "host", "kernels", "epoch", "compile", "cuda_graphs")
+SECTIONS = ("environment", "correctness", "syncs", "speed", "host", "kernels", "steps", "epoch", "training", "compile",
+            "cuda_graphs")
 TOLERANCE = 1e-4
 
 
@@ -235,6 +243,97 @@ def epoch_overhead(device="cuda", model: str = "densenet40_40", n_classes: int =
     configs = [{"loss": "ce"}, {"loss": "smooth_svm", "k": k}, {"loss": "noised_bal", "k": k}]
     rows = epoch_times(configs, model, n_classes, batch, rounds=rounds, device=device)
     return {"status": "ok", "model": model, "batch": batch, "rounds": rounds, "rows": rows}
+
+# %% ../nbs/15_gpucheck.ipynb #e5f6a7b2
+def step_times(device="cuda", batch: int = 256, n: int = 1000, k: int = 5, repeats: int = 30,
+               names: Sequence[str] | None = None) -> dict:
+    "Each registry loss's forward+backward step as a user runs it, eager (host time included: CUDA events around the call) and replayed from a CUDA graph (the kernels alone), in ms per step, each against F.cross_entropy's measured the same way; on a CPU the eager step only."
+    device = torch.device(device)
+    s, y = bench_scores(batch, n, device)
+
+    def times(crit) -> dict:
+        x = s.clone().requires_grad_()
+
+        def step():
+            x.grad = None
+            crit(x, y).backward()
+        out = {"eager_ms": time_fn(step, device, warmup=5, repeats=repeats)["median"] * 1e3}
+        if device.type == "cuda":
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                for _ in range(3): step()                                   # the plan made, the device copies kept
+            torch.cuda.current_stream(device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            x.grad = None
+            with torch.cuda.graph(graph):
+                crit(x, y).backward()
+            out["graph_ms"] = time_fn(graph.replay, device, warmup=3, repeats=repeats)["median"] * 1e3
+        return out
+
+    ce = times(F.cross_entropy)
+    rows = [{"loss": "F.cross_entropy", **ce}]
+    for name in names or LOSSES:
+        try:
+            r = {"loss": name, **times(bench_loss(name, n, min(k, n - 1)))}
+        except Exception as e:
+            rows.append({"loss": name, "error": one_line(e)})
+            continue
+        for key in ("eager", "graph"):
+            if f"{key}_ms" in r: r[f"{key}_ratio"] = r[f"{key}_ms"] / ce[f"{key}_ms"]
+        rows.append(r)
+    return {"status": "ok", "batch": batch, "n": n, "k": k, "rows": rows}
+
+
+class _Head(nn.Module):
+    "A linear classifier on given features: the model of a training step whose cost is the head and the loss."
+    def __init__(self, features: int, n_classes: int):
+        super().__init__()
+        self.fc = nn.Linear(features, n_classes)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+TRAINING_STEPS = {   # the training steps whose overhead against cross-entropy the GPU record keeps
+    "cifar_resnet18, B = 256, bf16 autocast": dict(model="cifar_resnet18", batch=256, n_classes=100, autocast=torch.bfloat16),
+    "linear head 768 -> 1000, B = 256": dict(model="linear", features=768, batch=256, n_classes=1000, autocast=None),
+    "densenet40_40, B = 64": dict(model="densenet40_40", batch=64, n_classes=100, autocast=None)}
+
+
+def training_overheads(device="cuda", rounds: int = 30, k: int = 5, steps: dict | None = None,
+                       names: Sequence[str] = ("smooth_svm", "noised_bal")) -> dict:
+    "The SGD step of each setup of `steps` (TRAINING_STEPS by default) with each loss of `names` and with cross-entropy, the losses taking turns (bench.time_interleaved): ms per step and the overhead against cross-entropy."
+    device = torch.device(device)
+    rows = []
+    for label, setup in (steps or TRAINING_STEPS).items():
+        setup = dict(setup)
+        batch, n, dtype = setup["batch"], setup["n_classes"], setup["autocast"]
+        if setup["model"] == "linear":
+            shape, make = (setup["features"],), lambda: _Head(setup["features"], n)
+        else:
+            shape, make = INPUT_SHAPES[setup["model"]], lambda: get_model(setup["model"], n)
+        x = torch.randn(batch, *shape, device=device)
+        y = torch.randint(0, n, (batch,), device=device)
+        fns = []
+        for name in ("ce", *names):
+            torch.manual_seed(0)
+            net = make().to(device)
+            opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+            crit = bench_loss(name, n, k)
+
+            def step(net=net, opt=opt, crit=crit):
+                opt.zero_grad(set_to_none=True)
+                with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+                    loss = crit(net(x), y)
+                loss.backward()
+                opt.step()
+            fns.append(step)
+        times = time_interleaved(fns, device, rounds, block=1, turn_warmup=0)
+        base = times[0]["median"]
+        for name, t in zip(("ce", *names), times):
+            rows.append({"setup": label, "loss": name, "step_ms": t["median"] * 1e3, "overhead": t["median"] / base - 1})
+    return {"status": "ok", "rounds": rounds, "rows": rows}
 
 # %% ../nbs/15_gpucheck.ipynb #3a37cd5a
 @contextlib.contextmanager
@@ -481,7 +580,10 @@ def section_calls(device, preset: dict) -> dict[str, Callable[[], dict]]:
                                        5 if 5 in preset["ks"] else preset["ks"][0]),
             "kernels": lambda: kernel_times(device, preset["ns"], preset["batch"], 5 if 5 in preset["ks"] else preset["ks"][0],
                                             preset["repeats"]),
+            "steps": lambda: step_times(device, preset["batch"], preset["ns"][0] if len(preset["ns"]) == 1 else 1000,
+                                        5 if 5 in preset["ks"] else preset["ks"][0], preset["repeats"]),
             "epoch": lambda: epoch_overhead(device, **preset["epoch"]),
+            "training": lambda: training_overheads(device, **preset["training"]),
             "compile": lambda: check_compile(device, B, d, n, k),
             "cuda_graphs": lambda: check_cuda_graphs(device, B, d, n, k)}
 
@@ -538,6 +640,18 @@ def _md_host(s: dict) -> list[str]:
                              f"{r['ratio']:.1f}x" if "ratio" in r else None] for r in s["rows"]])
 
 # %% ../nbs/15_gpucheck.ipynb #5c898cdc
+def _md_steps(s: dict) -> list[str]:
+    x = lambda r, key: f"{r[key]:.2f}x" if key in r else None
+    return _table(["loss", "eager ms", "x F.cross_entropy", "graph ms", "x F.cross_entropy"],
+                  [[r["loss"], f"{r['eager_ms']:.3f}" if "eager_ms" in r else r.get("error"), x(r, "eager_ratio"),
+                    f"{r['graph_ms']:.3f}" if "graph_ms" in r else None, x(r, "graph_ratio")] for r in s["rows"]])
+
+
+def _md_training(s: dict) -> list[str]:
+    return _table(["setup", "loss", "step (ms)", "overhead vs CE"],
+                  [[r["setup"], r["loss"], f"{r['step_ms']:.2f}", f"{100 * r['overhead']:+.1f} %"] for r in s["rows"]])
+
+
 def _md_epoch(s: dict) -> list[str]:
     return _table(["loss", "k", "step (ms)", "epoch of 45,000 images (s)", "overhead vs CE"],
                   [[r["loss"], r.get("k"), f"{r['step_ms']:.1f}", f"{r['epoch_s']:.1f}",
@@ -566,9 +680,12 @@ _TITLES = {"correctness": "Correctness: float32 on the device vs float64 on the 
            "syncs": "Host syncs of forward+backward", "speed": "Speed: forward+backward time / F.cross_entropy's, same run",
            "host": "Host time per eager forward+backward call, and its ratio to F.cross_entropy's",
            "kernels": "Device time per kernel of forward+backward, and its ratio to F.cross_entropy's",
-           "epoch": "Training-step time and epoch overhead", "compile": "torch.compile of model + loss",
+           "steps": "Forward+backward step, eager and replayed from a CUDA graph, against F.cross_entropy's",
+           "epoch": "Training-step time and epoch overhead",
+           "training": "Training steps against cross-entropy, the losses taking turns", "compile": "torch.compile of model + loss",
            "cuda_graphs": "CUDA-graph capture of a training step"}
 _RENDER = {"correctness": _md_correctness, "syncs": _md_syncs, "speed": _md_speed, "host": _md_host, "kernels": _md_kernels, "epoch": _md_epoch,
+           "steps": _md_steps, "training": _md_training,
            "compile": _md_compile, "cuda_graphs": _md_graphs}
 
 
