@@ -206,7 +206,8 @@ class Site:
                         anchors += own[1:] if used else own
                     else:                                       # a method (`Class.method`): its output, no anchor
                         cell, _ = self.show_doc_output(page, name, cell, None)
-                if SHOW_DOC_ONLY.fullmatch(source.strip()):
+                echo_off = any(re.match(r"^\s*#\s*\|\s*echo:\s*false\s*$", line) for line in lines)
+                if SHOW_DOC_ONLY.fullmatch(source.strip()) or echo_off:   # `#| echo: false`: the output alone
                     metadata = cell.get("metadata", {})         # as on nbdev's pages: the output, not the call
                     cell = {**cell, "metadata": {**metadata, "tags": [*metadata.get("tags", []), "remove-input"]}}
                 anchors += [a for a in spots.get(cell.get("id"), [])

@@ -37,6 +37,10 @@ def render() -> str:
         if cell.cell_type == "code":
             if re.search(r"^\s*#\s*\|\s*(hide|default_exp)", cell.source, re.MULTILINE):
                 continue
+            if re.search(r"^\s*#\s*\|\s*echo:\s*false\s*$", cell.source, re.MULTILINE):   # the output alone, as markdown
+                text = "".join(out.get("data", {}).get("text/markdown", "") or out.get("text", "") for out in cell.get("outputs", []))
+                cells.append(nbformat.v4.new_markdown_cell(text))
+                continue
             cell.source = DIRECTIVE.sub("", cell.source)
             cell.outputs = merge_streams(cell.get("outputs", []))
             for out in cell.outputs:

@@ -1432,16 +1432,22 @@ def op_host_time(calls: int = 2000,  # calls per round
 def host_time(step: Callable[[], object],  # one eager call as a user makes it: forward and backward
               calls: int = 100,            # calls timed back to back
               ) -> float:
-    "Seconds of host time per `step()` with its Triton launches stubbed (counted, not run) and its device asserts stubbed: the Python and the PyTorch operators of the call."
+    "Seconds of host time per `step()` with its Triton launches stubbed (counted, not run) and its device asserts stubbed: the Python and the PyTorch operators of the call. The garbage collector is off while it runs, as `timeit` turns it off: its passes scale with the whole process's objects, not with the call."
+    import gc
     from unittest import mock
     from topk_nb.kernels import count_launches
 
     def loop():
         for _ in range(calls): step()
-    with mock.patch.object(torch, "_assert_async", lambda *args, **kwargs: None):   # stubbed kernels set no flag
-        t0 = time.perf_counter()
-        count_launches(loop, stub=True)
-        return (time.perf_counter() - t0) / calls
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with mock.patch.object(torch, "_assert_async", lambda *args, **kwargs: None):   # stubbed kernels set no flag
+            t0 = time.perf_counter()
+            count_launches(loop, stub=True)
+            return (time.perf_counter() - t0) / calls
+    finally:
+        if collecting: gc.enable()
 
 # %% ../nbs/14_bench.ipynb #8fd23ead
 def host_cost_table(names: Sequence[str] | None = None,  # registry losses; all by default

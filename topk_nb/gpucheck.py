@@ -38,8 +38,8 @@ __all__ = ['PRESETS', 'SECTIONS', 'TOLERANCE', 'TRAINING_STEPS', 'NO_CUDA', 'GPU
            'loss_and_grad', 'compare_to_reference', 'loss_variants', 'check_correctness', 'check_syncs', 'speed_table',
            'host_times', 'launch_cost', 'epoch_overhead', 'step_times', 'training_overheads', 'kernel_times',
            'check_compile', 'capture_step', 'check_cuda_graphs', 'environment', 'device_slug', 'run_section',
-           'section_calls', 'render_markdown', 'gpu_check', 'main', 'recorded_launches', 'triton_variants',
-           'compile_estimate']
+           'section_calls', 'render_markdown', 'newest_record', 'speed_summary', 'gpu_check', 'main',
+           'recorded_launches', 'triton_variants', 'compile_estimate']
 
 # %% ../nbs/15_gpucheck.ipynb #fbf51fd0
 PRESETS = {
@@ -703,6 +703,57 @@ def render_markdown(report: dict) -> str:
             lines += [f"## {_TITLES[name]}" + (f" ({params})" if params else ""), ""]
             lines += _RENDER[name](s) if s["status"] in ("ok", "failed") else [f"{s['status']}: {s.get('error') or s.get('reason')}", ""]
     return "\n".join(lines).rstrip("\n") + "\n"
+
+# %% ../nbs/15_gpucheck.ipynb #b2c3d4e5
+def newest_record(folder=None,            # the GPU records (`make gpu-check`'s JSON files); the repository's by default
+                  section: str = "speed", # a section the record must hold, with status ok
+                  ) -> tuple[dict, str] | None:
+    "The newest GPU record (by its date, then its file name) whose `section` ran, and its file name; None if there is none."
+    from topk_nb.bench import GPU_RECORDS
+    found = []
+    for path in sorted(Path(folder or GPU_RECORDS).glob("*.json")):
+        try:
+            record = json.loads(path.read_text())
+            ok = record["sections"][section]["status"] == "ok" and record["device"] != "cpu"
+        except (ValueError, KeyError, TypeError):
+            continue
+        if ok: found.append((str(record.get("date", "")), path.name, record))
+    if not found:
+        return None
+    date, name, record = max(found, key=lambda f: f[:2])
+    return record, name
+
+
+def speed_summary(folder=None, ns: Sequence[int] = (1000, 100_000), k: int = 5) -> str:
+    "A short markdown speed table from the newest GPU record: each loss's forward+backward time over F.cross_entropy's at `ns` classes (k = `k`), its eager step and CUDA-graph replay where the record has them, and the training-step overheads; with the device, versions, date and commit measured."
+    found = newest_record(folder)
+    if found is None:
+        return "No GPU record is committed yet: `make gpu-check` on a CUDA machine writes one to `results/gpu/`."
+    record, name = found
+    secs, env = record["sections"], record["sections"].get("environment", {})
+    speed = {(r["loss"], r["n"]): r["ratio"] for r in secs["speed"]["rows"] if r.get("k") in (None, k) and "ratio" in r}
+    steps = {r["loss"]: r for r in secs.get("steps", {}).get("rows", [])} if secs.get("steps", {}).get("status") == "ok" else {}
+    head = ["loss"] + [f"x CE at n = {n:,}" for n in ns] + (["eager x CE", "graph x CE"] if steps else [])
+    rows = []
+    for loss in LOSSES:
+        row = [f"`{loss}`"] + [f"{speed[loss, n]:.2f}" if (loss, n) in speed else "-" for n in ns]
+        if steps:
+            r = steps.get(loss, {})
+            row += [f"{r['eager_ratio']:.2f}" if "eager_ratio" in r else "-", f"{r['graph_ratio']:.2f}" if "graph_ratio" in r else "-"]
+        rows.append(row)
+    lines = [f"Measured on {record['device']} (torch {env.get('torch')}, Triton {env.get('triton')}, CUDA {env.get('cuda')}) "
+             f"on {record['date']} at commit {str(env.get('git_commit'))[:7]} (`results/gpu/{name}`); forward+backward of (B = {secs['speed'].get('batch')}, n) float32 scores, k = {k}, "
+             f"as a ratio to `F.cross_entropy` in the same run:", ""]
+    lines += _table(head, rows)
+    training = secs.get("training", {}) if secs.get("training", {}).get("status") == "ok" else {}
+    epoch = secs.get("epoch", {}) if secs.get("epoch", {}).get("status") == "ok" else {}
+    over = ([(r["setup"], r["loss"], r["overhead"]) for r in training["rows"] if r["loss"] != "ce"] if training else
+            [(f"{epoch['model']}, B = {epoch['batch']}", r["loss"], r["overhead"]) for r in epoch.get("rows", [])
+             if r["loss"] != "ce" and r["overhead"] is not None])
+    if over:
+        lines += ["Training-step overhead against cross-entropy:", ""]
+        lines += _table(["step", "loss", "overhead"], [[setup, f"`{loss}`", f"{100 * o:+.1f} %"] for setup, loss, o in over])
+    return "\n".join(lines).rstrip("\n")
 
 # %% ../nbs/15_gpucheck.ipynb #a29175fc
 NO_CUDA = ("no CUDA device is available to torch {}: run `make gpu-check` (or `python -m topk_nb.gpucheck`) on a machine "
