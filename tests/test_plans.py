@@ -166,3 +166,22 @@ def test_the_host_asks_little_of_a_planned_call():
         else:
             seed = int(LOSSES[name].stochastic)                          # the noised losses draw a seed on the device
             assert r["launches"] <= 4 and r["kernels"] + r["launches"] <= ce["kernels"] + seed, r
+
+
+def test_a_copy_keeps_no_plan_of_its_original_and_a_module_pickles():
+    import copy
+    import io
+    g = torch.Generator().manual_seed(6)
+    s, y = torch.randn(5, N, generator=g), labels(5, g, ignored=False)
+    for name in ("focal", "smooth_svm", "ce"):
+        crit = build(name, weight=torch.ones(N), reduction="sum")
+        with force_sync_free(), force_triton():
+            before = crit(s, y)                                         # a plan kept
+            twin = copy.deepcopy(crit)
+            twin.weight.mul_(2.0)                                       # the copy's own buffer, in place
+            torch.testing.assert_close(twin(s, y), 2 * before)          # its own plan reads its own weights
+            torch.testing.assert_close(crit(s, y), before)
+            buffer = io.BytesIO()
+            torch.save(crit, buffer)                                    # the plans (closures) are not pickled
+            buffer.seek(0)
+            torch.testing.assert_close(torch.load(buffer, weights_only=False)(s, y), before)

@@ -618,6 +618,10 @@ class LossModule(nn.Module):
         super().__setattr__(name, value if check is None else check(value))
         self.__dict__.pop("_plans", None)
 
+    def __getstate__(self):
+        "Pickled and deep-copied without its kept plans, which belong to this module (they are made again at the next call)."
+        return {key: value for key, value in super().__getstate__().items() if key != "_plans"}
+
     def plan(self, scores: torch.Tensor, target: torch.Tensor):
         "A callable (scores, target) -> loss kept for every later call of this signature (`plan_key`), or None: the general path."
         return fused_plan(self, scores, target)
