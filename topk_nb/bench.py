@@ -1452,7 +1452,7 @@ def host_time(step: Callable[[], object],  # one eager call as a user makes it: 
 # %% ../nbs/14_bench.ipynb #8fd23ead
 def host_cost_table(names: Sequence[str] | None = None,  # registry losses; all by default
                     B: int = 8, n: int = 64,              # a small batch: the host's work does not depend on its size
-                    calls: int = 100, rounds: int = 5,    # calls a round; the least of the rounds is kept
+                    calls: int = 100, rounds: int = 15,   # calls a round; the least of the rounds is kept
                     launch_ops: float | None = None,      # a launch in small operators' time (None: `recorded_launch_ops`)
                     ) -> list[dict]:
     "Each registry loss's host cost per forward+backward call (defaults, class indices, the GPU's route), against F.cross_entropy's in the same rounds: `python_us` (`host_time`), its Triton `launches` (`host_work`), and `estimate_us` = python_us + launches x launch_ops x `op_host_time`; `ratio` = estimate over cross-entropy's."
