@@ -365,3 +365,103 @@ def test_bad_inputs_name_the_argument_and_the_allowed_values(call, message):
     x, W, b, y = normal(4, 3, 10)
     with pytest.raises((TypeError, ValueError), match=message):
         call(x, W, b, y)
+
+
+# ---------------------------------------------------------------- the kernels (chapter 05c), in Triton's interpreter
+
+from topk_nb.fused import _head_rows, _log_poly_product, _svm_backward, _svm_forward   # noqa: E402
+from topk_nb.fused_kernels import HEAD_BLOCKS, head_svm_partials, head_svm_tail_grad, head_triton_ok   # noqa: E402
+from topk_nb.kernels import HAS_TRITON, count_launches, force_triton   # noqa: E402
+
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
+
+
+@needs_triton
+@pytest.mark.parametrize("B, d, n, k, tau, dtype, bias, splits", [
+    (5, 40, 150, 3, 1.0, torch.float32, True, 1), (17, 20, 100, 2, 0.05, torch.float32, False, None),
+    (6, 16, 70, 3, 0.3, torch.float16, True, None), (6, 16, 70, 2, 1.0, torch.bfloat16, True, 1)])
+def test_the_kernels_are_the_chunked_path(B, d, n, k, tau, dtype, bias, splits):
+    g = torch.Generator().manual_seed(B + n)
+    x, W, b = torch.randn(B, d, generator=g).to(dtype), (torch.randn(n, d, generator=g) / 2).to(dtype), torch.randn(n, generator=g).to(dtype)
+    b = b if bias else None
+    y = torch.randint(0, n, (B,), generator=g)
+    head = LinearHead(x, W, b, 32)
+    poly, s_y, xmax = _svm_forward(head, y, k, tau)
+    with force_triton():
+        assert head_triton_ok(x, k)
+        polys, s_y1, xmax1 = head_svm_partials(x, W, b, y, k, tau, splits)
+    neg = log_zero(torch.float64, k)
+    merged = polys[0, :, :k + 1].clamp_min(neg)
+    for p in polys[1:, :, :k + 1]:
+        merged = _log_poly_product(merged, p.clamp_min(neg), k, neg)
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]   # bfloat16: the interpreter truncates
+    assert ((merged - poly).abs() / poly.abs().clamp_min(1)).max() < tol
+    assert rel(s_y1, s_y) < tol and rel(xmax1.amax(0), xmax) < tol
+    go = torch.rand(B, generator=g, dtype=torch.float64)
+    ref = _svm_backward(head, y, k, tau, poly, xmax, go)
+    has_head = xmax + poly[:, k - 1] - poly[:, k] > math.log(0.5)
+    with force_triton():
+        *got, listed, count = head_svm_tail_grad(x, W, b, y, k, tau, poly, has_head, go)
+    hr = has_head.nonzero()[:, 0]
+    assert (count[~has_head] == 0).all() and (count < 3 * k).all()     # Proposition 3
+    if len(hr):
+        _head_rows(head, y, k, tau, poly, go, hr, *got, (listed[hr], count[hr]))
+    for a, c in zip(got, ref):
+        assert (a is None) == (c is None) and (c is None or rel(a, c) < tol)
+
+
+@needs_triton
+@pytest.mark.parametrize("tau", [1.0, 0.02])
+def test_the_module_on_the_kernels_path_is_within_1e_4_of_float64(tau):
+    x, W, b, y = normal(6, 24, 90, torch.float32, seed=3)
+    crit = FusedLinearSmoothSVM(k=3, tau=tau)
+    with force_triton():
+        assert count_launches(lambda: crit(x, W.clone().requires_grad_(), y, b).backward()) == 2
+        out, grads = value_and_grads(lambda *t: crit(t[0], t[1], y, t[2]), (x, W, b))
+    ref, ref_grads = value_and_grads(lambda *t: tree_svm_loss(F.linear(*t), y, 3, tau, 1.0).mean(), [t.double() for t in (x, W, b)])
+    assert abs(out.item() - ref.item()) <= 1e-4 * abs(ref.item())
+    assert max(rel(a, c) for a, c in zip(grads, ref_grads)) < 1e-4
+
+
+def test_the_kernels_take_half_and_float32_inputs_and_k_up_to_32_only():
+    x = torch.randn(4, 8)
+    with force_triton():
+        assert head_triton_ok(x, 32) and head_triton_ok(x.half(), 1) and head_triton_ok(x.bfloat16(), 5)
+        assert not head_triton_ok(x.double(), 5) and not head_triton_ok(x, 33) and not head_triton_ok(x[:0], 5)
+    assert not head_triton_ok(x, 5)                                # a CPU tensor, not forced: the chunked path
+
+
+_COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import topk_nb.fused_kernels as K
+for dt in ("fp32", "fp16", "bf16"):
+    for k, bias in ((1, False), (32, True)):
+        if True:
+            common = dict(x_ptr=f"*{dt}", w_ptr=f"*{dt}", b_ptr=f"*{dt}", y_ptr="*i64")
+            fwd = dict(common, poly_ptr="*fp64", xmax_ptr="*fp64", sy_ptr="*fp64", B="i32", n="i32", d="i32", tiles="i32",
+                       inv_ktau_bits="i64")
+            bwd = dict(common, ak_ptr="*fp64", r_ptr="*fp64", hh_ptr="*i8", g_ptr="*fp64", dx_ptr="*fp32", dw_ptr="*fp32",
+                       db_ptr="*fp32", hd_ptr="*i64", hn_ptr="*i32", B="i32", n="i32", d="i32", inv_ktau_bits="i64")
+            blocks = dict(K=k, HAS_BIAS=bias, IEEE=dt == "fp32", BLOCK_K=triton.next_power_of_2(k + 1), **K.HEAD_BLOCKS)
+            for fn, sig, const in ((K._head_svm_forward_kernel, fwd, blocks),
+                                   (K._head_svm_backward_kernel, bwd, dict(blocks, NEED_DB=bias, HMAX=K.head_list_size(k)))):
+                out = triton.compile(ASTSource(fn=fn, signature={**sig, **{c: "constexpr" for c in const}}, constexprs=const),
+                                     target=GPUTarget("cuda", 90, 32))
+                assert out.asm["cubin"], (dt, k, bias, fn)
+print("compiled")
+"""
+
+
+@needs_triton
+def test_the_kernels_compile_for_sm_90():
+    "The interpreter is lenient; the real compiler (PTX, then an sm_90 binary) must accept both kernels, every dtype and k."
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(topk_nb.__file__).parents[1]), env.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, timeout=1200)
+    assert out.returncode == 0 and "compiled" in out.stdout, out.stderr[-2000:]

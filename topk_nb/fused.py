@@ -16,6 +16,7 @@ from torch.special import log_ndtr, ndtri
 from .core import (ATTRIBUTE_CHECKS, FLOAT_DTYPES, _class_weights, check_finite, check_int, check_k, check_real,
                           check_reduction, check_target, log_binom, loss_dtype, sync_free)
 from .esp import log_zero
+from .fused_kernels import head_svm_partials, head_svm_tail_grad, head_triton_ok
 from .noised import margins_from_counts
 from .perturbed import DENSE_RATIO, _drawer, _merge_exceeders, _normal_cdf
 
@@ -287,14 +288,62 @@ def _head_gradient(head, hb, hc, hx,    # (E,) each head class's row, class and 
     if dx is not None: dx.index_add_(0, hb, G[:, None] * head.W[hc])
     if db is not None: db.index_add_(0, hc, G)
 
-# %% ../nbs/05b_fused_head.ipynb #de527100
+# %% ../nbs/05b_fused_head.ipynb #3f1f65a8
+def _svm_forward_kernels(head: LinearHead, target: torch.Tensor, k: int, tau: float):
+    "`_svm_forward` by chapter 05c's kernel: the splits' polynomials, made in the kernel, multiplied here (Proposition 2)."
+    polys, s_y, xmax = head_svm_partials(head.x, head.W, head.b, target, k, tau)   # (splits, B, .), (B,), (splits, B)
+    neg = log_zero(torch.float64, k)
+    poly = polys[0, :, :k + 1].clamp_min(neg)
+    for p in polys[1:, :, :k + 1]:
+        poly = _log_poly_product(poly, p.clamp_min(neg), k, neg)
+    return poly, s_y, xmax.amax(0).clamp_min(neg)
+
+
+def _svm_backward_kernels(head: LinearHead, target: torch.Tensor, k: int, tau: float, poly, xmax, g, needs=(True, True, True)):
+    "`_svm_backward` by chapter 05c's kernel on every class but the head classes, which the chunked path adds on the rows that have one."
+    has_head = xmax + poly[:, k - 1] - poly[:, k] > math.log(0.5)       # (B,)
+    dx, dW, db, listed, count = head_svm_tail_grad(head.x, head.W, head.b, target, k, tau, poly, has_head, g)
+    hr = has_head.nonzero()[:, 0]
+    if len(hr):
+        if int(count.max()) > listed.shape[1]:                          # Proposition 3 says it cannot happen
+            raise RuntimeError(f"a row listed {int(count.max())} head classes, more than the {listed.shape[1]} expected")
+        _head_rows(head, target, k, tau, poly, g, hr, dx, dW, db, (listed[hr], count[hr]))
+    return (dx if needs[0] else None), (dW if needs[1] else None), (db if needs[2] else None)
+
+
+def _head_rows(head: LinearHead, target, k, tau, poly, g, hr, dx, dW, db,
+               listed: tuple[torch.Tensor, torch.Tensor]):   # (H, hmax) the head classes the kernel left, (H,) how many
+    "The head classes' gradient of the rows `hr`: their tails' polynomials by a chunked pass over those rows (the classes the kernel listed left out: each class counted once), then `_head_gradient`."
+    f64 = torch.float64
+    neg, scale = log_zero(f64, k), 1.0 / (k * tau)
+    classes, present = listed[0], torch.arange(listed[0].shape[1], device=head.device) < listed[1][:, None]   # (H, hmax)
+    sub = LinearHead(head.x[hr], head.W, head.b, head.chunk)
+    tail = torch.full((len(hr), k + 1), neg, dtype=f64, device=head.device)
+    tail[:, 0] = 0.0
+    heads = []
+    for c0, c1 in sub.bounds():
+        x = sub.scores(c0, c1).to(f64).mul_(scale)                        # (H, C)
+        rows, col = _label_rows(target[hr], c0, c1)
+        x[rows, col] = neg
+        here = present & (classes >= c0) & (classes < c1)
+        hi, hj = here.nonzero(as_tuple=True)
+        is_head = torch.zeros(x.shape, dtype=torch.bool, device=x.device)
+        is_head[hi, classes[hi, hj] - c0] = True
+        hb, hc = is_head.nonzero(as_tuple=True)
+        heads.append((hr[hb], hc + c0, x[hb, hc]))
+        tail = _log_poly_product(tail, chunk_log_poly(x.masked_fill(is_head, neg), k, neg), k, neg)
+    hb, hc, hx = (torch.cat(p) for p in zip(*heads))
+    _head_gradient(head, hb, hc, hx, hr, tail, poly, g, k, neg, dx, dW, db)
+
+# %% ../nbs/05b_fused_head.ipynb #617959ce
 class _FusedSVM(torch.autograd.Function):
     "Per-sample L_{k,tau} (B,) of the scores features @ weight.T + bias, never made whole; once differentiable."
 
     @staticmethod
     def forward(ctx, features, weight, bias, target, k, tau, alpha, chunk):
         head = LinearHead(features, weight, bias, chunk)
-        poly, s_y, xmax = _svm_forward(head, target, k, tau)
+        ctx.kernels = head_triton_ok(features, k)                        # CUDA: chapter 05c's kernels, kept for the backward
+        poly, s_y, xmax = (_svm_forward_kernels if ctx.kernels else _svm_forward)(head, target, k, tau)
         z = alpha / tau + poly[:, k] - poly[:, k - 1] - s_y / (k * tau)   # (B,): b - a of eq. (10)
         ctx.save_for_backward(features, weight, bias, target, poly, xmax, z)
         ctx.k, ctx.tau, ctx.chunk = k, tau, chunk
@@ -308,10 +357,11 @@ class _FusedSVM(torch.autograd.Function):
         features, weight, bias, target, poly, xmax, z = ctx.saved_tensors
         head = LinearHead(features, weight, bias, ctx.chunk)
         g = grad.to(torch.float64) * torch.sigmoid(z) / ctx.k             # (B,)
-        dx, dW, db = _svm_backward(head, target, ctx.k, ctx.tau, poly, xmax, g, ctx.needs_input_grad[:3])
+        backward = _svm_backward_kernels if ctx.kernels else _svm_backward
+        dx, dW, db = backward(head, target, ctx.k, ctx.tau, poly, xmax, g, ctx.needs_input_grad[:3])
         return dx, dW, db, None, None, None, None, None
 
-# %% ../nbs/05b_fused_head.ipynb #1a1afe87
+# %% ../nbs/05b_fused_head.ipynb #3fd42359
 _STATE_BYTES = torch.Generator().get_state().numel()   # a CPU generator's state: 5056 bytes
 
 
@@ -325,7 +375,7 @@ def _align(f: int, T: int, last: int) -> int:
     "Where a piece of a randn call of T numbers may begin: at a multiple of 16, at most `last` (where the call's final piece begins); T at the end."
     return T if f >= T else min(16 * (f // 16), last)
 
-# %% ../nbs/05b_fused_head.ipynb #92edcf45
+# %% ../nbs/05b_fused_head.ipynb #035b7399
 def _merge_points(vals, idx,   # (R, k) each row's list
                   r, c, v,     # (P,) points: row, class, value
                   k: int):
@@ -340,7 +390,7 @@ def _merge_points(vals, idx,   # (R, k) each row's list
     ev[r, pos], ei[r, pos] = v, c
     return _merge_top(vals, idx, ev, ei, k)
 
-# %% ../nbs/05b_fused_head.ipynb #3fd42359
+# %% ../nbs/05b_fused_head.ipynb #bb2edb20
 def _dense_draws(head: LinearHead, calls: list[torch.Tensor], k: int, epsilon: float,
                  generator: torch.Generator | None,
                  cand: torch.Tensor | None = None,   # (R, M) each noise row's candidates, or None
@@ -420,7 +470,7 @@ def _dense_draws(head: LinearHead, calls: list[torch.Tensor], k: int, epsilon: f
         vals, idx = _merge_points(vals, idx, r, c, v, k)
     return vals[:, -1], idx[:, -1]
 
-# %% ../nbs/05b_fused_head.ipynb #035b7399
+# %% ../nbs/05b_fused_head.ipynb #377b9aa2
 def _skip(gen: torch.Generator, draw, total: int, batch: int) -> None:
     "Advance `gen` past `draw(p)` calls that make `total` numbers, `batch` at a time (facts (a) and (b): the same as one call)."
     for p0 in range(0, total, batch):
@@ -479,7 +529,7 @@ def _tail_exceed(head: LinearHead, epsilon: float,
         _merge_exceeders(own, c, (s_e + epsilon * z).to(head.work), kth, cand_i, val, idx, k)   # step 4
     gen.set_state(at_values)
 
-# %% ../nbs/05b_fused_head.ipynb #bb2edb20
+# %% ../nbs/05b_fused_head.ipynb #687c966c
 @torch.no_grad()
 def sample_topk(head: LinearHead,                        # the scores
                 k: int,                                  # the k of the k-th largest
@@ -526,7 +576,7 @@ def sample_topk_dense(head: LinearHead, k: int, epsilon: float, n_samples: int,
     val, idx = _dense_draws(head, [rows] * n_samples, k, epsilon, generator, fma=True)
     return val.view(n_samples, head.B), idx.view(n_samples, head.B)
 
-# %% ../nbs/05b_fused_head.ipynb #c30d8b76
+# %% ../nbs/05b_fused_head.ipynb #126a1e48
 def _check_head_input(features, head_weight, head_bias, target, check):
     "Validate features (B, d), head_weight (n, d), head_bias (n,) or None and target (B,): (the four, n)."
     for name, t in (("features", features), ("head_weight", head_weight)):
@@ -588,7 +638,7 @@ def _head_loss(per_sample, features, head_weight, target, head_bias, weight, ign
                          f"rescale them or pass float64 inputs")
     return out
 
-# %% ../nbs/05b_fused_head.ipynb #cc11d357
+# %% ../nbs/05b_fused_head.ipynb #238642ea
 def _svm_per_sample(head: LinearHead, labels: torch.Tensor, k: int, tau: float, alpha: float) -> torch.Tensor:
     "Per-sample L_{k,tau} (B,) of the head's scores: the fused autograd function, or for tau = 0 the top-k hinge on k-th other scores found chunk by chunk."
     if tau > 0:
@@ -620,7 +670,7 @@ def fused_linear_smooth_svm(features: torch.Tensor,                  # (B, d) th
     return _head_loss(per_sample, features, head_weight, target, head_bias, weight, ignore_index, reduction, chunk,
                       check_finite, "fused_linear_smooth_svm")
 
-# %% ../nbs/05b_fused_head.ipynb #238642ea
+# %% ../nbs/05b_fused_head.ipynb #9e115e4b
 def _noised_per_sample(head: LinearHead, labels: torch.Tensor, k: int, epsilon: float, n_samples: int, margin,
                        scale: float, generator: torch.Generator | None) -> torch.Tensor:
     "scale (margin + top_{k+1,eps,S}(s) - s_y)_+ (B,) with the draws of chapter 04's samplers, and eq. (12)'s gradient on the S + 1 scores each row reads."
@@ -694,7 +744,7 @@ def fused_linear_noised_imbal(features: torch.Tensor,                # (B, d) th
     return _head_loss(per_sample, features, head_weight, target, head_bias, weight, ignore_index, reduction, chunk,
                       check_finite, "fused_linear_noised_imbal")
 
-# %% ../nbs/05b_fused_head.ipynb #71e0c07e
+# %% ../nbs/05b_fused_head.ipynb #21da8978
 _OWN_CHECKS = {"chunk": lambda v: check_int(v, "chunk", 1)}
 
 
@@ -728,7 +778,7 @@ class _FusedHeadLoss(nn.Module):
         return dict(reduction=self.reduction, weight=self.weight, ignore_index=self.ignore_index, chunk=self.chunk,
                     check_finite=self.check_finite)
 
-# %% ../nbs/05b_fused_head.ipynb #206f5c66
+# %% ../nbs/05b_fused_head.ipynb #00745130
 class FusedLinearSmoothSVM(_FusedHeadLoss):
     "The smooth top-k SVM (Berrada 2018, eq. 10) of a linear classifier: `SmoothSVM(...)(F.linear(features, head_weight, head_bias), target)`, without the (B, n) scores."
     example = "k=5, tau=1.0"
@@ -754,7 +804,7 @@ class FusedLinearSmoothSVM(_FusedHeadLoss):
     def extra_repr(self) -> str:
         return f"k={self.k}, tau={self.tau}, alpha={self.alpha}, reduction={self.reduction!r}, chunk={self.chunk}"
 
-# %% ../nbs/05b_fused_head.ipynb #00745130
+# %% ../nbs/05b_fused_head.ipynb #df1461aa
 class FusedLinearNoisedBal(_FusedHeadLoss):
     "The noised balanced top-K hinge (Garcin 2022, eq. 10) of a linear classifier: `NoisedBal(...)(F.linear(features, head_weight, head_bias), target)` on the same draws, without the (B, n) scores."
     example = "k=5, epsilon=0.2"
@@ -818,7 +868,7 @@ class FusedLinearNoisedImbal(_FusedHeadLoss):
         return (f"n_classes={self.class_counts.numel()}, k={self.k}, epsilon={self.epsilon}, n_samples={self.n_samples}, "
                 f"max_m={self.max_m}, scale={self.scale}, chunk={self.chunk}")
 
-# %% ../nbs/05b_fused_head.ipynb #fb7ff337
+# %% ../nbs/05b_fused_head.ipynb #df561d80
 def head_memory_bound(batch: int,          # B, the rows
                       d: int,              # the features of a row
                       k: int,              # the loss's k
