@@ -48,13 +48,13 @@ if HAS_TRITON:
     def _tile_scores(x_ptr, w_ptr, b_ptr, rows, cols, B, n, d,
                      HAS_BIAS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                      IEEE: tl.constexpr):
-        "s[rows, cols] = x[rows] W[cols]^T + b[cols], (BLOCK_B, BLOCK_N): the product in tiles of BLOCK_D features, accumulated in float32, rounded to the inputs' dtype as F.linear returns it, in float32."
+        "s[rows, cols] = x[rows] W[cols]^T + b[cols], (BLOCK_B, BLOCK_N): the product in tiles of BLOCK_D features, accumulated in float32, rounded to the inputs' dtype as F.linear returns it, in float32. W's offsets are int64: n d passes 2^31."
         acc = tl.zeros([BLOCK_B, BLOCK_N], dtype=tl.float32)
         dd = tl.arange(0, BLOCK_D)
         for d0 in range(0, d, BLOCK_D):
             kd = d0 + dd
             xd = tl.load(x_ptr + rows[:, None] * d + kd[None, :], mask=(rows[:, None] < B) & (kd[None, :] < d), other=0.0)
-            wd = tl.load(w_ptr + cols[:, None] * d + kd[None, :], mask=(cols[:, None] < n) & (kd[None, :] < d), other=0.0)
+            wd = tl.load(w_ptr + cols[:, None].to(tl.int64) * d + kd[None, :], mask=(cols[:, None] < n) & (kd[None, :] < d), other=0.0)
             acc += _dot(xd, tl.trans(wd), IEEE)
         if HAS_BIAS:
             acc += tl.load(b_ptr + cols, mask=cols < n, other=0.0).to(tl.float32)[None, :]
@@ -160,11 +160,11 @@ if HAS_TRITON:
             for d0 in range(0, d, BLOCK_D):
                 kd = d0 + dd
                 xd = tl.load(x_ptr + rows[:, None] * d + kd[None, :], mask=(rows[:, None] < B) & (kd[None, :] < d), other=0.0)
-                wd = tl.load(w_ptr + cols[:, None] * d + kd[None, :], mask=(cols[:, None] < n) & (kd[None, :] < d), other=0.0)
+                wd = tl.load(w_ptr + cols[:, None].to(tl.int64) * d + kd[None, :], mask=(cols[:, None] < n) & (kd[None, :] < d), other=0.0)
                 gw = _dot(tl.trans(Gc), xd, IEEE)                         # (BLOCK_N, BLOCK_D)
                 gx = _dot(Gc, wd, IEEE)                                   # (BLOCK_B, BLOCK_D)
                 wmask = (cols[:, None] < n) & (kd[None, :] < d)
-                dw_at = dw_ptr + cols[:, None] * d + kd[None, :]
+                dw_at = dw_ptr + cols[:, None].to(tl.int64) * d + kd[None, :]
                 tl.store(dw_at, tl.load(dw_at, mask=wmask, other=0.0) + gw, mask=wmask)   # the tile's rows of dW are its own
                 tl.atomic_add(dx_ptr + rows[:, None] * d + kd[None, :], gx, mask=(rows[:, None] < B) & (kd[None, :] < d))
         if NEED_DB:
