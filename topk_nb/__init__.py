@@ -10,7 +10,9 @@ __all__ = ['LossModule', 'force_sync_free', 'macro_topk_accuracy', 'sync_free', 
            'focal', 'ldam', 'topk_grouping', 'topk_transition', 'SmoothTopkSVM', 'smooth_topk_svm', 'NoisedBalTopK',
            'NoisedImbalTopK', 'noised_bal_topk', 'noised_imbal_topk', 'CrossEntropy', 'CvxTopkHinge', 'FocalLoss',
            'LDAMLoss', 'cross_entropy', 'cvx_topk_hinge', 'focal_loss', 'BalNoisedTopK', 'ImbalNoisedTopK',
-           'NoisedTopK', 'predict_topk', 'topk_marginals', 'LOSSES', 'TopkMixture', 'get_loss']
+           'NoisedTopK', 'FusedLinearSmoothSVM', 'FusedLinearNoisedBal', 'FusedLinearNoisedImbal',
+           'fused_linear_smooth_svm', 'fused_linear_noised_bal', 'fused_linear_noised_imbal', 'predict_topk',
+           'topk_marginals', 'LOSSES', 'TopkMixture', 'get_loss']
 
 # %% ../nbs/09_api.ipynb #ee6e3b1a
 __doc__ = """Top-k classification losses for PyTorch, each a drop-in for nn.CrossEntropyLoss.
@@ -19,7 +21,10 @@ Modules (keyword-only hyper-parameters; weight, ignore_index, label_smoothing, r
 CE, Focal, LDAM, TopkHinge, CvxHinge, CalHinge, SmoothSVM (Berrada 2018), NoisedBal, NoisedImbal (Garcin 2022),
 TopkGrouping, TopkTransition (Sawada); the same losses as functions (ce, smooth_svm, ...), by name with
 get_loss("smooth_svm", k=5), listed in LOSSES. Metrics: topk_accuracy, macro_topk_accuracy. The authors' spellings:
-SmoothTopkSVM (smooth-topk), BalNoisedTopK, ImbalNoisedTopK, NoisedTopK (pytopk).
+SmoothTopkSVM (smooth-topk), BalNoisedTopK, ImbalNoisedTopK, NoisedTopK (pytopk). The same losses of a linear
+classifier's scores without making them (B, n): FusedLinearSmoothSVM, FusedLinearNoisedBal, FusedLinearNoisedImbal
+and fused_linear_smooth_svm, fused_linear_noised_bal, fused_linear_noised_imbal, called with the features, the
+classifier's weight, the target and its bias.
 """
 import os as _os
 import sys as _sys
@@ -40,6 +45,8 @@ from .noised import NoisedBalTopK, NoisedImbalTopK, noised_bal_topk, noised_imba
 # pytopk's classes, with its arguments, defaults and noise draws
 from .noised import BalNoisedTopK, ImbalNoisedTopK, NoisedTopK
 from .baselines import CrossEntropy, CvxTopkHinge, FocalLoss, LDAMLoss, cross_entropy, cvx_topk_hinge, focal_loss
+from .fused import (FusedLinearNoisedBal, FusedLinearNoisedImbal, FusedLinearSmoothSVM, fused_linear_noised_bal,
+                           fused_linear_noised_imbal, fused_linear_smooth_svm)
 from .predict import predict_topk, topk_marginals
 from .losses import LOSSES, TopkMixture, get_loss
 
@@ -49,4 +56,6 @@ _all_ = ["LossModule", "force_sync_free", "macro_topk_accuracy", "sync_free", "t
          "cvx_hinge", "focal", "ldam", "topk_grouping", "topk_transition", "SmoothTopkSVM", "smooth_topk_svm",
          "NoisedBalTopK", "NoisedImbalTopK", "noised_bal_topk", "noised_imbal_topk", "CrossEntropy", "CvxTopkHinge",
          "FocalLoss", "LDAMLoss", "cross_entropy", "cvx_topk_hinge", "focal_loss", "BalNoisedTopK", "ImbalNoisedTopK",
-         "NoisedTopK", "predict_topk", "topk_marginals", "LOSSES", "TopkMixture", "get_loss"]
+         "NoisedTopK", "FusedLinearSmoothSVM", "FusedLinearNoisedBal", "FusedLinearNoisedImbal",
+         "fused_linear_smooth_svm", "fused_linear_noised_bal", "fused_linear_noised_imbal", "predict_topk",
+         "topk_marginals", "LOSSES", "TopkMixture", "get_loss"]
