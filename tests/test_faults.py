@@ -464,15 +464,28 @@ def _catches(pid: int, signum: int) -> bool:
     return bool(caught >> (signum - 1) & 1)
 
 
+# the package's import made slow (as a cold disk or a loaded machine makes it): it stalls at the import of topk_nb.cli
+SLOW_IMPORT = """import sys, time
+class _SlowImport:
+    def find_spec(self, name, path=None, target=None):
+        if name == "topk_nb.cli": time.sleep(60)
+        return None
+sys.meta_path.insert(0, _SlowImport())
+"""
+
+
 @pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="needs /proc")
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_an_interrupt_while_the_command_starts_is_one_line_and_128_plus_the_signal(tmp_path, signum):
-    proc = subprocess.Popen([sys.executable, "-c", _console_script(), "list"], env=ENV, cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(SLOW_IMPORT)
+    proc = subprocess.Popen([sys.executable, "-c", _console_script(), "list"], env={**ENV, "PYTHONPATH": f"{shim}{os.pathsep}{ROOT}"},
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while not _catches(proc.pid, signal.SIGTERM) and proc.poll() is None and time.monotonic() < deadline: time.sleep(0.001)
     caught = _catches(proc.pid, signal.SIGTERM)
-    proc.send_signal(signum)                                            # torch is still being imported
+    proc.send_signal(signum)                                            # the package is still being imported
     stdout, stderr = proc.communicate(timeout=60)
     assert caught, "the console script installs no SIGTERM handler before it imports the package"
     assert (proc.returncode, stdout, stderr) == (128 + signum, "", f"topk-nb: interrupted by {signum.name}\n"), stderr
