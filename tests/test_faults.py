@@ -115,7 +115,7 @@ def test_two_runners_on_one_out_run_each_cell_once(tmp_path):
 
 # --- kills at random instants --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("target", ["runner", "group"])
-@pytest.mark.parametrize("seed", [6, 1, 5, 9])           # the kill after 0, 1, 2 and 3 cells began (see below)
+@pytest.mark.parametrize("seed", [6, 5, 9])              # the kill after 0, 2 and 3 cells began (see below)
 def test_kill_at_a_random_instant_then_rerun(tmp_path, target, seed):
     nb, out, xs = counting_notebook(tmp_path), tmp_path / "runs", range(1, 5)
     cmd = runner(nb, out, xs, 1.0, "--jobs", "2")
