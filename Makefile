@@ -3,7 +3,11 @@ PYTHON ?= python
 
 .PHONY: test sync nbtest pytest export clean readme run outputs gpu-check gpu-test docs docs-check
 
-test: sync nbtest pytest docs
+# The export check first (a stale export stops here); then the notebooks, the tests and the documentation side by side:
+# each of them waits at times (kernels starting, subprocesses, the Slurm queue) and the cores stay busy. Each one's
+# output is printed whole when it ends.
+test: sync
+	$(MAKE) --no-print-directory -j3 --output-sync=target nbtest pytest docs
 
 sync:     ## fail if nbdev_export / nbdev_clean would change files, or README.md is stale
 	$(PYTHON) tools/check_sync.py
@@ -11,8 +15,13 @@ sync:     ## fail if nbdev_export / nbdev_clean would change files, or README.md
 nbtest:   ## execute every notebook (cells flagged slow or gpu are skipped)
 	nbdev_test --n_workers 2
 
+# pytest-xdist (part of the dev install): the tests on every core, PYTEST_WORKERS processes (auto: one a core), in the
+# groups tests/conftest.py names; without it, in one process. The 20 slowest tests are listed at the end.
+PYTEST_WORKERS ?= auto
+XDIST = $(shell $(PYTHON) -c "import xdist" 2>/dev/null && echo yes)
+
 pytest:
-	$(PYTHON) -m pytest tests
+	$(PYTHON) -m pytest tests $(if $(XDIST),-n $(PYTEST_WORKERS) --dist loadgroup) --durations=20
 
 export:
 	nbdev_export
@@ -31,8 +40,8 @@ run:      ## the main job: Sawada's synthetic experiments 1-3, full paper grid o
 	topk-nb run circles_tradeoffs --preset paper --jobs 2 --out runs
 	topk-nb report circles_tradeoffs --out runs
 
-gpu-test: ## on a CUDA machine, from a source checkout with torch and pytest: the kernel tests compiled for the GPU and the CUDA-only checks, one line per test (a run cut short still names what ran); the CPU's compile-for-sm_90 test is left to the CPU, since here every kernel compiles for the real GPU
-	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) -m pytest tests/test_kernels.py tests/test_cuda.py -v -rf -p no:cacheprovider --deselect tests/test_kernels.py::test_svm_kernels_compile_for_a_gpu
+gpu-test: ## on a CUDA machine, from a source checkout with torch and pytest: the kernel tests compiled for the GPU and the CUDA-only checks, one line per test (a run cut short still names what ran), on 8 processes where pytest-xdist is installed (the kernels compile side by side); the CPU's compile-for-sm_90 test is left to the CPU, since here every kernel compiles for the real GPU
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) -m pytest tests/test_kernels.py tests/test_cuda.py $(if $(XDIST),-n 8) -v -rf -p no:cacheprovider --deselect tests/test_kernels.py::test_svm_kernels_compile_for_a_gpu
 
 gpu-check: ## on a CUDA machine: every loss's float32 correctness, host syncs, speed vs cross-entropy, epoch overhead, torch.compile, CUDA graphs; writes results/gpu/<device>-<date>.json and .md (GPU_CHECK_FLAGS=--quick for a short run)
 	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) -m topk_nb.gpucheck --out results/gpu $(GPU_CHECK_FLAGS)

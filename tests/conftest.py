@@ -13,3 +13,34 @@ import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# `make test` runs the tests on several processes (pytest-xdist, `-n auto --dist loadgroup`): each test is a unit of
+# work of its own, except the tests of the modules below, which share something that forbids running them side by
+# side, or that is worth making once: each of these modules goes to one process, whole, and its tests run in order.
+ONE_PROCESS = {
+    "test_slurm": "the single-node Slurm cluster: its CPUs are all the jobs of every test have",
+    "test_wheel": "the wheel, built once from the source tree (its build/ folder) for the module",
+    "test_costmodel": "the cost table of every kernel, made once for the module (minutes)",
+    "test_gpucheck": "the dry run of every section, made once for the module",
+}
+
+try:
+    from xdist.scheduler import LoadScopeScheduling
+except ImportError:                   # without pytest-xdist the tests run in one process, in order
+    LoadScopeScheduling = None
+
+if LoadScopeScheduling is not None:
+    from pathlib import Path
+
+    class ModuleGroups(LoadScopeScheduling):
+        """`--dist loadgroup` with the groups of ONE_PROCESS. (pytest-xdist's own groups, `xdist_group` marks, take no
+        effect under pytest 9, whose node ids pytest-xdist can no longer suffix with the group.) The largest units go
+        first (pytest-xdist's `--loadscope-reorder`)."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return path if Path(path).stem in ONE_PROCESS else nodeid
+
+    def pytest_xdist_make_scheduler(config, log):
+        if config.getvalue("dist") == "loadgroup":
+            return ModuleGroups(config, log)

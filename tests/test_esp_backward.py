@@ -72,8 +72,9 @@ def test_float32_gradients_within_target(n, k, seed, tau, method):
 
 @pytest.mark.parametrize("method", LOG_SIGMA_METHODS)
 def test_no_nan_with_padding_and_extreme_spread(method):
+    "Rows of n = 1 to 1001 (padded to the next power of two) with a spread of 1e5, at k = 1, 5 and n; k = n up to n = 100: the leave-one-out and Alg. 2 backwards cost k^2 and more, and k = n = 1001 (a minute each) reaches no line or branch of the package that the other cases do not (coverage, each method)."
     for n in [1, 3, 7, 100, 1001]:
-        for k in {1, min(n, 5), n}:
+        for k in {1, min(n, 5), n if n <= 100 else 5}:
             x = random_x(n, (2, n), 1e5, torch.float32).requires_grad_()
             out = log_sigma(x, k, method=method)
             (g,) = torch.autograd.grad(out.sum(), x)

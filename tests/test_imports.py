@@ -60,3 +60,57 @@ def test_the_graph_sees_imports_inside_functions(tmp_path):
     # the checks above are only as good as the parser: a lazy import counts, relative or absolute
     assert "topk_nb.files" in imported(PACKAGE / "records.py")            # `from topk_nb.files import` in a function
     assert "topk_nb.catalogue" in imported(PACKAGE / "records.py")        # `from .catalogue import`
+
+
+def _fresh(code: str, **env) -> str:
+    "Run `code` in a fresh interpreter (this checkout's package first, TRITON_INTERPRET unset unless given); its stdout."
+    import os, subprocess, sys
+    environ = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    environ.update(PYTHONPATH=os.pathsep.join([str(PACKAGE.parent), *filter(None, [os.environ.get("PYTHONPATH")])]), **env)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=environ, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_the_package_and_the_command_line_import_no_torch():
+    out = _fresh("import sys, topk_nb, topk_nb.cli, topk_nb.report, topk_nb.files\n"
+                 "print(sorted(m for m in ('torch', 'triton', 'matplotlib') if m in sys.modules))\n"
+                 "from topk_nb.cli import main\n"
+                 "assert main(['list']) == 0\n"
+                 "print(sorted(m for m in ('torch', 'triton', 'matplotlib') if m in sys.modules))")
+    lines = out.splitlines()
+    assert lines[0] == lines[-1] == "[]", out
+    assert any(line.startswith("circles_tradeoffs: ") for line in lines), out
+
+
+def test_top_level_names_are_their_modules_objects_imported_on_first_use():
+    out = _fresh("import sys, topk_nb\n"
+                 "from topk_nb import SmoothSVM, get_loss, LOSSES\n"
+                 "from topk_nb.svm import SmoothSVM as S\n"
+                 "from topk_nb.losses import get_loss as g, LOSSES as L\n"
+                 "assert SmoothSVM is S and get_loss is g and LOSSES is L and topk_nb.SmoothSVM is S\n"
+                 "assert set(topk_nb.__all__) <= set(dir(topk_nb))\n"
+                 "assert all(getattr(topk_nb, name) is not None for name in topk_nb.__all__)\n"
+                 "assert topk_nb.kernels is sys.modules['topk_nb.kernels']     # a module, as an attribute\n"
+                 "try: topk_nb.no_such_name\n"
+                 "except AttributeError as e: print(e)")
+    assert out.strip() == "module 'topk_nb' has no attribute 'no_such_name'", out
+
+
+def test_triton_interprets_without_a_gpu_unless_told_otherwise():
+    "Without a CUDA device, Triton's first import after the package's sets TRITON_INTERPRET=1; a value given stays, and Triton imported before the package is left as it is."
+    check = ("import os, sys, topk_nb\n"
+             "before = os.environ.get('TRITON_INTERPRET')\n"
+             "import topk_nb.kernels, torch\n"
+             "print(before, os.environ.get('TRITON_INTERPRET'), torch.cuda.is_available(), topk_nb.kernels.HAS_TRITON)")
+    before, after, cuda, has_triton = _fresh(check).split()
+    assert before == "None"
+    if has_triton == "True":
+        assert after == ("None" if cuda == "True" else "1")
+    assert _fresh(check, TRITON_INTERPRET="0").split()[:2] == ["0", "0"]
+    first = "import os, triton, topk_nb, topk_nb.kernels; print(os.environ.get('TRITON_INTERPRET'))"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return
+    assert _fresh(first).strip() == "None"

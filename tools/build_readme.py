@@ -12,6 +12,8 @@ import nbformat
 from nbclient import NotebookClient
 from nbconvert import MarkdownExporter
 
+from topk_nb.batch import kernel_config
+
 ROOT = Path(__file__).resolve().parent.parent
 DIRECTIVE = re.compile(r"^\s*#\s*\|.*$\n?", re.MULTILINE)
 
@@ -31,7 +33,8 @@ def merge_streams(outputs: list) -> list:
 
 def render() -> str:
     nb = nbformat.read(ROOT / "nbs" / "index.ipynb", as_version=4)
-    NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(ROOT / "nbs")}}).execute()
+    NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(ROOT / "nbs")}},
+                   config=kernel_config()).execute()
     cells = []
     for cell in nb.cells:
         if cell.cell_type == "code":

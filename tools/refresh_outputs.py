@@ -13,13 +13,16 @@ from pathlib import Path
 import nbformat
 from nbclient import NotebookClient
 
+from topk_nb.batch import kernel_config
+
 FLAG = re.compile(r"^\s*#\s*\|\s*(slow|gpu)\b", re.MULTILINE)
 
 
 def refresh(path: Path, slow: bool) -> int:
     "Execute the notebook's code cells in order (flagged ones only with `slow`) and write it back; returns the count executed."
     nb = nbformat.read(path, as_version=4)
-    client = NotebookClient(nb, timeout=3600, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}})
+    client = NotebookClient(nb, timeout=3600, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}},
+                            config=kernel_config())
     executed = 0
     with client.setup_kernel():
         for index, cell in enumerate(nb.cells):

@@ -26,29 +26,55 @@ classifier's scores without making them (B, n): FusedLinearSmoothSVM, FusedLinea
 and fused_linear_smooth_svm, fused_linear_noised_bal, fused_linear_noised_imbal, called with the features, the
 classifier's weight, the target and its bias.
 """
+import importlib as _importlib
+import importlib.util as _importlib_util
 import os as _os
 import sys as _sys
 
-import torch as _torch
+# the top-level names and the module of each: imported on first use, so that `import topk_nb` (and the command line,
+# `topk_nb.cli`, which needs no torch to list the experiments) does not import torch
+_HOME = {name: module for module, names in {
+    "core": "LossModule force_sync_free macro_topk_accuracy sync_free topk_accuracy topk_correct",
+    "svm": "SmoothSVM TopkHinge smooth_svm topk_hinge SmoothTopkSVM smooth_topk_svm",
+    "noised": "CalHinge NoisedBal NoisedImbal cal_hinge noised_bal noised_imbal NoisedBalTopK NoisedImbalTopK "
+              "noised_bal_topk noised_imbal_topk BalNoisedTopK ImbalNoisedTopK NoisedTopK",   # the last three: pytopk's
+    "baselines": "CE CvxHinge Focal LDAM TopkGrouping TopkTransition ce cvx_hinge focal ldam topk_grouping topk_transition "
+                 "CrossEntropy CvxTopkHinge FocalLoss LDAMLoss cross_entropy cvx_topk_hinge focal_loss",
+    "fused": "FusedLinearSmoothSVM FusedLinearNoisedBal FusedLinearNoisedImbal fused_linear_smooth_svm "
+             "fused_linear_noised_bal fused_linear_noised_imbal",
+    "predict": "predict_topk topk_marginals",
+    "losses": "LOSSES TopkMixture get_loss"}.items() for name in names.split()}
 
-if "triton" not in _sys.modules and not _torch.cuda.is_available():
-    _os.environ.setdefault("TRITON_INTERPRET", "1")    # no GPU: the fused kernels (chapters 02a to 05a) run in Triton's interpreter
 
-from .core import LossModule, force_sync_free, macro_topk_accuracy, sync_free, topk_accuracy, topk_correct
-from .svm import SmoothSVM, TopkHinge, smooth_svm, topk_hinge
-from .noised import CalHinge, NoisedBal, NoisedImbal, cal_hinge, noised_bal, noised_imbal
-from .baselines import (CE, CvxHinge, Focal, LDAM, TopkGrouping, TopkTransition,
-                               ce, cvx_hinge, focal, ldam, topk_grouping, topk_transition)
-# the earlier names, kept: the same objects
-from .svm import SmoothTopkSVM, smooth_topk_svm
-from .noised import NoisedBalTopK, NoisedImbalTopK, noised_bal_topk, noised_imbal_topk
-# pytopk's classes, with its arguments, defaults and noise draws
-from .noised import BalNoisedTopK, ImbalNoisedTopK, NoisedTopK
-from .baselines import CrossEntropy, CvxTopkHinge, FocalLoss, LDAMLoss, cross_entropy, cvx_topk_hinge, focal_loss
-from .fused import (FusedLinearNoisedBal, FusedLinearNoisedImbal, FusedLinearSmoothSVM, fused_linear_noised_bal,
-                           fused_linear_noised_imbal, fused_linear_smooth_svm)
-from .predict import predict_topk, topk_marginals
-from .losses import LOSSES, TopkMixture, get_loss
+def __getattr__(name):
+    "A top-level name, imported from its module the first time it is asked for; or a module of the package (`topk_nb.kernels`)."
+    if name in _HOME:
+        value = getattr(_importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
+    elif not name.startswith("__") and _importlib_util.find_spec(f"{__name__}.{name}") is not None:
+        value = _importlib.import_module(f"{__name__}.{name}")
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_HOME))
+
+
+class _TritonDefault:
+    "Before Triton is first imported: without a CUDA device, TRITON_INTERPRET=1 (unless it is set already)."
+    def find_spec(self, name, path=None, target=None):
+        if name == "triton" and not getattr(self, "done", False):
+            self.done = True
+            import torch
+            if not torch.cuda.is_available():
+                _os.environ.setdefault("TRITON_INTERPRET", "1")   # the fused kernels (chapters 02a to 05a) run in Triton's interpreter
+        return None                                               # the import itself goes on as usual
+
+
+if "triton" not in _sys.modules and not any(type(f).__name__ == "_TritonDefault" for f in _sys.meta_path):
+    _sys.meta_path.insert(0, _TritonDefault())
 
 _all_ = ["LossModule", "force_sync_free", "macro_topk_accuracy", "sync_free", "topk_accuracy", "topk_correct",
          "SmoothSVM", "TopkHinge", "smooth_svm", "topk_hinge", "CalHinge", "NoisedBal", "NoisedImbal", "cal_hinge",
@@ -57,5 +83,5 @@ _all_ = ["LossModule", "force_sync_free", "macro_topk_accuracy", "sync_free", "t
          "NoisedBalTopK", "NoisedImbalTopK", "noised_bal_topk", "noised_imbal_topk", "CrossEntropy", "CvxTopkHinge",
          "FocalLoss", "LDAMLoss", "cross_entropy", "cvx_topk_hinge", "focal_loss", "BalNoisedTopK", "ImbalNoisedTopK",
          "NoisedTopK", "FusedLinearSmoothSVM", "FusedLinearNoisedBal", "FusedLinearNoisedImbal",
-         "fused_linear_smooth_svm", "fused_linear_noised_bal", "fused_linear_noised_imbal", "predict_topk",
-         "topk_marginals", "LOSSES", "TopkMixture", "get_loss"]
+         "fused_linear_smooth_svm", "fused_linear_noised_bal", "fused_linear_noised_imbal", "predict_topk", "topk_marginals", "LOSSES", "TopkMixture", "get_loss"]
+

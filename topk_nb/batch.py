@@ -38,8 +38,9 @@ from .grid import (EXPERIMENTS, FILE_PARAMETERS, cell_dir, cell_id, cell_slug, c
 __all__ = ['LOCK', 'JOB_LOG', 'FAILED_ATTEMPT', 'FAILED_NOTEBOOK', 'NOTEBOOK_MAX_BYTES', 'KERNEL_START_TRIES',
            'KERNEL_START_TIMEOUT', 'NO_SPACE', 'JOB_BUSY', 'JOB_NO_SPACE', 'JOB_UNSAFE', 'STOP_SIGNALS', 'STOP_GRACE',
            'CellBusy', 'UnsafeCell', 'written_in_place', 'cell_links', 'open_in_place', 'claim_cell', 'cell_running',
-           'record_stamp', 'notebook_final', 'cell_done', 'Stopped', 'no_space', 'run_cell', 'die_with_parent',
-           'pending_cells', 'grid_summary', 'RunStop', 'check_out_dir', 'run_grid']
+           'record_stamp', 'notebook_final', 'cell_done', 'kernel_manager_class', 'kernel_config', 'Stopped',
+           'no_space', 'run_cell', 'die_with_parent', 'pending_cells', 'grid_summary', 'RunStop', 'check_out_dir',
+           'run_grid']
 
 # %% ../nbs/13_batch.ipynb #caf1b9ce
 LOCK = ".lock"
@@ -267,6 +268,36 @@ def _with_kernel_retries(run: Callable[[], object], tries: int = KERNEL_START_TR
             if attempt == tries or not _kernel_did_not_start(e): raise
             print(f"the kernel did not start ({e}); trying again ({attempt + 1} of {tries})", file=sys.stderr)
 
+
+_KERNEL_MANAGER = None
+
+
+def kernel_manager_class():
+    "jupyter_client's AsyncKernelManager, except that a shutdown does not interrupt the kernel first (SIGINT): a kernel still running a cell gets the shutdown request, then SIGTERM (`shutdown_wait_time`)."
+    global _KERNEL_MANAGER
+    if _KERNEL_MANAGER is None:
+        from jupyter_client.manager import AsyncKernelManager
+
+        class RunnerKernelManager(AsyncKernelManager):
+            async def _async_interrupt_kernel(self):
+                if getattr(self, "shutting_down", False): return     # the shutdown's own interrupt
+                await super()._async_interrupt_kernel()
+
+        _KERNEL_MANAGER = RunnerKernelManager
+    return _KERNEL_MANAGER
+
+
+def kernel_config():
+    "The traitlets config of the notebooks' clients and kernel managers: CurveZMQ keys for the kernel's sockets where the kernel declares support (ipykernel does; it warns at every start of a kernel without them) and pyzmq has Curve, and `kernel_manager_class()`."
+    import zmq
+    from jupyter_client.manager import KernelManager
+    from traitlets.config import Config
+    config = Config()
+    if "transport_encryption" in KernelManager.class_trait_names() and zmq.has("curve"):
+        config.KernelManager.transport_encryption = "auto"
+    config.NotebookClient.kernel_manager_class = kernel_manager_class()
+    return config
+
 # %% ../nbs/13_batch.ipynb #daeb8e7e
 @contextlib.contextmanager
 def _signals_held():
@@ -317,7 +348,7 @@ def _execute(notebook, params: dict, directory: Path, experiment, timeout, log_o
             _with_kernel_retries(lambda: pm.execute_notebook(
                 with_parameters_tag(notebook), str(executed), parameters={**params, "record_path": str(record)},
                 kernel_name="python3", cwd=str(Path(notebook).parent), progress_bar=False, log_output=log_output,
-                execution_timeout=timeout, start_timeout=KERNEL_START_TIMEOUT))
+                execution_timeout=timeout, start_timeout=KERNEL_START_TIMEOUT, config=kernel_config()))
             written, problem = inspect_record(record, sealed=False)   # the runner seals it below
             if written is None:
                 raise RuntimeError(f"the record the notebook wrote to record_path {problem}" if problem else

@@ -23,7 +23,6 @@ from .catalogue import Experiment, experiments_dir
 from .grid import (EXPERIMENTS, check_folder_name, expand_grid, notebook_parameters, parameter_choices, parse_grid, plan_grid,
                           short_error)
 from .records import RecordError, seal_records
-from .report import report
 from .slurm import SlurmOptions, run_slurm, slurm_available, status_lines
 
 # %% auto #0
@@ -117,8 +116,6 @@ def _parser() -> argparse.ArgumentParser:
     e = sub.add_parser("seal", help="add the checksum to an experiment's records that have none, once you trust their numbers")
     e.add_argument("experiment", help="the experiment whose records are sealed (its folder under --out)")
     e.add_argument("--out", default="runs", help="the folder `topk-nb run` wrote (default: runs)")
-    j = sub.add_parser("job")              # internal: one cell, in its own process
-    j.add_argument("spec")
     return p
 
 
@@ -246,9 +243,11 @@ def _run_on_slurm(args: argparse.Namespace, options) -> int:
 def main(argv: Sequence[str] | None = None,  # the words after `topk-nb` (sys.argv[1:] by default)
          ) -> int:
     "The `topk-nb` command: `list`, `run`, `status`, `report` and `seal`; returns the exit status (2: a mistake on the command line, nothing run)."
-    args = _parser().parse_args(sys.argv[1:] if argv is None else list(argv))
-    if args.command == "job":
-        return _job_main(args.spec)
+    words = sys.argv[1:] if argv is None else list(argv)
+    if words[:1] == ["job"]:                     # internal, not in --help: one cell in its own process (topk_nb.batch)
+        if len(words) != 2: return _fail("job", ValueError("takes one argument, the cell's JSON specification"))
+        return _job_main(words[1])
+    args = _parser().parse_args(words)
     if args.command == "list":
         return _list(args.name)
     if args.command == "status":
@@ -257,6 +256,7 @@ def main(argv: Sequence[str] | None = None,  # the words after `topk-nb` (sys.ar
         return _seal(args.out, args.experiment)
     if args.command == "report":
         if not args.out.strip(): return _fail("report", ValueError("--out is empty: give the folder `topk-nb run` wrote"))
+        from topk_nb.report import report        # here: the other commands need neither matplotlib nor torch
         try:
             print(report(args.experiment, args.out, args.report_dir))
         except RecordError as e:

@@ -13,8 +13,6 @@ import secrets
 from pathlib import Path
 from typing import Callable, Sequence
 
-import torch
-
 # %% auto #0
 __all__ = ['atomic_write', 'remove_temporary_files', 'atomic_write_text', 'save_figure', 'CheckpointError', 'previous_checkpoint',
            'save_checkpoint', 'load_checkpoint']
@@ -101,6 +99,7 @@ def save_checkpoint(state: dict,  # tensors, numbers, strings, lists and dicts (
                     keep_previous: bool = True,  # keep the file it replaces as `previous_checkpoint(path)`
                     ) -> Path:
     "torch.save `state` to `path` atomically, behind a header holding the SHA-256 and length of the data."
+    import torch                  # here: the atomic writes (records, reports) need no torch
     buffer = io.BytesIO()
     torch.save(state, buffer)
     data = buffer.getbuffer()
@@ -160,6 +159,7 @@ def load_checkpoint(path: str | os.PathLike,  # a file written by `save_checkpoi
     "Load a checkpoint written by `save_checkpoint` after checking its length and SHA-256 (tensors, numbers and strings only: weights_only=True), and that it holds `keys`."
     path = Path(path)
     data = _checkpoint_data(path)
+    import torch
     try:
         state = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
     except Exception as e:   # the checksum matched: written by save_checkpoint, but holding objects weights_only refuses
