@@ -75,10 +75,10 @@ def test_dynamic_count_follows_the_declared_trips(toy):
 
 
 def test_svm_forward_count_is_linear_in_k():
-    from topk_nb import kernels
+    from topk_nb import svm_kernels
     km = bench.KERNEL_MODELS["smooth_svm_forward"]
     sass = bench.kernel_sass(km.fn, km.signature, dict(K=5, BLOCK_N=1024, BLOCK_K=8, FAST=True))
-    loops = bench.source_loops(kernels._svm_forward_kernel)
+    loops = bench.source_loops(svm_kernels._svm_forward_kernel)
     total = [bench.dynamic_counts(sass, loops, [2, k])["total"] for k in (0, 5, 10)]
     assert total[2] - total[1] == pytest.approx(total[1] - total[0]) and total[1] - total[0] > 0
     assert bench.dynamic_counts(sass, loops, [4, 5])["total"] - total[0] == pytest.approx(2 * (total[1] - total[0]), rel=0.01)

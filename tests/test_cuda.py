@@ -14,7 +14,7 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device: these checks run on a GPU (make gpu-test)", allow_module_level=True)
 
-from topk_nb import gpucheck, kernels  # noqa: E402
+from topk_nb import gpucheck, kernels, svm_kernels  # noqa: E402
 from topk_nb.svm import svm_route  # noqa: E402
 
 
@@ -36,7 +36,7 @@ def test_the_kernels_run_compiled_on_the_losses_route():
     x = torch.randn(8, 300, device="cuda")
     assert os.environ.get("TRITON_INTERPRET") != "1"                 # compiled for this GPU, not interpreted
     assert kernels.HAS_TRITON and svm_route(x, 5) == "kernels" and kernels.triton_ok(x, 5)
-    assert kernels.count_launches(lambda: kernels.smooth_svm_triton(x, torch.zeros(8, dtype=torch.long, device="cuda"),
+    assert kernels.count_launches(lambda: svm_kernels.smooth_svm_triton(x, torch.zeros(8, dtype=torch.long, device="cuda"),
                                                                    5, 1.0).sum()) == 2   # the forward: tiles, then rows
 
 

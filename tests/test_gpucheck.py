@@ -132,13 +132,14 @@ def test_compile_section_counts_the_kernels_a_compiled_step_runs():
 
 
 def test_triton_variants_are_the_launches_each_section_needs():
-    "The dry preset's launches, recorded and not run: the float32 smooth SVM's kernels at the preset's k, the noised losses' kernels, each first needed by a section of the check."
+    "The dry preset's launches, recorded and not run: the float32 smooth SVM's kernels at the preset's k, the noised losses' kernels, the row losses' kernels (modules that import the launch function by name record too), each first needed by a section of the check."
     kernels = pytest.importorskip("topk_nb.kernels")
     if not kernels.HAS_TRITON:
         pytest.skip("triton is not installed")
     variants = gpucheck.triton_variants(gpucheck.PRESETS["dry"])
     names = {key[1] for key in variants}
     assert {"_svm32_tile_kernel", "_svm32_grad_tile_kernel", "_perturbed_candidates_kernel", "_perturbed_grad_kernel"} <= names
+    assert {"_row_loss_kernel", "_row_grad_kernel", "_finish_kernel"} <= names      # every kernel module's launches
     assert set(variants.values()) <= set(gpucheck.SECTIONS)
     assert {dict(key[3])["K"] for key in variants if key[1] == "_svm32_tile_kernel"} == {3}
     assert all(dict(key[2])["s_ptr"] == "*fp32" for key in variants if key[1] == "_svm32_tile_kernel")

@@ -1,4 +1,4 @@
-"""The fused Triton kernels (topk_nb.kernels) on small shapes against PyTorch references. On a CUDA machine they run
+"""The fused Triton kernels (topk_nb.kernels, svm_kernels, noised_kernels) on small shapes against PyTorch references. On a CUDA machine they run
 compiled, on tensors on the GPU; without one, in Triton's interpreter on CPU tensors (tests/conftest.py sets
 TRITON_INTERPRET=1). The references are computed on the CPU either way."""
 import pytest
@@ -9,6 +9,8 @@ kernels = pytest.importorskip("topk_nb.kernels")
 if not kernels.HAS_TRITON:
     pytest.skip("triton is not installed", allow_module_level=True)
 
+from topk_nb import noised_kernels, svm_kernels  # noqa: E402
+
 from topk_nb.noised import noised_bal, noised_imbal, margins_from_counts  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")   # where the kernels run: compiled, or interpreted
@@ -18,7 +20,7 @@ DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")   # where the
 def test_kernel_is_topk_of_the_given_noise(n, k, samples):
     g = torch.Generator().manual_seed(n)
     s, z = 3 * torch.randn(4, n, generator=g), torch.randn(samples, 4, n, generator=g)
-    mean, idx = (t.cpu() for t in kernels.perturbed_kth_triton(s.to(DEV), k, 0.7, samples, noise=z.to(DEV)))
+    mean, idx = (t.cpu() for t in noised_kernels.perturbed_kth_triton(s.to(DEV), k, 0.7, samples, noise=z.to(DEV)))
     ref = (s + 0.7 * z).topk(k, dim=-1)
     torch.testing.assert_close(mean, ref.values[..., -1].mean(0), rtol=1e-6, atol=1e-6)
     assert torch.equal(idx, ref.indices[..., -1])
@@ -29,7 +31,7 @@ def test_long_rows_by_chunks_are_topk_of_the_given_noise(n, k, samples, block):
     "Rows longer than a block: each chunk's K largest, then the merge; exactly PyTorch's topk of s + eps z."
     g = torch.Generator().manual_seed(n + k)
     s, z = 3 * torch.randn(3, n, generator=g), torch.randn(samples, 3, n, generator=g)
-    mean, idx = (t.cpu() for t in kernels.perturbed_kth_triton(s.to(DEV), k, 0.7, samples, noise=z.to(DEV), block=block))
+    mean, idx = (t.cpu() for t in noised_kernels.perturbed_kth_triton(s.to(DEV), k, 0.7, samples, noise=z.to(DEV), block=block))
     ref = (s + 0.7 * z).topk(k, dim=-1)
     torch.testing.assert_close(mean, ref.values[..., -1].mean(0), rtol=1e-6, atol=1e-6)
     assert torch.equal(idx, ref.indices[..., -1])
@@ -37,16 +39,16 @@ def test_long_rows_by_chunks_are_topk_of_the_given_noise(n, k, samples, block):
 
 def test_chunks_draw_the_same_noise_as_one_block():
     s = torch.randn(4, 150, device=DEV)
-    one = kernels.perturbed_kth_triton(s, 4, 0.5, 3, generator=torch.Generator().manual_seed(9))
-    chunked = kernels.perturbed_kth_triton(s, 4, 0.5, 3, generator=torch.Generator().manual_seed(9), block=32)
+    one = noised_kernels.perturbed_kth_triton(s, 4, 0.5, 3, generator=torch.Generator().manual_seed(9))
+    chunked = noised_kernels.perturbed_kth_triton(s, 4, 0.5, 3, generator=torch.Generator().manual_seed(9), block=32)
     assert torch.equal(one[0], chunked[0]) and torch.equal(one[1], chunked[1])
 
 
 def test_kernel_draws_follow_the_seed():
     s = torch.randn(3, 20, device=DEV)
-    a = kernels.perturbed_kth_triton(s, 3, 0.5, 4, generator=torch.Generator().manual_seed(7))
-    b = kernels.perturbed_kth_triton(s, 3, 0.5, 4, generator=torch.Generator().manual_seed(7))
-    c = kernels.perturbed_kth_triton(s, 3, 0.5, 4, generator=torch.Generator().manual_seed(8))
+    a = noised_kernels.perturbed_kth_triton(s, 3, 0.5, 4, generator=torch.Generator().manual_seed(7))
+    b = noised_kernels.perturbed_kth_triton(s, 3, 0.5, 4, generator=torch.Generator().manual_seed(7))
+    c = noised_kernels.perturbed_kth_triton(s, 3, 0.5, 4, generator=torch.Generator().manual_seed(8))
     assert torch.equal(a[1], b[1]) and not torch.equal(a[1], c[1])
 
 
@@ -69,7 +71,7 @@ def _pruned_case(n, k, block, cap, spread):
     "Run one case against topk; return each row's live classes, about as the kernel counts them."
     g = torch.Generator().manual_seed(n + k)
     s, z = spread * torch.randn(3, n, generator=g), torch.randn(4, 3, n, generator=g)
-    mean, idx = (t.cpu() for t in kernels.perturbed_kth_triton(s.to(DEV), k, 0.3, 4, noise=z.to(DEV), block=block, cap=cap))
+    mean, idx = (t.cpu() for t in noised_kernels.perturbed_kth_triton(s.to(DEV), k, 0.3, 4, noise=z.to(DEV), block=block, cap=cap))
     ref = (s + 0.3 * z).topk(k, dim=-1)
     torch.testing.assert_close(mean, ref.values[..., -1].mean(0), rtol=1e-6, atol=1e-5)
     assert torch.equal(idx, ref.indices[..., -1])
@@ -83,7 +85,7 @@ def test_pruned_threshold_of_tied_scores(block):
     s = 0.7 * torch.randint(-3, 1, (3, 300), generator=g).float()   # levels -2.1 .. 0, each about 75 times
     s[:, 10:12] = 3.0                                                  # two above them: the 4th largest is a tied 0
     z = torch.randn(4, 3, 300, generator=g)
-    mean, idx = (t.cpu() for t in kernels.perturbed_kth_triton(s.to(DEV), 4, 0.3, 4, noise=z.to(DEV), block=block, cap=16))
+    mean, idx = (t.cpu() for t in noised_kernels.perturbed_kth_triton(s.to(DEV), 4, 0.3, 4, noise=z.to(DEV), block=block, cap=16))
     x = s + 0.3 * z
     ref = x.topk(4, dim=-1).values[..., -1]
     torch.testing.assert_close(mean, ref.mean(0), rtol=1e-6, atol=1e-5)
@@ -108,7 +110,7 @@ def test_pruned_selection_takes_each_tile():
     z = torch.randn(5, 4, 64, generator=g)
     live = _live(s, z, 2, 0.3)                                        # as the kernel counts them
     assert live[0] <= 2 < live[1] <= 8 < live[2] <= 32 < live[3], live
-    mean, idx = (t.cpu() for t in kernels.perturbed_kth_triton(s.to(DEV), 2, 0.3, 5, noise=z.to(DEV), cap=32))
+    mean, idx = (t.cpu() for t in noised_kernels.perturbed_kth_triton(s.to(DEV), 2, 0.3, 5, noise=z.to(DEV), cap=32))
     ref = (s + 0.3 * z).topk(2, dim=-1)
     torch.testing.assert_close(mean, ref.values[..., -1].mean(0), rtol=1e-6, atol=1e-5)
     assert torch.equal(idx, ref.indices[..., -1])
@@ -127,7 +129,7 @@ def test_ties_and_signed_zeros_select_in_class_order(block, cap, k):
     neg = torch.rand(4, 64, generator=g) < 0.5
     s = torch.where(neg & (s == 0), -0.0, s)                           # signed zeros, equal as numbers
     z = torch.where(torch.rand(3, 4, 64, generator=g) < 0.5, -0.0, 0.0)   # s + 0.3 z keeps the sign of a zero
-    mean, idx = (t.cpu() for t in kernels.perturbed_kth_triton(s.to(DEV), k, 0.3, 3, noise=z.to(DEV), block=block, cap=cap))
+    mean, idx = (t.cpu() for t in noised_kernels.perturbed_kth_triton(s.to(DEV), k, 0.3, 3, noise=z.to(DEV), block=block, cap=cap))
     x = s + 0.3 * z
     ref = torch.sort(x, dim=-1, descending=True, stable=True)          # ties in class order
     torch.testing.assert_close(mean, ref.values[..., k - 1].mean(0), rtol=0, atol=0)
@@ -141,8 +143,8 @@ def test_a_nan_score_ranks_first_as_in_topk(k):
     g = torch.Generator().manual_seed(8)
     s, z = 4 * torch.randn(3, 3000, generator=g), torch.randn(4, 3, 3000, generator=g)
     s[1, 1234] = float("nan")
-    assert kernels._selection_plan(3, 3000, 4, 0, 0)["CAP"] > 0      # the row is pruned
-    mean, idx = (t.cpu() for t in kernels.perturbed_kth_triton(s.to(DEV), k, 0.2, 4, noise=z.to(DEV)))
+    assert noised_kernels._selection_plan(3, 3000, 4, 0, 0)["CAP"] > 0      # the row is pruned
+    mean, idx = (t.cpu() for t in noised_kernels.perturbed_kth_triton(s.to(DEV), k, 0.2, 4, noise=z.to(DEV)))
     ref = (s + 0.2 * z).topk(k, dim=-1)
     torch.testing.assert_close(mean, ref.values[..., -1].mean(0), rtol=1e-6, atol=1e-5, equal_nan=True)
     assert torch.equal(idx, ref.indices[..., -1])
@@ -152,7 +154,7 @@ def test_a_nan_score_ranks_first_as_in_topk(k):
 def test_pruned_selection_draws_the_same_noise():
     "With the kernels' own noise: pruned or not, chunked or not, the same draws select the same entries, bit for bit."
     s = 4 * torch.randn(3, 600, generator=torch.Generator().manual_seed(4)).to(DEV)
-    runs = [kernels.perturbed_kth_triton(s, 4, 0.1, 3, generator=torch.Generator().manual_seed(9), block=b, cap=c)
+    runs = [noised_kernels.perturbed_kth_triton(s, 4, 0.1, 3, generator=torch.Generator().manual_seed(9), block=b, cap=c)
             for b, c in [(None, 0), (None, 32), (128, 0), (128, 16)]]
     for other in runs[1:]:
         assert torch.equal(other[0], runs[0][0]) and torch.equal(other[1], runs[0][1])
@@ -162,14 +164,14 @@ def test_randn_bound_holds_and_is_near_tight():
     "Every normal the kernels draw is within RANDN_BOUND, which exceeds the Box-Muller extreme sqrt(-2 ln 1e-7) by < 0.05 %; the draws are standard normal."
     import math
     extreme = math.sqrt(-2 * math.log(1e-7))
-    assert extreme <= kernels.RANDN_BOUND < extreme * 1.0005
+    assert extreme <= noised_kernels.RANDN_BOUND < extreme * 1.0005
     edge = torch.empty(32, device=DEV)
     kernels_extreme_normals[(1,)](edge)                              # the largest radius at sixteen angles
     angles = torch.arange(16, dtype=torch.float64) * math.pi / 8
     torch.testing.assert_close(edge.cpu().double(), extreme * torch.cat([angles.cos(), angles.sin()]), rtol=0, atol=1e-5)
     out = torch.empty(2**20, device=DEV)
     kernels_normals[(2**20 // 2**14,)](out, 77, G=2**12)
-    assert out.abs().max().item() <= kernels.RANDN_BOUND
+    assert out.abs().max().item() <= noised_kernels.RANDN_BOUND
     q = torch.tensor([0.01, 0.1, 0.5, 0.9, 0.99])
     torch.testing.assert_close(torch.quantile(out.cpu(), q), torch.distributions.Normal(0.0, 1.0).icdf(q), rtol=0, atol=0.02)
 
@@ -181,12 +183,12 @@ if kernels.HAS_TRITON:
     @triton.jit
     def kernels_normals(out_ptr, seed, G: tl.constexpr):
         quads = tl.program_id(0) * G + tl.arange(0, G)
-        tl.store(out_ptr + 4 * tl.program_id(0) * G + tl.arange(0, 4 * G), kernels._normals(seed, quads.to(tl.int64)))
+        tl.store(out_ptr + 4 * tl.program_id(0) * G + tl.arange(0, 4 * G), noised_kernels._normals(seed, quads.to(tl.int64)))
 
     @triton.jit
     def kernels_extreme_normals(out_ptr):
         lanes = tl.arange(0, 16)
-        c, s = kernels._box_muller(tl.zeros([16], dtype=tl.uint32), lanes.to(tl.uint32) * 0x10000000)
+        c, s = noised_kernels._box_muller(tl.zeros([16], dtype=tl.uint32), lanes.to(tl.uint32) * 0x10000000)
         tl.store(out_ptr + lanes, c)
         tl.store(out_ptr + 16 + lanes, s)
 
@@ -200,18 +202,18 @@ def test_noised_hinge_kernel_loss_and_gradient(dtype, n):
     s[[0, 1], y[:2]] += 5
     margin = torch.rand(5, generator=g, dtype=dtype)
     x = s.to(DEV).requires_grad_()
-    loss = kernels.triton_noised_hinge(x, y.to(DEV), 4, 0.5, 6, margin.to(DEV), 2.5, generator=torch.Generator().manual_seed(2))
+    loss = noised_kernels.triton_noised_hinge(x, y.to(DEV), 4, 0.5, 6, margin.to(DEV), 2.5, generator=torch.Generator().manual_seed(2))
     (grad,) = torch.autograd.grad(loss.sum(), x)
-    mean, idx = (t.cpu() for t in kernels.perturbed_kth_triton(s.to(DEV), 4, 0.5, 6, generator=torch.Generator().manual_seed(2)))
+    mean, idx = (t.cpu() for t in noised_kernels.perturbed_kth_triton(s.to(DEV), 4, 0.5, 6, generator=torch.Generator().manual_seed(2)))
     hinge = margin.double() + mean.double() - s.double().gather(1, y[:, None])[:, 0]
     torch.testing.assert_close(loss.cpu().double(), 2.5 * hinge.clamp(min=0), rtol=1e-6, atol=1e-5)
     expected = 2.5 * (hinge > 0).double()[:, None] * (F.one_hot(idx, n).double().mean(0) - F.one_hot(y, n).double())
     torch.testing.assert_close(grad.cpu().double(), expected, rtol=1e-6, atol=1e-7)
     assert (loss[:2] == 0).all() and (loss[2:] > 0).all()
     with pytest.raises(ValueError, match="epsilon"):
-        kernels.triton_noised_hinge(x, y.to(DEV), 4, 0.0, 6)
+        noised_kernels.triton_noised_hinge(x, y.to(DEV), 4, 0.0, 6)
     with pytest.raises(ValueError, match="margin must be"):
-        kernels.triton_noised_hinge(x, y.to(DEV), 4, 0.5, 6, torch.ones(3, device=DEV))
+        noised_kernels.triton_noised_hinge(x, y.to(DEV), 4, 0.5, 6, torch.ones(3, device=DEV))
 
 
 @pytest.mark.parametrize("imbalanced", [False, True])
@@ -229,7 +231,7 @@ def test_noised_losses_use_the_kernel_and_its_gradient(imbalanced):
             loss = noised_bal(x, y, k=3, epsilon=0.4, n_samples=5, reduction="sum",
                                    generator=torch.Generator().manual_seed(1))
     loss.backward()
-    mean, idx = kernels.perturbed_kth_triton(s, 4, 0.4, 5, generator=torch.Generator().manual_seed(1))
+    mean, idx = noised_kernels.perturbed_kth_triton(s, 4, 0.4, 5, generator=torch.Generator().manual_seed(1))
     margin, scale = (margins_from_counts(counts)[y], 2.0) if imbalanced else (1.0, 1.0)
     hinge = margin + mean.double() - s.gather(1, y[:, None])[:, 0]
     torch.testing.assert_close(loss, scale * F.relu(hinge).sum())
@@ -260,7 +262,7 @@ def test_svm_kernels_equal_subset_enumeration(n, k, tau, block):
     g = torch.Generator().manual_seed(n + k)
     s = (4 * torch.randn(3, n, generator=g, dtype=torch.float64)).requires_grad_()
     y = torch.randint(0, n, (3,), generator=g)
-    loss = kernels.smooth_svm_triton(s.to(DEV), y.to(DEV), k, tau, alpha=0.5, block_n=block)
+    loss = svm_kernels.smooth_svm_triton(s.to(DEV), y.to(DEV), k, tau, alpha=0.5, block_n=block)
     grad, = (t.cpu() for t in torch.autograd.grad(loss.sum(), s))
     loss = loss.detach().cpu()
     s_ref = s.detach().clone().requires_grad_()
@@ -277,7 +279,7 @@ def test_svm_kernels_float32_within_targets_of_float64(n, k, tau, scale):
     g = torch.Generator().manual_seed(n)
     s = (scale * torch.randn(2, n, generator=g)).requires_grad_()
     y = torch.randint(0, n, (2,), generator=g)
-    loss = kernels.smooth_svm_triton(s.to(DEV), y.to(DEV), k, tau, block_n=32)
+    loss = svm_kernels.smooth_svm_triton(s.to(DEV), y.to(DEV), k, tau, block_n=32)
     grad, = (t.cpu() for t in torch.autograd.grad(loss.sum(), s))
     loss = loss.detach().cpu()
     ref_in = s.detach().double().requires_grad_()
@@ -297,13 +299,13 @@ def test_svm_kernels_float32_within_targets_of_float64(n, k, tau, scale):
                                                                            # a GPU compiles few variants
 def test_svm32_kernels_within_targets_of_float64(n, k, tau, scale, tile, equal):
     "The extended-float kernels of float32 scores: several tiles, all-head rows (n near k), equal scores, tau from 1e-4 to 100; above SVM32_MAX_K a polynomial a warp (k = 100; all-head rows: the scans take the backward)."
-    rows = 3 if k <= kernels.SVM32_MAX_K else 2                      # the interpreter runs a warp's lanes one by one
+    rows = 3 if k <= svm_kernels.SVM32_MAX_K else 2                      # the interpreter runs a warp's lanes one by one
     g = torch.Generator().manual_seed(n + k)
     s = torch.zeros(rows, n) if equal else scale * torch.randn(rows, n, generator=g)
     y = torch.randint(0, n, (rows,), generator=g)
     go = torch.rand(rows, generator=g) + 0.5
     x = s.to(DEV).requires_grad_()
-    loss = kernels.smooth_svm_triton(x, y.to(DEV), k, tau, tile=tile)
+    loss = svm_kernels.smooth_svm_triton(x, y.to(DEV), k, tau, tile=tile)
     grad, = torch.autograd.grad((loss * go.to(DEV)).sum(), x)
     loss, grad = loss.detach().cpu(), grad.cpu()
     ref_in = s.double().requires_grad_()
@@ -319,7 +321,7 @@ def test_svm32_kernels_give_nan_past_their_range():
     s = torch.randn(3, 30)
     s[1, 7] = 1e7
     x = s.to(DEV).requires_grad_()
-    loss = kernels.smooth_svm_triton(x, torch.tensor([0, 0, 5], device=DEV), 2, 0.5)
+    loss = svm_kernels.smooth_svm_triton(x, torch.tensor([0, 0, 5], device=DEV), 2, 0.5)
     loss.sum().backward()
     assert torch.isnan(loss[1]) and torch.isfinite(loss[[0, 2]]).all()
     assert torch.isnan(x.grad[1]).all() and torch.isfinite(x.grad[[0, 2]]).all()
@@ -331,7 +333,7 @@ def test_large_k_backward_takes_the_scans_on_rows_with_a_head_only():
     s[1, 5] += 300.0
     y = torch.tensor([0, 0, 7])
     x = s.to(DEV).requires_grad_()
-    loss = kernels.smooth_svm_triton(x, y.to(DEV), 40, 1.0)
+    loss = svm_kernels.smooth_svm_triton(x, y.to(DEV), 40, 1.0)
     grad, = torch.autograd.grad(loss.sum(), x)
     loss, grad = loss.detach().cpu(), grad.cpu()
     ref_in = s.double().requires_grad_()
@@ -339,7 +341,7 @@ def test_large_k_backward_takes_the_scans_on_rows_with_a_head_only():
     ref_grad, = torch.autograd.grad(ref.sum(), ref_in)
     torch.testing.assert_close(loss.double(), ref, rtol=1e-5, atol=0)
     assert ((grad.double() - ref_grad).abs().amax(1) <= 1e-4 * ref_grad.abs().amax(1)).all()
-    rho, sc, se, dm = (t.cpu() for t in kernels._svm32_forward_op(s.to(DEV), y.to(DEV), None, 40, 1.0, 1.0, 0, -1,
+    rho, sc, se, dm = (t.cpu() for t in svm_kernels._svm32_forward_op(s.to(DEV), y.to(DEV), None, 40, 1.0, 1.0, 0, -1,
                                                                 kernels.ROWS)[4:8])
     lrho = (se[:, 39] - se[:, 40]).double() + torch.log2(sc[:, 39].double() / sc[:, 40].double())
     assert (dm.double() + lrho > -1.0).tolist() == [False, True, False]
@@ -350,7 +352,7 @@ def test_forward_stores_the_backward_constants(k, tile):
     "The forward's constants for the Horner backward, a polynomial a thread (k = 5) and a warp (k = 40), rows of one tile and of several: log2 rho_k and r_j = rho_j / rho_k as float64 computes them from the stored sigma."
     s = torch.randn(2, 300, generator=torch.Generator().manual_seed(k + tile))
     y = torch.tensor([3, 200])
-    rho, sc, se, dm, rr = (t.cpu() for t in kernels._svm32_forward_op(s.to(DEV), y.to(DEV), None, k, 1.0, 1.0, tile, -1,
+    rho, sc, se, dm, rr = (t.cpu() for t in svm_kernels._svm32_forward_op(s.to(DEV), y.to(DEV), None, k, 1.0, 1.0, tile, -1,
                                                                       kernels.ROWS)[4:])
     log2_sigma = torch.log2(sc.double()) + se.double()                # (2, k + 1)
     log2_rho = log2_sigma[:, :-1] - log2_sigma[:, 1:]                 # log2 sigma_{j-1} / sigma_j, j = 1..k
@@ -361,7 +363,7 @@ def test_forward_stores_the_backward_constants(k, tile):
 def test_large_k_kernels_give_nan_past_their_range():
     s = torch.randn(2, 60)
     s[1, 7] = 1e9
-    loss = kernels.smooth_svm_triton(s.to(DEV), torch.tensor([0, 5], device=DEV), 40, 0.5).cpu()
+    loss = svm_kernels.smooth_svm_triton(s.to(DEV), torch.tensor([0, 5], device=DEV), 40, 0.5).cpu()
     assert torch.isnan(loss[1]) and torch.isfinite(loss[0])
 
 
@@ -369,19 +371,19 @@ def test_large_k_fixed_exponent_passes_and_tiles():
     "Normal scores at tau = 1: every pass of a tile takes the fixed exponents (four a chunk of 32), and the loss of a row cut into tiles is the loss of the row in one. Rows of 200 classes: four tiles of 64 (the last one short), one tile of 224 against three of 96."
     s = torch.randn(2, 200, generator=torch.Generator().manual_seed(4))
     y = torch.tensor([3, 150])
-    passes = kernels.svm32_tiles(s.to(DEV), y.to(DEV), 100, 1.0, tile=64)[3].cpu()
+    passes = svm_kernels.svm32_tiles(s.to(DEV), y.to(DEV), 100, 1.0, tile=64)[3].cpu()
     assert passes.shape == (2, 4) and (passes == 4 * 64 // 32).all()
-    one = kernels.smooth_svm_triton(s.to(DEV), y.to(DEV), 100, 1.0, tile=224).cpu()
-    cut = kernels.smooth_svm_triton(s.to(DEV), y.to(DEV), 100, 1.0, tile=96).cpu()
+    one = svm_kernels.smooth_svm_triton(s.to(DEV), y.to(DEV), 100, 1.0, tile=224).cpu()
+    cut = svm_kernels.smooth_svm_triton(s.to(DEV), y.to(DEV), 100, 1.0, tile=96).cpu()
     torch.testing.assert_close(cut, one, rtol=1e-6, atol=0)
-    assert kernels.svmw_plan(256, 1000) == (256, 4) and kernels.svmw_plan(256, 100_000)[1] == 16
+    assert svm_kernels.svmw_plan(256, 1000) == (256, 4) and svm_kernels.svmw_plan(256, 100_000)[1] == 16
 
 
 def test_svm_kernels_differentiate_twice():
     g = torch.Generator().manual_seed(2)
     s = torch.randn(2, 7, generator=g, dtype=torch.float64).to(DEV).requires_grad_()
     y = torch.randint(0, 7, (2,), generator=g).to(DEV)
-    assert torch.autograd.gradgradcheck(lambda x: kernels.smooth_svm_triton(x, y, 3, 0.5, block_n=4), (s,))
+    assert torch.autograd.gradgradcheck(lambda x: svm_kernels.smooth_svm_triton(x, y, 3, 0.5, block_n=4), (s,))
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
@@ -406,12 +408,12 @@ def test_smooth_svm_takes_the_kernels_without_syncs(reduction):
 def test_svm_kernels_refuse_what_they_cannot_take():
     x = torch.randn(2, 10, device=DEV)
     with kernels.force_triton():
-        assert kernels.svm_triton_ok(x, 9) and not kernels.svm_triton_ok(x, 10)
-        assert not kernels.svm_triton_ok(torch.randn(2, 500, device=DEV), kernels.SVM_MAX_K + 1)
-        assert not kernels.svm_triton_ok(torch.randn(10, device=DEV), 3)
-    assert not kernels.svm_triton_ok(x.cpu(), 3)                    # CPU tensors outside force_triton
+        assert svm_kernels.svm_triton_ok(x, 9) and not svm_kernels.svm_triton_ok(x, 10)
+        assert not svm_kernels.svm_triton_ok(torch.randn(2, 500, device=DEV), svm_kernels.SVM_MAX_K + 1)
+        assert not svm_kernels.svm_triton_ok(torch.randn(10, device=DEV), 3)
+    assert not svm_kernels.svm_triton_ok(x.cpu(), 3)                    # CPU tensors outside force_triton
     with pytest.raises(ValueError, match="k"):
-        kernels.smooth_svm_triton(x, torch.zeros(2, dtype=torch.long, device=DEV), 10, 1.0)
+        svm_kernels.smooth_svm_triton(x, torch.zeros(2, dtype=torch.long, device=DEV), 10, 1.0)
 
 
 _COMPILE = """
@@ -419,7 +421,7 @@ import sys
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import triton
-import topk_nb.kernels as K
+from topk_nb import kernels as K, noised_kernels, svm_kernels
 ptrs = lambda names, kinds: dict(zip(names, kinds))
 fwd = ptrs(["s_ptr", "y_ptr", "loss_ptr", "lsig_ptr", "rho_ptr", "ckpt_ptr"], ["*fp32", "*i64"] + ["*fp64"] * 4)
 fwd.update(n="i32", n_blocks="i32", inv_ktau_bits="i64", alpha_tau_bits="i64", tau_bits="i64")
@@ -428,7 +430,7 @@ bwd = ptrs(["s_ptr", "y_ptr", "go_ptr", "w_ptr", "den_ptr", "lsig_ptr", "rho_ptr
 bwd.update(n="i32", n_blocks="i32", inv_ktau_bits="i64", ignore_index="i32")
 conv = {"REDUCTION": 1, "HAS_WEIGHT": True}        # a module's weighted mean: the conventions in the gradient kernels
 for k, fast in ((1, True), (3, True), (3, False)):
-    for fn, sig, extra in ((K._svm_forward_kernel, fwd, {}), (K._svm_backward_kernel, bwd, conv)):
+    for fn, sig, extra in ((svm_kernels._svm_forward_kernel, fwd, {}), (svm_kernels._svm_backward_kernel, bwd, conv)):
         sig = {**sig, "K": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "FAST": "constexpr",
                **{name: "constexpr" for name in extra}}
         if not fast:
@@ -453,11 +455,11 @@ grow = ptrs(["rho_ptr", "y_ptr", "go_ptr", "w_ptr", "den_ptr", "sc_ptr", "se_ptr
 grow.update(n="i32", n_tiles="i32", ignore_index="i32")
 for k in (1, 3, 9):                                # 9: the forward's class loop is a loop above k = 8
     lanes, hmax = {"K": k, "L": 32, "LOG_L": 5, "R": 8}, triton.next_power_of_2(3 * k + 2)
-    for fn, sig, const in ((K._svm32_tile_kernel, tile, {**lanes, "ONE_TILE": False}),
-                           (K._svm32_tile_kernel, tile, {**lanes, "ONE_TILE": True}), (K._svm32_row_kernel, row, {"K": k}),
-                           *((K._svm32_grad_tile_kernel, gtile, {**lanes, "HMAX": hmax, **conv, "HEAD": head})
+    for fn, sig, const in ((svm_kernels._svm32_tile_kernel, tile, {**lanes, "ONE_TILE": False}),
+                           (svm_kernels._svm32_tile_kernel, tile, {**lanes, "ONE_TILE": True}), (svm_kernels._svm32_row_kernel, row, {"K": k}),
+                           *((svm_kernels._svm32_grad_tile_kernel, gtile, {**lanes, "HMAX": hmax, **conv, "HEAD": head})
                              for head in ((0, 1, 2) if k == 3 else (0,))),   # both paths; rows without a head; with one
-                           (K._svm32_grad_row_kernel, grow, {"K": k, "HMAX": hmax, **conv})):
+                           (svm_kernels._svm32_grad_row_kernel, grow, {"K": k, "HMAX": hmax, **conv})):
         sig = {**sig, **{name: "constexpr" for name in const}}
         assert triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32)).asm["cubin"]
 head = ptrs(["s_ptr", "y_ptr", "go_ptr", "w_ptr", "den_ptr", "loss_ptr", "lsig_ptr", "rho_ptr", "rho2_ptr", "ckpt_ptr",
@@ -465,10 +467,10 @@ head = ptrs(["s_ptr", "y_ptr", "go_ptr", "w_ptr", "den_ptr", "loss_ptr", "lsig_p
 head.update(n="i32", n_blocks="i32", n_tiles="i32", inv_ktau_bits="i64", tau_bits="i64", ignore_index="i32")
 for k in (33, 100):                                # a polynomial a warp: M = 2, 4 degrees a lane; Horner at k = 100
     m = {"K": k, "M": -(-(k + 1) // 32)}
-    for fn, sig, const in ((K._svmw_tile_kernel, tile, {**m, "ONE_TILE": False}), (K._svmw_tile_kernel, tile, {**m, "ONE_TILE": True}),
-                           (K._svmw_row_kernel, row, m),
-                           (K._svm32_grad_tile_kernel, gtile, {"K": k, "L": 32, "LOG_L": 5, "R": 8, "HMAX": 1, **conv, "HEAD": 1}),
-                           (K._svm_head_rows_kernel, head, {**conv, "K": k, "BLOCK_N": 64, "BLOCK_K": 128})):
+    for fn, sig, const in ((svm_kernels._svmw_tile_kernel, tile, {**m, "ONE_TILE": False}), (svm_kernels._svmw_tile_kernel, tile, {**m, "ONE_TILE": True}),
+                           (svm_kernels._svmw_row_kernel, row, m),
+                           (svm_kernels._svm32_grad_tile_kernel, gtile, {"K": k, "L": 32, "LOG_L": 5, "R": 8, "HMAX": 1, **conv, "HEAD": 1}),
+                           (svm_kernels._svm_head_rows_kernel, head, {**conv, "K": k, "BLOCK_N": 64, "BLOCK_K": 128})):
         sig = {**sig, **{name: "constexpr" for name in const}}
         assert triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32)).asm["cubin"]
 cand = ptrs(["s_ptr", "noise_ptr", "seed_ptr", "top_ptr", "scratch_ptr", "count_ptr", "cval_ptr", "cidx_ptr"],
@@ -483,24 +485,24 @@ grad.update(n_rows="i32", n="i32", scale_bits="i64", ignore_index="i32")
 finish = ptrs(["loss_ptr", "mean_ptr", "s_ptr", "margin_ptr", "y_ptr", "w_ptr", "wl_ptr", "out_ptr", "den_ptr", "ok_ptr"],
               ["*fp32", "*fp32", "*fp32", "*fp64", "*i64", "*fp32", "*fp32", "*fp32", "*fp32", "*i1"])
 finish.update(n_rows="i32", n="i32", ignore_index="i32", alpha_bits="i64", scale_bits="i64")
-kernels_and_constants = [(K._perturbed_merge_kernel, merge, {"KTH": 5, "N_SAMPLES": 3, "S_PAD": 4, "SORTED": sorted_,
+kernels_and_constants = [(noised_kernels._perturbed_merge_kernel, merge, {"KTH": 5, "N_SAMPLES": 3, "S_PAD": 4, "SORTED": sorted_,
                                                              "HINGE": True, "HAS_MARGIN": True, "BLOCK": 1024})
                          for sorted_ in (True, False)]
-kernels_and_constants += [(K._perturbed_candidates_kernel, cand, {"KTH": 5, "N_SAMPLES": 10, "DRAWS": 3, "DS": 16, "DC": 4,
+kernels_and_constants += [(noised_kernels._perturbed_candidates_kernel, cand, {"KTH": 5, "N_SAMPLES": 10, "DRAWS": 3, "DS": 16, "DC": 4,
                                                                   "GIVEN_NOISE": given, "PRUNE": prune, "OVERFLOW": over,
                                                                   "BLOCK": 1024, "CAP": 256, "SMALL": 64, "TINY": 16,
                                                                   "DQ": 16})
                           for given in (False, True) for prune, over in ((False, False), (True, False), (False, True))]
 floor = ptrs(["s_ptr", "noise_ptr", "seed_ptr", "top_ptr", "cls_ptr", "floor_ptr"],
              ["*fp32", "*fp32", "*i64", "*fp32", "*i32", "*fp32"]) | dict(n="i32", n_rows="i32", epsilon="fp32")
-kernels_and_constants += [(K._chunk_top_kernel, floor | dict(n_chunks="i32"),
+kernels_and_constants += [(noised_kernels._chunk_top_kernel, floor | dict(n_chunks="i32"),
                            {"KTH": kth, "N_SAMPLES": 10, "KPAD": kpad, "DT": 16, "GIVEN_NOISE": given, "FLOOR": one,
                             "BLOCK": 1024})
                           for kth, kpad in ((5, 8), (21, 32)) for given in (False, True) for one in (True, False)]
-kernels_and_constants += [(K._row_top_kernel, floor | dict(n_cand="i32"),
+kernels_and_constants += [(noised_kernels._row_top_kernel, floor | dict(n_cand="i32"),
                            {"KTH": 5, "N_SAMPLES": 10, "KPAD": 8, "DT": 16, "GIVEN_NOISE": given, "BLOCK": 64})
                           for given in (False, True)]
-kernels_and_constants += [(K._perturbed_grad_kernel, grad, {"N_SAMPLES": 3, "HINGE": hinge, "REDUCTION": reduction,
+kernels_and_constants += [(noised_kernels._perturbed_grad_kernel, grad, {"N_SAMPLES": 3, "HINGE": hinge, "REDUCTION": reduction,
                                                             "HAS_WEIGHT": reduction == 1, "BLOCK": 1024})
                           for hinge, reduction in ((False, -1), (True, -1), (True, 1))]
 kernels_and_constants += [(K._finish_kernel, finish, {"REDUCTION": reduction, "HAS_WEIGHT": reduction == 1, "HINGE": hinge,
@@ -601,7 +603,7 @@ def test_noised_modules_apply_the_conventions_in_the_kernels(name, reduction, ca
     with force_sync_free(), kernels.force_triton():
         out = crit(x, y.to(DEV))
         out.sum().backward()
-    mean, idx = (t.cpu() for t in kernels.perturbed_kth_triton(s.to(DEV), 4, 0.4, 5, generator=torch.Generator().manual_seed(1)))
+    mean, idx = (t.cpu() for t in noised_kernels.perturbed_kth_triton(s.to(DEV), 4, 0.4, 5, generator=torch.Generator().manual_seed(1)))
     yc = torch.where(y == kw.get("ignore_index", -100), 0, y)
     margin, scale = (margins_from_counts(counts)[yc], 2.0) if name == "noised_imbal" else (1.0, 1.0)
     x64 = s.clone().requires_grad_()
@@ -645,8 +647,8 @@ def test_svm32_fast_passes_within_targets_of_float64(k, tau, late):
         s[:, 1800] = s.amax(1) + late                                  # pass 8 of thread 8: e far above its ratios
     x = s.to(DEV).requires_grad_()
     with kernels.force_triton():
-        *_, fast = kernels.svm32_tiles(x.detach(), y.to(DEV), k, tau, tile)
-        loss = kernels.smooth_svm_triton(x, y.to(DEV), k, tau, tile=tile)
+        *_, fast = svm_kernels.svm32_tiles(x.detach(), y.to(DEV), k, tau, tile)
+        loss = svm_kernels.smooth_svm_triton(x, y.to(DEV), k, tau, tile=tile)
         grad, = torch.autograd.grad(loss.sum(), x)
     fast, loss, grad = fast.cpu(), loss.detach().cpu(), grad.cpu()
     passes = tile // (32 * 8)
@@ -666,7 +668,7 @@ def test_svm32_fast_passes_within_targets_of_float64(k, tau, late):
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from topk_nb.kernels import _load_poly, _poly_fixed_ok, _poly_mul, _poly_mul_fixed  # noqa: E402
+from topk_nb.svm_kernels import _load_poly, _poly_fixed_ok, _poly_mul, _poly_mul_fixed   # noqa: E402
 
 
 @triton.jit

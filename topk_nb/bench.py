@@ -23,6 +23,7 @@ from .core import _WORKSPACE, force_sync_free, fwd_bwd, time_fn
 from .esp import log_esp, log_esp_summation
 from .esp_backward import LOG_SIGMA_METHODS, log_sigma
 from .losses import LOSSES, get_loss
+from . import noised_kernels, svm_kernels   # the kernels the cost model reads (chapters 03a, 05a)
 from .models import get_model
 
 # %% auto #0
@@ -858,8 +859,8 @@ def _svm_shape(sh: dict) -> tuple[int, int, int]:
 
 # %% ../nbs/14_bench.ipynb #a4596f3f
 def _plan(sh: dict) -> dict:
-    "The selection kernels' launch for the shape, as `kernels._selection_plan` makes it (K = k + 1, 10 draws)."
-    from topk_nb.kernels import _selection_plan
+    "The selection kernels' launch for the shape, as `noised_kernels._selection_plan` makes it (K = k + 1, 10 draws)."
+    from topk_nb.noised_kernels import _selection_plan
     return _selection_plan(sh["B"], sh["n"], 10, 0, 0, sh["k"] + 1)
 
 
@@ -868,7 +869,7 @@ def live_classes(sh: dict,              # {'B', 'n', 'k'}
                  sigma: float = 2.0,    # the scores' standard deviation (`bench_scores` draws N(0, 2^2))
                  ) -> float:
     "Expected live classes of a chunk of normal scores: those within epsilon (RANDN_BOUND + m) below the row's (k+1)-th largest score, m the expected largest of 10 (k + 1) normals (the least noise of the k + 1 largest scores over 10 draws, below them)."
-    from topk_nb.kernels import RANDN_BOUND
+    from topk_nb.noised_kernels import RANDN_BOUND
     p = _plan(sh)
     m = min(sh["n"], p["BLOCK"])                                    # classes of a full chunk
     nd = torch.distributions.Normal(0.0, 1.0)
@@ -902,7 +903,7 @@ def _candidates_model(K, mode: str) -> KernelModel:
     draws = lambda sh: _plan(sh)["DRAWS"]                                 # draws a program
     whole = lambda sh: not prune(sh) and not (over(sh) and tiled(sh))   # it draws the noise of the whole chunk
     return KernelModel(
-        K._perturbed_candidates_kernel, sig,
+        noised_kernels._perturbed_candidates_kernel, sig,
         lambda sh: dict(KTH=sh["k"] + 1, N_SAMPLES=10, DRAWS=draws(sh), GIVEN_NOISE=False, PRUNE=prune(sh),
                         OVERFLOW=over(sh), BLOCK=_plan(sh)["BLOCK"],
                         CAP=max(1, _plan(sh)["CAP"]), SMALL=_plan(sh)["SMALL"], DS=_plan(sh)["DS"], DC=_plan(sh)["DC"], TINY=_plan(sh)["TINY"], DQ=_plan(sh)["DQ"]),
@@ -936,7 +937,7 @@ MODULE_MEAN = dict(REDUCTION=1, HAS_WEIGHT=False)   # the conventions' constants
 
 def _svm32_models(K) -> dict:
     "The float32 smooth SVM kernels (extended floats), as `svm32_plan` and `svmw_plan` launch them, on rows without a head (the backward's Horner recurrence alone)."
-    plan = lambda sh: K.svm32_plan(sh["B"], sh["n"])                       # (L, R, tile, tiles)
+    plan = lambda sh: svm_kernels.svm32_plan(sh["B"], sh["n"])                       # (L, R, tile, tiles)
     lanes = lambda sh: dict(K=sh["k"], L=plan(sh)[0], LOG_L=plan(sh)[0].bit_length() - 1, R=plan(sh)[1])
     tiled = lambda sh: plan(sh)[3] > 1                                      # else a row is one tile: no row kernel
     hmax = lambda sh: _pow2(3 * sh["k"] + 2)
@@ -968,7 +969,7 @@ def _svm32_models(K) -> dict:
     # loop can be attributed to it (its lines are the body's), so both carry the passes of the outer loop. The forward
     # tile kernel's exact passes unroll U classes a trip of their class loop: all R of a pass up to k = _UNROLL_K (the
     # loop over r has one trip and no SASS loop), _UNROLL_U above (the SASS loop over r is attributed to the loop over u).
-    unroll = lambda sh: plan(sh)[1] if sh["k"] <= K._UNROLL_K.value else K._UNROLL_U.value
+    unroll = lambda sh: plan(sh)[1] if sh["k"] <= svm_kernels._UNROLL_K.value else svm_kernels._UNROLL_U.value
     # Its passes on fixed exponents: every pass of rows whose spread (s_i - s_y) / (k tau) is a few units, as the
     # table's (normal scores, tau = 1); chapter 03a counts them on such rows, and on the spread rows of a small
     # tau that are refused. Their polynomials, products of many such classes, have the smooth log-concave coefficients
@@ -980,7 +981,7 @@ def _svm32_models(K) -> dict:
     grad_branches = (("if has_head", lambda sh: 0.0), ("if has_head == 0", lambda sh: 1.0))    # rows without a head
     return {
         "smooth_svm32_tile": KernelModel(
-            K._svm32_tile_kernel, tile, lambda sh: {**lanes(sh), "ONE_TILE": not tiled(sh)},
+            svm_kernels._svm32_tile_kernel, tile, lambda sh: {**lanes(sh), "ONE_TILE": not tiled(sh)},
             (("for t0 in range(0, tile, L * R)", steps), ("for i in tl.static_range(R)", steps),
              ("for i in tl.static_range(1, R)", steps), ("for r in range(0, R, U)", lambda sh: plan(sh)[1] // unroll(sh)),
              ("for u in tl.static_range(U)", lambda sh: steps(sh) if unroll(sh) == plan(sh)[1] else plan(sh)[1] // unroll(sh)),
@@ -990,24 +991,24 @@ def _svm32_models(K) -> dict:
             branches=(("if fast == 1", fast),                               # the passes on fixed exponents
                       ("if tl.min(ok.to(tl.int32), 0) == 1", lambda sh: 1.0))),   # the lanes' products: plain multiply-adds
         "smooth_svm32_row": KernelModel(
-            K._svm32_row_kernel, row, lambda sh: dict(K=sh["k"]),
+            svm_kernels._svm32_row_kernel, row, lambda sh: dict(K=sh["k"]),
             (("for p in range(1, n_tiles)", lambda sh: plan(sh)[3] - 1), ("for j in tl.static_range(K + 1)", once)),
             lambda sh: poly(sh) + sh["B"] * (4 + 8 + (sh["k"] + 1) * 8),
             num_warps=lambda sh: 1, programs=lambda sh: sh["B"] if tiled(sh) else 0,
             branches=(("if ok", lambda sh: 1.0),)),                            # the tiles' products: plain multiply-adds
         "smooth_svm32_grad_tile": KernelModel(                              # rows of one tile: both paths (HEAD 0);
-            K._svm32_grad_tile_kernel, gtile,                                   # else the rows without a head (HEAD 1)
+            svm_kernels._svm32_grad_tile_kernel, gtile,                                   # else the rows without a head (HEAD 1)
             lambda sh: {**lanes(sh), "HMAX": hmax(sh), **MODULE_MEAN, "HEAD": 1 if tiled(sh) else 0},
             grad_loops, lambda sh: 2 * sh["B"] * sh["n"] * 4,                   # the scores, the gradient
             num_warps=lambda sh: plan(sh)[0] // 32, programs=lambda sh: sh["B"] * plan(sh)[3], elements=lambda sh: plan(sh)[2],
             branches=grad_branches),
         "smooth_svm32_grad_head": KernelModel(                              # rows of several tiles: those with a head
-            K._svm32_grad_tile_kernel, gtile, lambda sh: {**lanes(sh), "HMAX": hmax(sh), **MODULE_MEAN, "HEAD": 2},
+            svm_kernels._svm32_grad_tile_kernel, gtile, lambda sh: {**lanes(sh), "HMAX": hmax(sh), **MODULE_MEAN, "HEAD": 2},
             grad_loops, lambda sh: sh["B"] * plan(sh)[3] * (sh["k"] + 1) * 16,  # the row's constants: none has a head
             num_warps=lambda sh: plan(sh)[0] // 32, programs=lambda sh: sh["B"] * plan(sh)[3] if tiled(sh) else 0,
             elements=lambda sh: plan(sh)[2], branches=grad_branches),
         "smooth_svm32_grad_row": KernelModel(
-            K._svm32_grad_row_kernel, grow, lambda sh: dict(K=sh["k"], HMAX=hmax(sh), **MODULE_MEAN),
+            svm_kernels._svm32_grad_row_kernel, grow, lambda sh: dict(K=sh["k"], HMAX=hmax(sh), **MODULE_MEAN),
             (("for p in range(n_tiles)", lambda sh: plan(sh)[3]), ("for p in range(1, n_tiles)", lambda sh: 0),
              ("for gi in range(hc)", lambda sh: 0)),
             lambda sh: sh["B"] * plan(sh)[3] * 4 + sh["B"] * 8,                # the tiles' head counts
@@ -1018,7 +1019,7 @@ def _svm32_models(K) -> dict:
 
 def _svmw_models(K, tile, row, gtile, lanes32, plan32, grad_loops, grad_branches) -> dict:
     "The large-k kernels (a polynomial a warp, `svmw_plan`); their backward is the float32 Horner kernel (`HEAD` 1). The log-space scans that take the rows with a head run on none of the table's rows: their programs return at once, so only their launches count (`COST_STEPS`)."
-    plan = lambda sh: K.svmw_plan(sh["B"], sh["n"])                        # (tile, tiles)
+    plan = lambda sh: svm_kernels.svmw_plan(sh["B"], sh["n"])                        # (tile, tiles)
     M = lambda sh: -(-(sh["k"] + 1) // 32)                                  # degrees a lane
     chunks = lambda sh: plan(sh)[0] // 32                                   # chunks of 32 classes a tile
     tiled = lambda sh: plan(sh)[1] > 1
@@ -1031,7 +1032,7 @@ def _svmw_models(K, tile, row, gtile, lanes32, plan32, grad_loops, grad_branches
     rest = lambda sh: chunks(sh) - warm(sh)
     return {
         "smooth_svmw_tile": KernelModel(
-            K._svmw_tile_kernel, sig, lambda sh: dict(K=sh["k"], M=M(sh), ONE_TILE=not tiled(sh)),
+            svm_kernels._svmw_tile_kernel, sig, lambda sh: dict(K=sh["k"], M=M(sh), ONE_TILE=not tiled(sh)),
             (("for t0 in range(0, warm, 32)", warm), ("for g in tl.static_range(4)", warm), ("for r in range(8)", lambda sh: 8),
              ("for t0 in range(warm, tile, 32)", rest), ("for m in tl.static_range(M)", rest),
              ("for g in tl.static_range(4)", rest), ("for r in range(32)", lambda sh: 32)),
@@ -1039,7 +1040,7 @@ def _svmw_models(K, tile, row, gtile, lanes32, plan32, grad_loops, grad_branches
             num_warps=lambda sh: 1, programs=lambda sh: sh["B"] * plan(sh)[1], elements=lambda sh: plan(sh)[0],
             branches=(("if ok", lambda sh: 1.0), ("if (tl.min(gap, 0) >= qtop + 2 - _FAST_GAP) | (top == -float('inf'))", lambda sh: 1.0))),
         "smooth_svmw_row": KernelModel(
-            K._svmw_row_kernel, {**row, "M": "constexpr"}, lambda sh: dict(K=sh["k"], M=M(sh)),
+            svm_kernels._svmw_row_kernel, {**row, "M": "constexpr"}, lambda sh: dict(K=sh["k"], M=M(sh)),
             (("for p in range(1, n_tiles)", lambda sh: plan(sh)[1] - 1), ("for a0 in range((K + M) // M)", lanes),
              ("for m in tl.static_range(M)", lanes), ("for a0 in range((K + M) // M)", lanes),
              ("for m in tl.static_range(M)", lanes)),
@@ -1047,7 +1048,7 @@ def _svmw_models(K, tile, row, gtile, lanes32, plan32, grad_loops, grad_branches
             num_warps=lambda sh: 1, programs=lambda sh: sh["B"] if tiled(sh) else 0,
             branches=(("if tl.min(ok.to(tl.int32), 0) == 1", lambda sh: 1.0),)),   # plain multiply-adds in chord units
         "smooth_svmw_grad": KernelModel(
-            K._svm32_grad_tile_kernel, gtile, lambda sh: {**lanes32(sh), "HMAX": 1, **MODULE_MEAN, "HEAD": 1},
+            svm_kernels._svm32_grad_tile_kernel, gtile, lambda sh: {**lanes32(sh), "HMAX": 1, **MODULE_MEAN, "HEAD": 1},
             grad_loops, lambda sh: 2 * sh["B"] * sh["n"] * 4,                   # the scores, the gradient
             num_warps=lambda sh: plan32(sh)[0] // 32, programs=lambda sh: sh["B"] * plan32(sh)[3],
             elements=lambda sh: plan32(sh)[2], branches=grad_branches),
@@ -1080,7 +1081,7 @@ def _kernel_models() -> dict:
         "perturbed_candidates, overflow": _candidates_model(K, "overflow"),
         "perturbed_candidates, unpruned": _candidates_model(K, "unpruned"),
         "chunk_top": KernelModel(
-            K._chunk_top_kernel, {**_floor_sig, "n_chunks": "i32", "FLOOR": "constexpr"},
+            noised_kernels._chunk_top_kernel, {**_floor_sig, "n_chunks": "i32", "FLOOR": "constexpr"},
             lambda sh: dict(**_floor_constants(sh), FLOOR=_plan(sh)["chunks"] == 1, BLOCK=_plan(sh)["BLOCK"]),
             (("for t in range(KTH)", lambda sh: sh["k"] + 1),
              ("for d0 in range(0, N_SAMPLES, DT)", lambda sh: -(-10 // _plan(sh)["DT"]))),   # (one chunk: the threshold)
@@ -1088,7 +1089,7 @@ def _kernel_models() -> dict:
             num_warps=lambda sh: _plan(sh)["warps"], programs=lambda sh: sh["B"] * _plan(sh)["chunks"],
             elements=lambda sh: _plan(sh)["BLOCK"]),
         "row_top": KernelModel(
-            K._row_top_kernel, {**_floor_sig, "n_cand": "i32"},
+            noised_kernels._row_top_kernel, {**_floor_sig, "n_cand": "i32"},
             lambda sh: dict(**_floor_constants(sh), BLOCK=_pow2(_plan(sh)["chunks"] * (sh["k"] + 1))),
             (("for t in range(KTH)", lambda sh: sh["k"] + 1),
              ("for d0 in range(0, N_SAMPLES, DT)", lambda sh: -(-10 // _plan(sh)["DT"]))),   # the threshold
@@ -1096,7 +1097,7 @@ def _kernel_models() -> dict:
             num_warps=lambda sh: min(16, max(1, _pow2(_plan(sh)["chunks"] * (sh["k"] + 1)) // 256)),
             programs=lambda sh: sh["B"] * (_plan(sh)["chunks"] > 1)),    # a row of one chunk: none
         "perturbed_merge": KernelModel(
-            K._perturbed_merge_kernel,
+            noised_kernels._perturbed_merge_kernel,
             dict(cval_ptr="*fp32", cidx_ptr="*i64", s_ptr="*fp32", y_ptr="*i64", margin_ptr="*fp32", mean_ptr="*fp32",
                  idx_ptr="*i64", loss_ptr="*fp32", n_rows="i32", n="i32", n_cand="i32", alpha_bits="i64",
                  scale_bits="i64", KTH="constexpr", N_SAMPLES="constexpr", S_PAD="constexpr", SORTED="constexpr",
@@ -1109,7 +1110,7 @@ def _kernel_models() -> dict:
             lambda sh: 10 * sh["B"] * _plan(sh)["chunks"] * (sh["k"] + 1) * 12 + sh["B"] * (8 + 10 * 8 + 16),  # candidates; results
             num_warps=lambda sh: min(16, max(1, _pow2(_plan(sh)["chunks"] * (sh["k"] + 1)) // 256))),
         "perturbed_grad": KernelModel(
-            K._perturbed_grad_kernel,
+            noised_kernels._perturbed_grad_kernel,
             dict(idx_ptr="*i64", go_ptr="*fp32", loss_ptr="*fp32", y_ptr="*i64", w_ptr="*fp32", den_ptr="*fp32", g_ptr="*fp32",
                  n_rows="i32", n="i32", scale_bits="i64", ignore_index="i32", N_SAMPLES="constexpr", HINGE="constexpr",
                  REDUCTION="constexpr", HAS_WEIGHT="constexpr", BLOCK="constexpr"),
@@ -1119,11 +1120,11 @@ def _kernel_models() -> dict:
             programs=lambda sh: sh["B"] * -(-sh["n"] // min(1024, _pow2(sh["n"]))),
             elements=lambda sh: min(1024, _pow2(sh["n"]))),
         "smooth_svm_forward": KernelModel(
-            K._svm_forward_kernel, {**svm_fwd, **const}, blocks,
+            svm_kernels._svm_forward_kernel, {**svm_fwd, **const}, blocks,
             (("for blk in range(0, n_blocks)", lambda sh: _svm_shape(sh)[1]), ("for j in range(1, K + 1)", lambda sh: sh["k"])),
             lambda sh: sh["B"] * (sh["n"] * 4 + _svm_shape(sh)[1] * _svm_shape(sh)[2] * 8 + 8 + 40)),  # + checkpoints
         "smooth_svm_backward": KernelModel(
-            K._svm_backward_kernel, {**svm_bwd, **const}, lambda sh: {**blocks(sh), **MODULE_MEAN},
+            svm_kernels._svm_backward_kernel, {**svm_bwd, **const}, lambda sh: {**blocks(sh), **MODULE_MEAN},
             (("for bb in range(0, n_blocks)", lambda sh: _svm_shape(sh)[1]), ("for j in range(1, K)", lambda sh: sh["k"] - 1),
              ("for j in range(1, K)", lambda sh: sh["k"] - 1)),
             lambda sh: sh["B"] * (3 * sh["n"] * 4 + _svm_shape(sh)[1] * _svm_shape(sh)[2] * 8   # scores twice, gradient

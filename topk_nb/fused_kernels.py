@@ -14,7 +14,8 @@ from .kernels import HAS_TRITON, _FORCE, _launch, cdiv, f64_bits, next_pow2
 if HAS_TRITON:
     import triton
     import triton.language as tl
-    from topk_nb.kernels import _excl_combine, _f64, _lae
+    from topk_nb.kernels import _f64
+    from topk_nb.svm_kernels import _excl_combine, _lae
 
 # %% auto #0
 __all__ = ['HEAD_MAX_K', 'HEAD_DTYPES', 'HEAD_BLOCKS', 'head_triton_ok', 'head_svm_partials', 'head_svm_tail_grad',

@@ -859,12 +859,11 @@ def _launch_variant(kernel, args: tuple, kwargs: dict) -> tuple:
 @contextlib.contextmanager
 def recorded_launches(found: dict # filled: launch variant -> launches
                       ):
-    "Inside: each Triton launch of `topk_nb.kernels` is recorded in `found` instead of run, its tensors set to zero (flags to True) so that the code around it goes on."
+    "Inside: each Triton launch of the package's kernels (every module launches through `topk_nb.kernels._launch`) is recorded in `found` instead of run, its tensors set to zero (flags to True) so that the code around it goes on."
     from topk_nb import kernels as K
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("recorded_launches routes CPU tensors to the kernels, which needs TRITON_INTERPRET=1 "
                            "(topk_nb sets it where there is no CUDA device)")
-    real = K._launch
 
     def record(kernel, grid, *args, **kwargs):
         for a in args:
@@ -873,12 +872,12 @@ def recorded_launches(found: dict # filled: launch variant -> launches
         key = _launch_variant(kernel, args, kwargs)
         found[key] = found.get(key, 0) + 1
 
-    K._launch = record
+    K._LAUNCHES.record = record
     try:
         with K.force_triton(), force_sync_free():
             yield found
     finally:
-        K._launch = real
+        K._LAUNCHES.record = None
 
 # %% ../nbs/15_gpucheck.ipynb #ccaf84c7
 def _section_shapes(preset: dict) -> dict[str, list[tuple[int, int, int]]]:

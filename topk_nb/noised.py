@@ -36,7 +36,7 @@ def _noised_hinge(scores, target, k, epsilon, n_samples, margin, reduction, gene
     with torch.autocast(scores.device.type, enabled=False):
         s = scores if scores.dtype in (torch.float32, torch.float64) else scores.float()
         if epsilon > 0 and noise is None and _fused(s, k + 1, margin):
-            from topk_nb.kernels import triton_noised_hinge             # a GPU: the hinge and eq. (12) in the kernels
+            from topk_nb.noised_kernels import triton_noised_hinge   # a GPU: the hinge and eq. (12) in the kernels
             loss = triton_noised_hinge(s, target, k + 1, epsilon, n_samples, margin, scale, generator)
             return reduce_loss(loss, reduction).to(out_dtype)
         if epsilon == 0:
@@ -165,7 +165,7 @@ class NoisedBal(_NoisedModule):
 
     def kernel_loss(self, scores, labels, weight):
         "Where the fused kernels take the hinge, the loss with the conventions in them (chapter 05a); else None."
-        from topk_nb.kernels import noised_hinge_fused
+        from topk_nb.noised_kernels import noised_hinge_fused
         if not (self.epsilon > 0 and 1 <= self.k < scores.shape[1] and _fused(scores, self.k + 1, None)):
             return None
         return noised_hinge_fused(scores, labels, self.k + 1, self.epsilon, self.n_samples, None, self.alpha, 1.0,
@@ -173,7 +173,7 @@ class NoisedBal(_NoisedModule):
 
     def kernel_plan(self, scores):
         "The fused kernels' plan for scores of this signature (chapter 05a), or None where they do not take them."
-        from topk_nb.kernels import noised_hinge_plan
+        from topk_nb.noised_kernels import noised_hinge_plan
         if not self.kernels_take(scores): return None
         run = noised_hinge_plan(self.k + 1, self.epsilon, self.n_samples, self.alpha, 1.0, self.ignore_index, self.reduction)
         return lambda s, target, weight: run(s, target, weight, None, self.generator)
@@ -222,7 +222,7 @@ class NoisedImbal(_NoisedModule):
 
     def kernel_loss(self, scores, labels, weight):
         "Where the fused kernels take the hinge, the loss with the conventions in them, the margins per class (made when the counts or max_m are set) read by the kernel (chapter 05a); else None."
-        from topk_nb.kernels import noised_hinge_fused
+        from topk_nb.noised_kernels import noised_hinge_fused
         if not (self.epsilon > 0 and 1 <= self.k < scores.shape[1] and _fused(scores, self.k + 1, None)):
             return None
         if self.margins.numel() != scores.shape[1]:                            # (n,) float64, made once, moved with the module
@@ -233,7 +233,7 @@ class NoisedImbal(_NoisedModule):
 
     def kernel_plan(self, scores):
         "The fused kernels' plan for scores of this signature (chapter 05a), the margins read on the scores' device, or None where the kernels do not take them."
-        from topk_nb.kernels import noised_hinge_plan
+        from topk_nb.noised_kernels import noised_hinge_plan
         if not self.kernels_take(scores) or self.margins.numel() != scores.shape[1]: return None
         run = noised_hinge_plan(self.k + 1, self.epsilon, self.n_samples, 0.0, self.scale, self.ignore_index, self.reduction)
         return lambda s, target, weight: run(s, target, weight, device_copy(self, "margins", self.margins, s), self.generator)

@@ -272,7 +272,8 @@ def dense_topk_draws(scores: torch.Tensor, # (..., n)
 def sampled_topk_value(scores: torch.Tensor, k: int, epsilon: float, n_samples: int,
                        generator: torch.Generator | None = None) -> torch.Tensor:
     "mean_b top_K(s + eps Z_b) over the last dim: sparse exact draws on the host path, dense draws on the sync-free path; backward = mean one-hot at the sampled indices."
-    from topk_nb.kernels import triton_ok, triton_sampled_topk_value
+    from topk_nb.kernels import triton_ok
+    from topk_nb.noised_kernels import triton_sampled_topk_value
     if triton_ok(scores, k):                                                   # a GPU: the fused kernel (chapter 05a)
         return triton_sampled_topk_value(scores, k, epsilon, n_samples, generator)
     draw = dense_topk_draws if sync_free(scores) else sample_perturbed_topk

@@ -16,7 +16,8 @@ from .kernels import (HAS_TRITON, MAX_KTH, REDUCTION_CODES, _finish, _launch, _r
 if HAS_TRITON:
     import triton
     import triton.language as tl
-    from topk_nb.kernels import _class_label, _key, _row_go, _unkey
+    from topk_nb.kernels import _class_label, _row_go
+    from topk_nb.noised_kernels import _key, _unkey
 
 ROW_LOSSES = ("focal", "ldam", "topk_hinge", "cvx_hinge", "cal_hinge", "topk_grouping", "topk_transition")
 ROW_BLOCK = 4096          # classes of a row a program holds at a time

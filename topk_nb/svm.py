@@ -17,7 +17,7 @@ from .core import (LossModule, check_int, check_k, check_loss_input, transformed
                           twice_differentiable)
 from .esp_backward import (head_size, power_backward, power_forward, power_inputs, power_log_sigma,
                                   power_tolerances, tree_svm_loss)
-from .kernels import smooth_svm_fused, smooth_svm_plan, smooth_svm_triton, svm_triton_ok
+from .svm_kernels import smooth_svm_fused, smooth_svm_plan, smooth_svm_triton, svm_triton_ok
 
 # %% auto #0
 __all__ = ['SVM_ROUTES', 'smooth_topk_svm', 'topk_hinge', 'subset_sums_bruteforce', 'smooth_topk_svm_bruteforce', 'hard_enough',
