@@ -1,5 +1,6 @@
 """Training and evaluation (topk_nb.train): configuration checks, metrics, multi-crop, checkpoints and exact
-resume, DDP with two CPU processes, and a smoke run of every registered loss."""
+resume, DDP with two CPU processes, a smoke run of every registered loss, and the fused head (the same training as
+the unfused loss, its refusals, the experiments' parameter)."""
 import itertools
 import json
 import math
@@ -416,3 +417,250 @@ def test_gpu_amp_and_channels_last(tmp_path):
     res = run(SMOKE, loss="smooth_svm", loss_params={"k": 5}, amp=True, out_dir=str(tmp_path))
     assert res["amp"] and res["channels_last"] and res["device"].startswith("cuda")
     assert all(math.isfinite(r["train_loss"]) for r in res["history"])
+
+
+# --- the fused head -------------------------------------------------------------------------------------------
+
+# Sawada's circles, twelve classes, and his network with one hidden layer: few ReLU kinks and noise draws near a
+# tie, so that float32 rounding stays rounding along a whole run
+CIRCLES = dict(dataset="circles", dataset_params=dict(n_classes=12, n_per_class=16, n_val_per_class=8, n_test_per_class=8,
+                                                      sigma=20.0),
+               model="circle_mlp", model_params=dict(hidden=16, bias=True), epochs=3, batch_size=16, lr=0.2, ks=[1, 2],
+               progress=False)
+FUSED_PARAMS = {"smooth_svm": dict(k=2, tau=1.0), "noised_bal": dict(k=2, epsilon=0.2, n_samples=10),
+                "noised_imbal": dict(k=2, epsilon=0.01, n_samples=5, scale=1.0)}
+FIVE = ["plantnet_imbalanced", "imagenet_lt", "imagenet_subsets", "cifar100_noise", "temperature"]
+
+
+def _relative_gap(a: dict, b: dict) -> float:
+    "The largest difference between two state dicts' tensors, relative to the largest entry of each tensor."
+    return max(((a[k].double() - b[k].double()).abs().max() / a[k].double().abs().max().clamp_min(1e-30)).item()
+               for k in a if a[k].is_floating_point())
+
+
+@pytest.mark.parametrize("loss, model_params", [
+    ("smooth_svm", {}), ("noised_bal", {}), ("noised_imbal", {}),
+    ("noised_imbal", dict(head="normalised", scale=1.0)), ("smooth_svm", dict(head="normalised", scale=4.0))])
+def test_fused_head_trains_as_the_unfused_loss(loss, model_params, tmp_path):
+    params = {**FUSED_PARAMS[loss], **({"scale": 5.0} if loss == "noised_imbal" and model_params else {})}
+    spec = dict(CIRCLES, model_params={**CIRCLES["model_params"], **model_params}, loss=loss, loss_params=params)
+    plain = run(spec, out_dir=str(tmp_path / "plain"))
+    fused = run(spec, fused_head=True, out_dir=str(tmp_path / "fused"))
+    assert (plain["config"]["fused_head"], fused["config"]["fused_head"]) == (False, True)
+    assert len(fused["history"]) == 3
+    for a, b in zip(plain["history"], fused["history"]):
+        assert a.keys() == b.keys()
+        for key in a:
+            if key != "time_s":
+                assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-8), key
+    assert (fused["best_epoch"], fused["val"], fused["test"]) == (plain["best_epoch"], plain["val"], plain["test"])
+    w_plain, w_fused = (load_checkpoint(tmp_path / d / "checkpoint.pt")["model"] for d in ("plain", "fused"))
+    assert w_plain.keys() == w_fused.keys() and _relative_gap(w_plain, w_fused) < 1e-5
+
+
+@pytest.mark.parametrize("head", ["linear", "normalised"])
+@pytest.mark.parametrize("loss", ["smooth_svm", "noised_bal", "noised_imbal"])
+def test_fused_step_gives_the_unfused_loss_and_gradients(loss, head):
+    import copy
+    from topk_nb.models import get_model
+    from topk_nb.train import FusedHeadStep, fused_loss
+    params = {"smooth_svm": dict(k=5, tau=0.5), "noised_bal": dict(k=5, epsilon=0.2, n_samples=10),
+              "noised_imbal": dict(k=5, class_counts=torch.arange(1.0, 11.0), scale=5.0)}[loss]
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(16, 3, 32, 32, generator=g), torch.randint(0, 10, (16,), generator=g)
+    torch.manual_seed(0)
+    model = get_model("densenet_tiny", 10, head=head)
+    for amp_dtype in (None, torch.bfloat16):
+        nets = [copy.deepcopy(model) for _ in range(2)]
+        gens = [torch.Generator().manual_seed(7) for _ in range(2)]
+        stochastic = LOSSES[loss].stochastic
+        fns = [get_loss(loss, **params, **({"generator": gen} if stochastic else {})) for gen in gens]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp_dtype is not None):
+            scores = nets[0](x)
+        plain = fns[0](scores.float(), y)
+        fused, (features, weight, bias) = FusedHeadStep(nets[1], fused_loss(fns[1]), amp_dtype=amp_dtype)(x, y)
+        assert fused.dtype == plain.dtype == torch.float32
+        plain.backward()
+        fused.backward()
+        if stochastic:
+            assert torch.equal(gens[0].get_state(), gens[1].get_state())     # the same number of draws
+        gap = max(((p.grad - q.grad).abs().max() / p.grad.abs().max().clamp_min(1e-30)).item()
+                  for p, q in zip(nets[0].parameters(), nets[1].parameters()))
+        if amp_dtype is None:
+            assert fused.item() == pytest.approx(plain.item(), rel=1e-6)
+            assert gap < 1e-4, gap
+            scores_again = torch.nn.functional.linear(features, weight, bias)
+            torch.testing.assert_close(scores_again, scores.detach(), rtol=1e-5, atol=1e-5)
+        else:   # the head's product rounds to bfloat16 in both, in another order
+            assert features.dtype == weight.dtype == torch.bfloat16
+            assert fused.item() == pytest.approx(plain.item(), rel=1e-2)
+
+
+def test_fused_head_runs_under_autocast_and_channels_last_on_cpu(tmp_path):
+    spec = dict(SMOKE, loss="smooth_svm", loss_params={"k": 5}, amp=True, channels_last=True, device="cpu")
+    plain = run(spec, out_dir=str(tmp_path / "plain"))
+    fused = run(spec, fused_head=True, out_dir=str(tmp_path / "fused"))
+    assert fused["amp"] and fused["channels_last"] and fused["config"]["fused_head"]
+    assert all(math.isfinite(r["train_loss"]) for r in fused["history"])
+    # the first epoch's mean loss: bfloat16 rounding apart, the same loss of the same network
+    assert fused["history"][0]["train_loss"] == pytest.approx(plain["history"][0]["train_loss"], rel=2e-2)
+
+
+def test_fused_head_resumes_exactly(tmp_path):
+    spec = dict(CIRCLES, loss="noised_bal", loss_params=FUSED_PARAMS["noised_bal"], fused_head=True)
+    ref = run(spec, out_dir=str(tmp_path / "ref"))
+    run(spec, epochs=2, out_dir=str(tmp_path / "split"))
+    res = run(spec, out_dir=str(tmp_path / "split"))
+    assert res["resumed_from"] == 2 and _strip(res["history"]) == _strip(ref["history"]) and res["test"] == ref["test"]
+    w_ref, w_res = (load_checkpoint(tmp_path / d / "checkpoint.pt")["model"] for d in ("ref", "split"))
+    assert all(torch.equal(w_ref[k], w_res[k]) for k in w_ref)
+    # the fused head is part of the configuration a resume must match
+    with pytest.raises(ValueError, match="fused_head: True in the checkpoint, False now"):
+        run(spec, epochs=4, fused_head=False, out_dir=str(tmp_path / "split"))
+    # a checkpoint written before the field existed was written without the fused head
+    plain = dict(spec, fused_head=False)
+    run(plain, epochs=2, out_dir=str(tmp_path / "old"))
+    ckpt = load_checkpoint(tmp_path / "old" / "checkpoint.pt")
+    del ckpt["config"]["fused_head"]
+    save_checkpoint(ckpt, tmp_path / "old" / "checkpoint.pt")
+    assert run(plain, out_dir=str(tmp_path / "old"))["resumed_from"] == 2
+    with pytest.raises(ValueError, match="fused_head: False in the checkpoint, True now"):
+        run(spec, epochs=4, out_dir=str(tmp_path / "old"))
+
+
+class _Doubled(nn.Module):
+    "Its scores are twice its last layer's output: nothing to fuse."
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return 2 * self.fc(x)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: run(SMOKE, fused_head=True),
+     r"^fused_head=True needs one of the losses with a fused form \(smooth_svm, noised_bal, noised_imbal\), got loss 'ce'$"),
+    (lambda: run(SMOKE, loss="smooth_svm", loss_params={"k": {1: 0.5, 5: 0.5}}, fused_head=True),
+     "got a mixture over k of smooth_svm"),
+    (lambda: run(SMOKE, loss="noised_bal", fused_head=True, wrap_loss=lambda loss_fn, data: loss_fn),
+     "wrap_loss, which is given the scores, must be None with it"),
+    (lambda: TrainConfig(fused_head=True, mixup_alpha=0.4), "mixup_alpha must be 0 with it, got 0.4"),
+    (lambda: TrainConfig(fused_head="yes"), "fused_head must be True or False"),
+    (lambda: fit(_model(), get_loss("smooth_svm", k=2, label_smoothing=0.1), TRAIN, VAL, None, epochs=1, ks=(1, 2),
+                 progress=False, fused_head=True), "label_smoothing must be 0 with it, got 0.1"),
+    (lambda: fit(_model(), get_loss("topk_hinge", k=2), TRAIN, VAL, None, epochs=1, ks=(1, 2), progress=False,
+                 fused_head=True), "with a fused form .*, got TopkHinge$"),
+    (lambda: fit(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), get_loss("smooth_svm", k=2), TRAIN, VAL, None, epochs=1,
+                 ks=(1, 2), progress=False, fused_head=True),
+     r"^fused_head=True needs a model whose last layer is an nn.Linear \(or NormalisedLinear\); model Sequential ends in "
+     r"ReLU \(1\)$"),
+    (lambda: fit(_Doubled(), get_loss("smooth_svm", k=2), TRAIN, VAL, None, epochs=1, ks=(1, 2), progress=False,
+                 fused_head=True), "needs model _Doubled to return the output of its last layer fc, made by one call; "
+                                   "it returns something else"),
+])
+def test_fused_head_refusals_are_one_line_errors(call, match):
+    with pytest.raises((ValueError, TypeError), match=match) as info:
+        call()
+    assert "\n" not in str(info.value)
+
+
+def test_a_registry_model_whose_last_layer_is_not_linear_is_named(monkeypatch):
+    import topk_nb.train as train
+
+    class ReluHead(nn.Module):          # a network whose `fc` ends in a ReLU, in the registry's place
+        def __init__(self, n_classes):
+            super().__init__()
+            self.fc = nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, n_classes), nn.ReLU())
+
+        def forward(self, x):
+            return self.fc(x)
+
+    monkeypatch.setattr(train, "get_model", lambda name, n_classes, **params: ReluHead(n_classes))
+    with pytest.raises(ValueError, match=r"model 'densenet_tiny' ends in ReLU \(fc.2\)$"):
+        run(SMOKE, loss="smooth_svm", fused_head=True)
+
+
+def test_last_layer_of_the_package_models():
+    from topk_nb.models import MODELS, NormalisedLinear, get_model
+    from topk_nb.train import last_layer
+    for name in MODELS:
+        if name.startswith("resnet"):
+            pytest.importorskip("torchvision")
+        for head, kind in (("linear", nn.Linear), ("normalised", NormalisedLinear)):
+            found, layer = last_layer(get_model(name, 7, head=head))
+            assert found == "fc" and type(layer) is kind, (name, head)
+    assert last_layer(_model())[0] == ""                                  # the model itself
+    assert last_layer(nn.Sequential(nn.Flatten(), nn.Linear(4, 3)))[0] == "1"
+    classifier = nn.Module()
+    classifier.body, classifier.classifier = nn.Linear(4, 4), nn.Sequential(nn.Dropout(), nn.Linear(4, 3))
+    assert last_layer(classifier)[0] == "classifier.1"
+
+
+def test_ddp_two_processes_with_the_fused_head_match_one_without(tmp_path):
+    spec = dict(dataset="circles", dataset_params=dict(n_per_class=16, n_val_per_class=7, n_test_per_class=9, sigma=30.0),
+                model="circle_mlp", loss="smooth_svm", loss_params={"k": 2}, epochs=2, batch_size=16, lr=0.5, ks=[1, 2],
+                progress=False)
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "-m", "topk_nb.train", str(tmp_path / "spec.json"), "fused_head=true", f"out_dir={tmp_path / 'two'}"],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    one = run(spec, out_dir=str(tmp_path / "one"))
+    two = json.loads((tmp_path / "two" / "result.json").read_text())
+    assert (one["world_size"], two["world_size"], two["config"]["fused_head"]) == (1, 2, True)
+    for r1, r2 in zip(one["history"], two["history"]):
+        for key in r1:
+            if key != "time_s":
+                assert r1[key] == pytest.approx(r2[key], rel=1e-5, abs=1e-7), key
+    assert two["test"] == one["test"]
+    w1, w2 = (load_checkpoint(tmp_path / d / "checkpoint.pt")["model"] for d in ("one", "two"))
+    assert _relative_gap(w1, w2) < 1e-5
+
+
+# --- the fused head in the experiments ------------------------------------------------------------------------
+
+def test_experiments_declare_fused_head_and_the_runner_checks_it(tmp_path, capsys):
+    from topk_nb.cli import main as cli
+    from topk_nb.grid import EXPERIMENTS, notebook_parameters
+    from topk_nb.notebook import start
+    for name in FIVE:
+        assert notebook_parameters(EXPERIMENTS[name].notebook_path())["fused_head"] is False, name
+        for preset in EXPERIMENTS[name].presets.values():   # the presets keep their cells: the records stay theirs
+            assert "fused_head" not in json.dumps(preset), name
+    # the notebooks' training options carry it, as they carry amp
+    assert start({"seed": 3, "amp": False, "fused_head": True}).train_config("garcin_plantnet")["fused_head"] is True
+    assert "fused_head" not in start({"seed": 3}).train_config("garcin_plantnet")
+    # before anything runs: its kind, and a loss without a fused form
+    out = str(tmp_path / "runs")
+    assert cli(["run", "cifar100_noise", "--grid", "fused_head=yes", "--out", out]) == 2
+    assert "--grid fused_head=yes: fused_head takes true or false" in capsys.readouterr().err
+    assert cli(["run", "plantnet_imbalanced", "--preset", "smoke", "--grid", "fused_head=true", "--out", out]) == 2
+    assert ("fused_head=true with loss=ce: fused_head takes the losses with a fused form only (smooth_svm, noised_bal, "
+            "noised_imbal)") in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_the_records_identity_does_not_change_with_the_fused_head():
+    from topk_nb.report import record_settings
+    old = {"experiment": "cifar100_noise", "params": {"loss": "smooth_svm", "seed": 0, "amp": False}}
+    for value in (False, True):
+        new = {**old, "params": {**old["params"], "fused_head": value}}
+        assert record_settings(new) == record_settings(old)
+
+
+@pytest.mark.parametrize("name, params, error", [
+    # the flag reaches train.run: run refuses a loss without a fused form, which only it checks when the runner is not asked
+    ("cifar100_noise", {"loss": "ce", "fused_head": True}, "needs one of the losses with a fused form"),
+    ("imagenet_lt", {"loss": "ce", "fused_head": True}, "needs one of the losses with a fused form"),
+    ("cifar100_noise", {"loss": "noised_bal", "fused_head": True, "epochs": 1}, None),
+])
+def test_the_flag_reaches_train_run_from_an_experiment(name, params, error, tmp_path):
+    from topk_nb import batch
+    rec = batch.run_cell(batch.EXPERIMENTS[name].notebook_path(), params, tmp_path / "cell", experiment=name)
+    if error is None:
+        assert rec["status"] == "ok", rec.get("error")
+        assert rec["params"]["fused_head"] is True and len(rec["metrics"]["history"]) == 1
+    else:
+        assert rec["status"] != "ok" and error in rec["error"], rec.get("error")

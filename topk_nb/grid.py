@@ -20,11 +20,11 @@ from typing import Callable, Sequence
 from .catalogue import Experiment, experiments_dir
 
 # %% auto #0
-__all__ = ['EXPERIMENTS', 'REGISTRIES', 'FILE_PARAMETERS', 'discover_experiments', 'check_folder_name', 'get_experiment',
-           'parse_value', 'check_key', 'parse_grid', 'expand_grid', 'cell_id', 'cell_slug', 'cell_dir',
-           'with_parameters_tag', 'short_error', 'notebook_parameters', 'literal_values', 'parameter_annotations',
-           'parameter_choices', 'annotation_kind', 'value_mismatch', 'unknown_names', 'value_problem',
-           'check_parameters', 'check_files', 'plan_grid']
+__all__ = ['EXPERIMENTS', 'REGISTRIES', 'FILE_PARAMETERS', 'FLAG_CHOICES', 'discover_experiments', 'check_folder_name',
+           'get_experiment', 'parse_value', 'check_key', 'parse_grid', 'expand_grid', 'cell_id', 'cell_slug',
+           'cell_dir', 'with_parameters_tag', 'short_error', 'notebook_parameters', 'literal_values',
+           'parameter_annotations', 'parameter_choices', 'annotation_kind', 'value_mismatch', 'unknown_names',
+           'value_problem', 'check_parameters', 'check_files', 'check_cells', 'plan_grid']
 
 # %% ../nbs/22_grid.ipynb #49087b6d
 def discover_experiments(package: str = "topk_nb.experiments",  # the package whose modules declare the entries
@@ -422,6 +422,32 @@ def check_files(exp: Experiment,  # the catalogue entry
                 raise ValueError(f"{origin}: the {key} file {str(file)!r} does not exist; {hint}")
     return grid
 
+# %% ../nbs/22_grid.ipynb #bd9b2606
+# a flag whose true value allows only some values of another parameter: (that parameter, "module:registry" of those
+# values, what they are)
+FLAG_CHOICES = {
+    "fused_head": ("loss", "topk_nb.train:FUSED_LOSSES", "the losses with a fused form"),
+}
+
+
+def check_cells(exp: Experiment,  # the catalogue entry
+                cells: list[dict],  # the run's cells (`expand_grid`)
+                ) -> None:
+    "Raise ValueError, in one line, if a cell sets a flag of `FLAG_CHOICES` to true with a value of its other parameter (the cell's, else the notebook's default) that the flag does not allow."
+    known = notebook_parameters(exp.notebook_path()) or {}
+    for flag, (other, where, what) in FLAG_CHOICES.items():
+        module, attr = where.split(":")
+        for cell in cells:
+            params = {**known, **cell}
+            value = params.get(other)
+            if params.get(flag) is not True or not isinstance(value, str):
+                continue
+            allowed = getattr(importlib.import_module(module), attr)
+            if value not in allowed:
+                raise ValueError(f"{flag}=true with {other}={value}: {flag} takes {what} only ({', '.join(allowed)}); "
+                                 f"give --grid {other}=... among them, or {flag}=false")
+
+
 # %% ../nbs/22_grid.ipynb #ce082899
 def plan_grid(experiment: str | Experiment,  # a catalogue name, or the path of a notebook
               preset: str | None = None,  # one of the experiment's presets
@@ -447,8 +473,10 @@ def plan_grid(experiment: str | Experiment,  # a catalogue name, or the path of 
             raise ValueError(f"preset {preset!r} of {exp.name} needs the parameter {key}: {why}; "
                              f"give it with --grid {key}=...")
     grid = check_files(exp, preset, grid)        # local files (pre-trained weights): there, and absolute
+    cells = expand_grid(exp.presets.get(preset), grid, seeds, exp.seeds_param)
+    check_cells(exp, cells)                      # flags that allow only some values of another parameter
     if exp.dataset is not None:                  # the data set's files, last, before any cell starts
         from topk_nb.data import check_data_root
         for root in (grid or {}).get("data_root", []):
             if root is not None: check_data_root(exp.dataset, root)
-    return exp, expand_grid(exp.presets.get(preset), grid, seeds, exp.seeds_param)
+    return exp, cells

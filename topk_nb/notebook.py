@@ -110,11 +110,12 @@ class NotebookRun:
                      preset: str,  # a training preset of `topk_nb.train.PRESETS`
                      **overrides,  # options that replace the preset's where they are not None (None: the preset's value)
                      ) -> dict:
-        "The training options: the preset's, each override that is not None, and the notebook's `seed`, `device`, `amp`, `num_workers` and `progress` where it has them."
+        "The training options: the preset's, each override that is not None, and the notebook's `seed`, `device`, `amp`, `num_workers`, `progress` and `fused_head` where it has them."
         from topk_nb.train import PRESETS
         if preset not in PRESETS:
             raise ValueError(f"unknown training preset {preset!r}; valid: {', '.join(PRESETS)}")
-        own = {key: self.params[key] for key in ("seed", "device", "amp", "num_workers", "progress") if key in self.params}
+        own = {key: self.params[key] for key in ("seed", "device", "amp", "num_workers", "progress", "fused_head")
+               if key in self.params}
         return {**PRESETS[preset], **{key: v for key, v in overrides.items() if v is not None}, **own}
 
     def seeds(self):

@@ -63,7 +63,8 @@ def fmt(s: dict, scale: float = 100.0) -> str:
     return "n/a" if not s["n"] else f"{scale * s['mean']:.2f} ± {scale * s['std']:.2f}"
 
 # %% ../nbs/20_report.ipynb #2b7f68f8
-ENVIRONMENT_PARAMS = ("record_path", "device", "num_workers", "progress", "log_every", "data_root")   # how and where a cell ran, not what it measured
+ENVIRONMENT_PARAMS = ("record_path", "device", "num_workers", "progress", "log_every", "data_root",   # how and where a cell ran,
+                      "fused_head")                                                                 # not what it measured
 NOT_IDENTITY = ("seed",) + ENVIRONMENT_PARAMS      # and the seed: the sample, not the setting
 IDENTITY = "_identity"                             # the key of a result row's identity less its seed (`unique_rows`)
 

@@ -24,16 +24,19 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 from tqdm import tqdm
 
 from .core import check_int, check_real, topk_correct
 from .data import DATASETS, get_dataset, mixup
+from .fused import (DEFAULT_CHUNK, FusedLinearNoisedBal, FusedLinearNoisedImbal, FusedLinearSmoothSVM,
+                           LinearHead)
 from .files import (CheckpointError, atomic_write, load_checkpoint,  # noqa: F401 (also importable from here)
                            previous_checkpoint, remove_temporary_files, save_checkpoint)
-from .losses import LOSSES, get_loss
-from .models import MODELS, get_model
+from .losses import LOSSES, TopkMixture, get_loss
+from .models import MODELS, NormalisedLinear, get_model
 from .predict import PREDICT_METHODS, predict_topk
 
 try:
@@ -42,10 +45,10 @@ except ImportError:  # numpy is optional: its global state is seeded and saved o
     np = None
 
 # %% auto #0
-__all__ = ['PRESETS', 'MULTICROP', 'AMP_DTYPES', 'RUN_KEYS', 'metric_names', 'TrainConfig', 'make_optimizer', 'make_scheduler',
-           'lr_at', 'class_hits', 'metrics_from_hits', 'evaluate', 'derive_seed', 'seed_everything', 'get_rng_state',
-           'set_rng_state', 'DistEnv', 'dist_env', 'init_distributed', 'ShardSampler', 'fit', 'run', 'parse_args',
-           'main']
+__all__ = ['PRESETS', 'MULTICROP', 'AMP_DTYPES', 'RUN_KEYS', 'FUSED_LOSSES', 'HEAD_ATTRIBUTES', 'metric_names', 'TrainConfig',
+           'make_optimizer', 'make_scheduler', 'lr_at', 'class_hits', 'metrics_from_hits', 'evaluate', 'derive_seed',
+           'seed_everything', 'get_rng_state', 'set_rng_state', 'DistEnv', 'dist_env', 'init_distributed',
+           'ShardSampler', 'fit', 'run', 'fused_loss', 'last_layer', 'FusedHeadStep', 'parse_args', 'main']
 
 # %% ../nbs/12_train.ipynb #61871830
 _HUANG_CIFAR = dict(epochs=300, batch_size=64, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4,
@@ -147,8 +150,11 @@ def _check_execution(c) -> None:
         if not isinstance(c.out_dir, (str, os.PathLike)):
             raise TypeError(f"out_dir must be a path or None, got {c.out_dir!r}")
         c.out_dir = os.fspath(c.out_dir)
-    for name in ("resume", "progress", "deterministic"):
+    for name in ("resume", "progress", "deterministic", "fused_head"):
         setattr(c, name, _check_bool(getattr(c, name), name))
+    if c.fused_head and c.mixup_alpha > 0:
+        raise ValueError(f"fused_head=True trains on class indices, which Mixup turns into probabilities: mixup_alpha "
+                         f"must be 0 with it, got {c.mixup_alpha}")
 
 # %% ../nbs/12_train.ipynb #9dcb7bd1
 @dataclass
@@ -180,6 +186,7 @@ class TrainConfig:
     resume: bool = True                   # continue from the checkpoint in out_dir if there is one
     progress: bool = True                 # progress bars and a line per epoch
     deterministic: bool = False           # deterministic algorithms (slower), no cuDNN benchmark
+    fused_head: bool = False              # the last layer fused into the loss: no (B, n) scores in training (section 9)
 
     def __post_init__(self):
         _check_optimisation(self)
@@ -371,6 +378,8 @@ class ShardSampler(Sampler):
 # fields that may differ between a checkpoint and the run that resumes it: they do not change the trajectory
 _RESUME_FREE = frozenset({"epochs", "num_workers", "eval_batch_size", "multicrop", "multicrop_tau", "out_dir",
                           "resume", "progress", "device"})
+# fields added after checkpoints were first written: a checkpoint without one was written with this value
+_ADDED_FIELDS = {"fused_head": False}
 
 
 def _loss_generators(loss_fn) -> list[torch.Generator]:
@@ -396,8 +405,9 @@ def _resolve_device(config: TrainConfig, env: DistEnv) -> torch.device:
 # %% ../nbs/12_train.ipynb #f8522df2
 def _check_resumable(saved: dict, config: TrainConfig, path: Path) -> None:
     now = config.to_dict()
-    diff = [f"{k}: {saved.get(k)!r} in the checkpoint, {now[k]!r} now" for k in now
-            if k not in _RESUME_FREE and saved.get(k) != now[k]]
+    then = {k: saved.get(k, _ADDED_FIELDS.get(k)) for k in now}
+    diff = [f"{k}: {then[k]!r} in the checkpoint, {now[k]!r} now" for k in now
+            if k not in _RESUME_FREE and then[k] != now[k]]
     if diff:
         raise ValueError(f"the checkpoint {path} was written with a different configuration ({'; '.join(diff)}); "
                          "use another out_dir, or resume=False to start afresh")
@@ -426,7 +436,7 @@ def _output_width(net: nn.Module, x: torch.Tensor) -> int:
 
 # %% ../nbs/12_train.ipynb #21821db0
 def _train_epoch(net, loss_fn, loader, optimizer, scaler, config, device, amp, channels_last, env, bar_desc):
-    "One pass over the training data; returns the mean loss and the top-k accuracies (None with soft targets)."
+    "One pass over the training data; returns the mean loss and the top-k accuracies (None with soft targets). With `fused_head`, `net` is the `FusedHeadStep`, which returns the loss itself."
     net.train()
     dtype = AMP_DTYPES[config.amp_dtype]
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
@@ -439,10 +449,15 @@ def _train_epoch(net, loss_fn, loader, optimizer, scaler, config, device, amp, c
         if config.mixup_alpha > 0:
             if n_classes is None: n_classes = _output_width(net, x)
             x, target = mixup(x, y, n_classes, config.mixup_alpha)
-        with _autocast(device, amp, dtype):
-            scores = net(x)
-        # the loss is computed in float32 on the scores, outside autocast, whatever the network's precision
-        loss = loss_fn(scores.float(), target)
+        if config.fused_head:
+            loss, head = net(x, target)                     # the loss of the scores, which are never made (section 9)
+            # the hits before the step, which changes the weight `head` shares
+            hits = _head_topk_correct(*head, y, config.ks) if target is y else None
+        else:
+            with _autocast(device, amp, dtype):
+                scores = net(x)
+            # the loss is computed in float32 on the scores, outside autocast, whatever the network's precision
+            loss = loss_fn(scores.float(), target)
         optimizer.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()
         scaler.step(optimizer)
@@ -450,7 +465,8 @@ def _train_epoch(net, loss_fn, loader, optimizer, scaler, config, device, amp, c
         loss_sum += loss.detach().double() * len(y)
         seen += len(y)
         if target is y:
-            correct += topk_correct(scores.detach().float(), y, config.ks).sum(1).double()
+            if not config.fused_head: hits = topk_correct(scores.detach().float(), y, config.ks)
+            correct += hits.sum(1).double()
         if step % 20 == 0 and bar.disable is False: bar.set_postfix(loss=f"{loss.item():.4f}")
     stats = torch.cat([loss_sum.view(1), torch.tensor([float(seen)], dtype=torch.float64, device=device), correct])
     if env.distributed: dist.all_reduce(stats)
@@ -631,9 +647,12 @@ def _select(record: dict,      # the epoch's metrics
 def _fit(model, loss_fn, train_set, val_set, test_set, config, env, start_time, meta):
     "`fit` once the process group is up: set-up, resume, the epochs (each checkpointed), the test of the selected epoch."
     device, amp, channels_last = _run_settings(config, env)
+    if config.fused_head: loss_fn = fused_loss(loss_fn)            # refused here, before anything is written
     out_dir, ckpt_path, write = _outputs(config, env)
     seed_everything(derive_seed(config.seed, "train", env.rank))
     model = _place(model, loss_fn, device, channels_last, env, config)
+    trained = _fused_step(model, loss_fn, train_set, meta.get("model"), device, channels_last,
+                          AMP_DTYPES[config.amp_dtype] if amp else None) if config.fused_head else model
     optimizer, loss_gens = make_optimizer(model, config), _loss_generators(loss_fn)
     scheduler = make_scheduler(optimizer, config)
     scaler = torch.amp.GradScaler(device.type, enabled=amp and config.amp_dtype == "float16")
@@ -641,7 +660,7 @@ def _fit(model, loss_fn, train_set, val_set, test_set, config, env, start_time, 
         ckpt_path, config, env, model, optimizer, scheduler, scaler, loss_gens, out_dir, write)
     if write: atomic_write(out_dir / "config.json", lambda f: json.dump(config.to_dict(), f, indent=1), "w")
 
-    net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None) if env.distributed else model
+    net = DistributedDataParallel(trained, device_ids=[device.index] if device.type == "cuda" else None) if env.distributed else trained
     train_loader, sampler, loader_gen, eval_loader = _loaders(train_set, config, env, device.type == "cuda")
     val_loader = eval_loader(val_set)
     eval_kw = dict(ks=config.ks, device=device, amp=amp, amp_dtype=config.amp_dtype, channels_last=channels_last,
@@ -690,7 +709,7 @@ def _check_params(kind: str, params) -> dict:
 # %% ../nbs/12_train.ipynb #53a738f4
 def run(spec: dict | None = None,  # the run: `dataset`, `model`, `loss` (registry names), their `*_params`, and `TrainConfig` fields
         *,
-        wrap_loss: Callable | None = None,  # `wrap_loss(loss_fn, data) -> loss_fn`: what trains instead of the loss (e.g. the loss with a measurement); the record names the loss itself
+        wrap_loss: Callable | None = None,  # `wrap_loss(loss_fn, data) -> loss_fn`: what trains instead of the loss (e.g. the loss with a measurement); the record names the loss itself; not with `fused_head`
         **overrides,  # keys of `spec`, given as keywords
         ) -> dict:
     "Train the registered `model` on the registered `dataset` with the registered `loss`; other keys are `TrainConfig` fields."
@@ -703,6 +722,7 @@ def run(spec: dict | None = None,  # the run: `dataset`, `model`, `loss` (regist
     model_name = _check_name("model", spec["model"], MODELS)
     loss_name = _check_name("loss", spec["loss"], LOSSES)
     data_params, model_params, loss_params = (_check_params(k, spec.get(f"{k}_params")) for k in ("dataset", "model", "loss"))
+    if config.fused_head: _check_fused_run(loss_name, loss_params, wrap_loss)
     env = dist_env()
     device = _resolve_device(config, env)
 
@@ -712,6 +732,7 @@ def run(spec: dict | None = None,  # the run: `dataset`, `model`, `loss` (regist
         raise ValueError(f"ks={config.ks} asks for k larger than the {data.n_classes} classes of {dataset}")
     seed_everything(derive_seed(config.seed, "model"))
     model = get_model(model_name, data.n_classes, **model_params)
+    if config.fused_head: _fusable_layer(model, repr(model_name))
     entry = LOSSES[loss_name]
     built = dict(loss_params)
     if entry.needs_class_counts: built.setdefault("class_counts", data.class_counts)
@@ -724,6 +745,197 @@ def run(spec: dict | None = None,  # the run: `dataset`, `model`, `loss` (regist
             "loss": loss_name, "loss_params": {k: v for k, v in loss_params.items() if k not in ("generator", "class_counts")},
             "n_classes": data.n_classes, "data_sizes": data.sizes()}
     return fit(model, loss_fn, data.train, data.val, data.test, config, meta=meta)
+
+# %% ../nbs/12_train.ipynb #97a5d0f7
+FUSED_LOSSES = {   # the registry's losses with a fused form (chapter 05b): those `fused_head=True` trains
+    "smooth_svm": FusedLinearSmoothSVM, "noised_bal": FusedLinearNoisedBal, "noised_imbal": FusedLinearNoisedImbal}
+
+
+def _fused_refusal(got: str) -> ValueError:
+    return ValueError(f"fused_head=True needs one of the losses with a fused form ({', '.join(FUSED_LOSSES)}), got {got}")
+
+
+def fused_loss(loss_fn: nn.Module,  # the registry's module of smooth_svm, noised_bal or noised_imbal (as `get_loss` builds it), or a fused loss
+               ) -> nn.Module:
+    "The fused form (chapter 05b) of the loss module `loss_fn`, with its hyper-parameters, class counts, class weights, `ignore_index`, reduction and generator (the same object); a fused loss as it is."
+    if isinstance(loss_fn, tuple(FUSED_LOSSES.values())):
+        return loss_fn
+    name = next((n for n in FUSED_LOSSES if type(loss_fn) is LOSSES[n].module), None)
+    if name is None:
+        mixture = isinstance(loss_fn, TopkMixture)
+        raise _fused_refusal(f"a mixture over k of {loss_fn.name}" if mixture else type(loss_fn).__name__)
+    if loss_fn.label_smoothing:
+        raise ValueError(f"fused_head=True trains on class indices: label_smoothing must be 0 with it, "
+                         f"got {loss_fn.label_smoothing}")
+    if loss_fn.max_support is not None:
+        raise ValueError(f"fused_head=True trains on class indices: max_support (a bound on probability targets) must be "
+                         f"None with it, got {loss_fn.max_support}")
+    common = dict(k=loss_fn.k, weight=loss_fn.weight, ignore_index=loss_fn.ignore_index, reduction=loss_fn.reduction,
+                  check_finite=loss_fn.check_finite)
+    if name == "smooth_svm":
+        return FusedLinearSmoothSVM(tau=loss_fn.tau, alpha=loss_fn.alpha, **common)
+    noise = dict(epsilon=loss_fn.epsilon, n_samples=loss_fn.n_samples, generator=loss_fn.generator)
+    if name == "noised_bal":
+        return FusedLinearNoisedBal(alpha=loss_fn.alpha, **noise, **common)
+    return FusedLinearNoisedImbal(class_counts=loss_fn.class_counts, max_m=loss_fn.max_m, scale=loss_fn.scale, **noise,
+                                  **common)
+
+
+def _check_fused_run(loss: str,             # the registry's name of the run's loss
+                     loss_params: dict,     # its parameters
+                     wrap_loss,             # `run`'s wrap_loss
+                     ) -> None:
+    "Refuse a run with `fused_head=True` whose loss has no fused form, is a mixture over k, or is wrapped (before any data is read)."
+    if loss not in FUSED_LOSSES:
+        raise _fused_refusal(f"loss {loss!r}")
+    if isinstance(loss_params.get("k"), dict):
+        raise _fused_refusal(f"a mixture over k of {loss} (k={loss_params['k']})")
+    if wrap_loss is not None:
+        raise ValueError("fused_head=True trains the fused loss itself: wrap_loss, which is given the scores, must be None "
+                         "with it")
+
+
+# %% ../nbs/12_train.ipynb #cce256e8
+HEAD_ATTRIBUTES = ("fc", "classifier", "head")   # where networks keep their last layer (the package's models: `fc`)
+
+
+def last_layer(model: nn.Module,  # a network
+               ) -> tuple[str, nn.Module]:
+    "(name, module) of `model`'s last layer: its `fc`, `classifier` or `head` (the last module of one that is an nn.Sequential), else the last module without submodules it registers; the name is `get_submodule`'s ('' for the model itself)."
+    for attr in HEAD_ATTRIBUTES:
+        layer = getattr(model, attr, None)
+        if isinstance(layer, nn.Module):
+            name = attr
+            while isinstance(layer, nn.Sequential) and len(layer):
+                name, layer = f"{name}.{len(layer) - 1}", layer[-1]
+            return name, layer
+    return [(name, m) for name, m in model.named_modules() if next(m.children(), None) is None][-1]
+
+
+def _fusable_layer(model: nn.Module, label: str) -> tuple[str, nn.Module]:
+    "`last_layer(model)` if it is an nn.Linear or a NormalisedLinear, else a one-line ValueError naming the model (`label`)."
+    name, layer = last_layer(model)
+    if not isinstance(layer, (nn.Linear, NormalisedLinear)):
+        raise ValueError(f"fused_head=True needs a model whose last layer is an nn.Linear (or NormalisedLinear); model {label} "
+                         f"ends in {type(layer).__name__} ({name or 'the model itself'})")
+    return name, layer
+
+
+@torch.no_grad()
+def _check_head_output(model: nn.Module, name: str, layer: nn.Module, x: torch.Tensor, label: str) -> None:
+    "Refuse (a one-line ValueError naming the model) a model whose scores on the batch `x` are not the output of one call of its last layer `layer` on features (B, d); eval mode: no statistics updated, no randomness used."
+    calls = []
+    hook = layer.register_forward_hook(lambda module, inputs, output: calls.append((inputs, output)))
+    was_training = model.training
+    model.eval()
+    try:
+        scores = model(x)
+    finally:
+        hook.remove()
+        model.train(was_training)
+    where = f"its last layer {name or '(the model itself)'}"
+    if len(calls) != 1 or calls[0][1] is not scores:
+        why = ("never calls it" if not calls else f"calls it {len(calls)} times" if len(calls) > 1
+               else "returns something else")
+        raise ValueError(f"fused_head=True needs model {label} to return the output of {where}, made by one call; it {why}")
+    features = calls[0][0][0] if calls[0][0] else None
+    if not isinstance(features, torch.Tensor) or features.ndim != 2:
+        shape = tuple(features.shape) if isinstance(features, torch.Tensor) else type(features).__name__
+        raise ValueError(f"fused_head=True needs {where} of model {label} to take features (B, d), got {shape}")
+
+
+# %% ../nbs/12_train.ipynb #7e8971a0
+def _identity(x):
+    return x
+
+
+@contextlib.contextmanager
+def _skipped(layer: nn.Module):
+    "Within the block `layer` returns its input, so that the network's forward ends with the features its last layer takes."
+    layer.forward = _identity
+    try:
+        yield
+    finally:
+        del layer.forward
+
+
+def _head_operands(layer: nn.Module, features: torch.Tensor, dtype: torch.dtype | None):
+    "(features, weight, bias) of the fused loss for the last layer `layer` fed `features`: nn.Linear's own; NormalisedLinear's scaled unit features and unit weight rows, no bias; in `dtype` under autocast (None: as they are), as autocast runs nn.Linear."
+    if isinstance(layer, NormalisedLinear):
+        h = features if dtype is None else features.to(layer.weight.dtype)
+        x, b = layer.scale * F.normalize(h, dim=-1, eps=layer.eps), None
+        w = F.normalize(layer.weight, dim=-1, eps=layer.eps)
+    else:
+        x, w, b = features, layer.weight, layer.bias
+    if dtype is not None:
+        x, w, b = x.to(dtype), w.to(dtype), None if b is None else b.to(dtype)
+    return x, w, b
+
+
+class FusedHeadStep(nn.Module):
+    "The training forward of `model` with its last layer fused into `loss`: `step(x, target)` is (the loss of the model's scores, made without the (B, n) scores; the loss's features, weight and bias, detached); `model(x)` still makes the scores."
+
+    def __init__(self,
+                 model: nn.Module,                       # the network; its last layer is an nn.Linear or a NormalisedLinear
+                 loss: nn.Module,                        # a fused loss (chapter 05b), called loss(features, weight, target, bias)
+                 layer: str | None = None,               # the last layer's name in `model` (None: `last_layer(model)`)
+                 amp_dtype: torch.dtype | None = None):  # autocast's dtype for the network and the head's product (None: no autocast)
+        super().__init__()
+        self.model, self.loss, self.amp_dtype = model, loss, amp_dtype
+        self.layer = last_layer(model)[0] if layer is None else layer
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor):
+        layer, amp = self.model.get_submodule(self.layer), self.amp_dtype is not None
+        with _autocast(x.device, amp, self.amp_dtype), _skipped(layer):
+            features = self.model(x)
+        x_, w, b = _head_operands(layer, features, self.amp_dtype)
+        with _autocast(x.device, amp, self.amp_dtype):                  # the fused loss returns float32 under autocast
+            loss = self.loss(x_, w, target, b)
+        return loss, (x_.detach(), w.detach(), None if b is None else b.detach())
+
+
+def _fused_step(model: nn.Module, loss: nn.Module, train_set, name: str | None, device: torch.device,
+                channels_last: bool, amp_dtype: torch.dtype | None) -> FusedHeadStep:
+    "`fit`'s training step with `fused_head=True`: the model's last layer checked (`_fusable_layer`, then its output on the first training sample, read with the random states kept); `name` is the registry's name of the model, if any."
+    label = repr(name) if name is not None else type(model).__name__
+    layer_name, layer = _fusable_layer(model, label)
+    state = get_rng_state()
+    try:
+        sample = train_set[0][0]                                        # augmentations draw from the global streams
+    finally:
+        set_rng_state(state)
+    _check_head_output(model, layer_name, layer, _to_device(sample[None], device, channels_last), label)
+    return FusedHeadStep(model, loss, layer_name, amp_dtype)
+
+
+@torch.no_grad()
+def _head_topk_correct(features: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
+                       ks, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
+    "`topk_correct` (ties: 'expected') of the scores F.linear(features, weight, bias) for the labels `target`, (len(ks), B), counted a chunk of classes at a time: the label's score from its chunk, then the classes above it and those tied with it."
+    head = LinearHead(features, weight, bias, chunk)
+    B, dev = head.B, head.device
+    s_y = torch.zeros(B, dtype=head.work, device=dev)
+    kept = None
+    for c0, c1 in head.bounds():                                        # the label's score, as its chunk makes it
+        rows = ((target >= c0) & (target < c1)).nonzero()[:, 0]
+        if len(rows):
+            s = head.scores(c0, c1)
+            s_y[rows] = s[rows, target[rows] - c0]
+            kept = (c0, s)
+    above = torch.zeros(B, dtype=torch.long, device=dev)
+    tied, nan = torch.zeros_like(above), torch.zeros(B, dtype=torch.bool, device=dev)
+    for c0, c1 in head.bounds():
+        s = kept[1] if kept is not None and kept[0] == c0 else head.scores(c0, c1)
+        others = torch.ones_like(s, dtype=torch.bool)
+        rows = ((target >= c0) & (target < c1)).nonzero()[:, 0]
+        others[rows, target[rows] - c0] = False                         # the label itself is neither above nor tied
+        above += ((s > s_y[:, None]) & others).sum(1)
+        tied += ((s == s_y[:, None]) & others).sum(1)
+        nan |= s.isnan().any(1)
+    kk = torch.tensor(list(ks), device=dev)[:, None]                    # (len(ks), 1)
+    hit = ((kk - above) / (tied + 1)).clamp(0, 1).to(torch.float32)     # the label's place is uniform among the tied
+    return torch.where(nan, 0.0, hit)
+
 
 # %% ../nbs/12_train.ipynb #f6ab50d6
 def parse_args(argv: list[str]) -> dict:
