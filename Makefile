@@ -12,8 +12,8 @@ test: sync
 sync:     ## fail if nbdev_export / nbdev_clean would change files, or README.md is stale
 	$(PYTHON) tools/check_sync.py
 
-nbtest:   ## execute every notebook (cells flagged slow or gpu are skipped)
-	nbdev_test --n_workers 2
+nbtest:   ## execute every notebook (cells flagged slow or gpu are skipped), then list each one's seconds, slowest first
+	nbdev_test --n_workers 2 --timing
 
 # pytest-xdist (part of the dev install): the tests on every core, PYTEST_WORKERS processes (auto: one a core), in the
 # groups tests/conftest.py names; without it, in one process. The 20 slowest tests are listed at the end.
@@ -40,8 +40,8 @@ run:      ## the main job: Sawada's synthetic experiments 1-3, full paper grid o
 	topk-nb run circles_tradeoffs --preset paper --jobs 2 --out runs
 	topk-nb report circles_tradeoffs --out runs
 
-gpu-test: ## on a CUDA machine, from a source checkout with torch and pytest: the kernel tests compiled for the GPU and the CUDA-only checks, one line per test (a run cut short still names what ran), on 8 processes where pytest-xdist is installed (the kernels compile side by side); the CPU's compile-for-sm_90 test is left to the CPU, since here every kernel compiles for the real GPU
-	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) -m pytest tests/test_kernels.py tests/test_cuda.py $(if $(XDIST),-n 8) -v -rf -p no:cacheprovider --deselect tests/test_kernels.py::test_svm_kernels_compile_for_a_gpu
+gpu-test: ## on a CUDA machine, from a source checkout with torch and pytest: the kernel tests compiled for the GPU and the CUDA-only checks, one line per test (a run cut short still names what ran), on 8 processes where pytest-xdist is installed (the kernels compile side by side); the CPU's compile-for-sm_90 tests are left to the CPU, since here every kernel compiles for the real GPU
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) -m pytest tests/test_kernels.py tests/test_cuda.py $(if $(XDIST),-n 8) -v -rf -p no:cacheprovider --deselect tests/test_kernels.py::test_svm_kernels_compile_for_a_gpu --deselect tests/test_kernels.py::test_row_kernels_compile_for_a_gpu
 
 gpu-check: ## on a CUDA machine: every loss's float32 correctness, host syncs, speed vs cross-entropy, epoch overhead, torch.compile, CUDA graphs; writes results/gpu/<device>-<date>.json and .md (GPU_CHECK_FLAGS=--quick for a short run)
 	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) -m topk_nb.gpucheck --out results/gpu $(GPU_CHECK_FLAGS)

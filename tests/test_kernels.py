@@ -534,6 +534,45 @@ def test_svm_kernels_compile_for_a_gpu():
 
 
 
+_ROW_COMPILE = """
+import itertools, sys
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import triton
+from topk_nb import kernels as K, row_kernels as R
+ptrs = lambda names, kinds: dict(zip(names, kinds))
+fwd = ptrs(["s_ptr", "y_ptr", "m_ptr", "loss_ptr", "lse_ptr", "coef_ptr", "cls_ptr"],
+           ["*fp32", "*i64", "*fp32", "*fp32", "*fp32", "*fp32", "*i32"]) | dict(n="i32", alpha="fp32", gamma="fp32", scale="fp32")
+bwd = ptrs(["s_ptr", "y_ptr", "m_ptr", "go_ptr", "w_ptr", "den_ptr", "lse_ptr", "coef_ptr", "cls_ptr", "g_ptr"],
+           ["*fp32", "*i64", "*fp32", "*fp32", "*fp32", "*fp32", "*fp32", "*fp32", "*i32", "*fp32"])
+bwd.update(n="i32", ignore_index="i32", scale="fp32")
+variants = []
+for name in R.ROW_LOSSES:                                 # each loss's K as `row_plan` sets it, at k = 5
+    loss = R.ROW_LOSSES.index(name)
+    k = {"focal": 0, "ldam": 0, "topk_hinge": 5, "cvx_hinge": 5}.get(name, 6)
+    kpad = triton.next_power_of_2(max(k, 1))
+    for detach, block in itertools.product((False, True) if name == "focal" else (False,), (64, R.ROW_BLOCK)):
+        variants.append((R._row_loss_kernel, fwd, dict(LOSS=loss, K=k, KPAD=kpad, DETACH=detach, BLOCK=block)))
+    for reduction, weighted in ((0, False), (1, True), (2, False)):
+        variants.append((R._row_grad_kernel, bwd, dict(LOSS=loss, K=k, KPAD=kpad, REDUCTION=reduction, HAS_WEIGHT=weighted,
+                                                       BLOCK=1024)))
+for fn, sig, const in variants:
+    sig = {**sig, **{name: "constexpr" for name in const}}
+    out = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
+                         options=K._compile_options(fn))                # as `_launch` compiles it
+    assert out.asm["cubin"], const
+print("compiled", len(variants))
+"""
+
+
+def test_row_kernels_compile_for_a_gpu():
+    "The row losses' kernels (chapter 06a) for every loss and variant `row_plan` launches: the real compiler (PTX, then an sm_90 cubin) accepts what the interpreter runs."
+    import os, subprocess, sys
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", _ROW_COMPILE], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0 and "compiled 37" in out.stdout, out.stderr[-2000:]
+
+
 # --- the loss modules' conventions inside the kernels ------------------------------------------------------------
 
 from topk_nb.losses import get_loss  # noqa: E402
