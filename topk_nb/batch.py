@@ -25,6 +25,7 @@ from typing import Callable, Sequence
 
 from tqdm import tqdm
 
+from .files import fsync_path
 from .catalogue import (Experiment, Figure, Finding, PaperValue,  # noqa: F401 (the entry types, importable from here)
                               experiments_dir)
 from .records import (EXECUTED, RECORD, RecordError, atomic_write_json, inspect_record, read_plain_file, seal_record,  # noqa: F401 (the record format)
@@ -195,14 +196,6 @@ def cell_done(directory,  # a cell's folder
     return (not cell_links(directory) and (read_record(directory / RECORD) or {}).get("status") == "ok"
             and notebook_final(directory / EXECUTED))
 
-# %% ../nbs/13_batch.ipynb #32f97fd6
-def _fsync(path: Path) -> None:
-    "Flush a file (or a folder's entries) to disk."
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try: os.fsync(fd)
-        finally: os.close(fd)
-
 # %% ../nbs/13_batch.ipynb #2d9670fb
 def _clear_attempts(directory: Path) -> None:
     "Delete what killed attempts left in a cell folder this process owns: their records, notebooks and temporary files."
@@ -223,19 +216,19 @@ def _publish(directory: Path, record: Path, notebook: Path) -> None:
             if src.exists(): os.replace(src, dst)
             else:
                 with contextlib.suppress(FileNotFoundError): dst.unlink()
-        _fsync(directory)
+        fsync_path(directory)
         return
     final = directory / EXECUTED
     if notebook.exists():
-        _fsync(notebook)
+        fsync_path(notebook)
         os.replace(notebook, final)
     else:                                  # no notebook from this attempt: none from an older one beside its record
         with contextlib.suppress(FileNotFoundError): final.unlink()
-    _fsync(directory)
+    fsync_path(directory)
     os.replace(record, directory / RECORD)
     for name in (FAILED_ATTEMPT, FAILED_NOTEBOOK):   # an older rerun's failure: this attempt's outcome supersedes it
         with contextlib.suppress(FileNotFoundError): (directory / name).unlink()
-    _fsync(directory)
+    fsync_path(directory)
 
 # %% ../nbs/13_batch.ipynb #4bb93c88
 def _finished_record(directory: Path, since: list | None) -> dict | None:
