@@ -142,6 +142,11 @@ def test_write_record_is_complete_and_atomic(tmp_path):
     rec = read_record(path)
     assert rec["status"] == "ok" and rec["params"] == {"a": 1} and rec["seed"] == 3 and rec["wall_time_s"] == 2.0
     assert {"torch", "cuda", "device_name", "git_commit", "python"} <= set(rec["environment"])
+    # the one description of a process, which the GPU check's records carry too: its device's capability, Triton
+    import platform
+    env = rec["environment"]
+    assert {"capability", "triton", "cudnn", "n_threads", "cuda_visible_devices"} <= set(env)
+    assert (env["python"], env["platform"]) == (platform.python_version(), platform.platform())
     assert [p.name for p in (tmp_path / "c").iterdir()] == [RECORD]
     with pytest.raises(TypeError, match="cannot write object"):
         write_record(tmp_path / "d" / RECORD, {"a": object()})

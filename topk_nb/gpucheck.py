@@ -11,11 +11,8 @@ import contextlib
 import datetime
 import json
 import logging
-import math
 import os
-import platform
 import re
-import subprocess
 import sys
 import time
 import traceback
@@ -32,14 +29,15 @@ from .kernels import count_launches
 from .core import check_int, check_real, force_sync_free, fwd_bwd, time_fn
 from .losses import LOSSES, get_loss
 from .models import INPUT_SHAPES, get_model
+from .records import environment, plain
 
 # %% auto #0
 __all__ = ['PRESETS', 'SECTIONS', 'TOLERANCE', 'TRAINING_STEPS', 'NO_CUDA', 'GPU_HOST_COMPILE', 'INDUCTOR_SECONDS', 'one_line',
            'loss_and_grad', 'compare_to_reference', 'loss_variants', 'check_correctness', 'check_syncs', 'speed_table',
            'host_times', 'launch_cost', 'epoch_overhead', 'step_times', 'training_overheads', 'kernel_times',
-           'check_compile', 'capture_step', 'check_cuda_graphs', 'environment', 'device_slug', 'run_section',
-           'section_calls', 'render_markdown', 'newest_record', 'speed_summary', 'gpu_check', 'main',
-           'recorded_launches', 'triton_variants', 'compile_estimate']
+           'check_compile', 'capture_step', 'check_cuda_graphs', 'device_slug', 'run_section', 'section_calls',
+           'render_markdown', 'newest_record', 'speed_summary', 'gpu_check', 'main', 'recorded_launches',
+           'triton_variants', 'compile_estimate']
 
 # %% ../nbs/15_gpucheck.ipynb #fbf51fd0
 PRESETS = {
@@ -528,29 +526,6 @@ def check_cuda_graphs(device="cuda", batch: int = 256, features: int = 64, n: in
     failed = any(e.get("capture") == "ok" and not e["ok"] for e in out.values())
     return {"status": "failed" if failed else "ok", "losses": out}
 
-# %% ../nbs/15_gpucheck.ipynb #5f2bfdbf
-def environment(device="cuda") -> dict:
-    "Device name and compute capability, torch, triton, CUDA, cuDNN and Python versions, platform, and the git commit when there is one."
-    device = torch.device(device)
-    env = {"status": "ok", "device": "cpu", "capability": None, "torch": torch.__version__, "cuda": torch.version.cuda,
-           "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
-           "python": platform.python_version(), "platform": platform.platform(), "triton": None, "git_commit": None}
-    if device.type == "cuda":
-        env["device"] = torch.cuda.get_device_name(device)
-        env["capability"] = ".".join(map(str, torch.cuda.get_device_capability(device)))
-    try:
-        import triton
-        env["triton"] = triton.__version__
-    except Exception as e:
-        env["triton"] = f"not available ({type(e).__name__})"
-    try:
-        root = Path(__file__).resolve().parent.parent if "__file__" in globals() else Path.cwd()
-        env["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
-                                           timeout=10, check=True).stdout.strip() or None
-    except Exception:
-        pass                                                                  # not a git checkout, or no git
-    return env
-
 # %% ../nbs/15_gpucheck.ipynb #59f59679
 def device_slug(name: str) -> str:
     "A file-name slug of a device name: 'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3'."
@@ -572,7 +547,7 @@ def run_section(fn: Callable[[], dict]) -> dict:
 def section_calls(device, preset: dict) -> dict[str, Callable[[], dict]]:
     "The sections of the check, in the order they run: the ones that compile or capture come last."
     B, d, n, k = preset["step"]
-    return {"environment": lambda: environment(device),
+    return {"environment": lambda: {"status": "ok", **environment(device)},
             "correctness": lambda: check_correctness(device, preset["cases"]),
             "syncs": lambda: check_syncs(device, *preset["cases"][0]),
             "speed": lambda: speed_table(device, preset["ns"], preset["ks"], preset["batch"], preset["repeats"]),
@@ -759,14 +734,6 @@ def speed_summary(folder=None, ns: Sequence[int] = (1000, 100_000), k: int = 5) 
 NO_CUDA = ("no CUDA device is available to torch {}: run `make gpu-check` (or `python -m topk_nb.gpucheck`) on a machine "
            "with an NVIDIA GPU; `--device cpu` is a dry run at tiny sizes")
 
-
-def _plain(obj):
-    "JSON-safe copy: non-finite floats as strings (strict JSON has no NaN or Infinity)."
-    if isinstance(obj, dict): return {str(k): _plain(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)): return [_plain(v) for v in obj]
-    if isinstance(obj, float) and not math.isfinite(obj): return str(obj)
-    return obj
-
 # %% ../nbs/15_gpucheck.ipynb #3a0c0baa
 def gpu_check(device="cuda",          # cuda, cuda:N; cpu is a dry run of every section at tiny sizes
               quick: bool = False,    # n=100, k=5 only, a tiny network for the epoch and few rounds
@@ -790,7 +757,7 @@ def gpu_check(device="cuda",          # cuda, cuda:N; cpu is a dry run of every 
         result = report["sections"][section] = run_section(fn)
         if result["status"] in ("failed", "error"): report["failed"].append(section)
         log(f"gpu-check: {section} {result['status']} ({result['seconds']} s)" + (f": {result['error']}" if "error" in result else ""))
-        stem.with_suffix(".json").write_text(json.dumps(_plain(report), indent=1) + "\n", encoding="utf-8")
+        stem.with_suffix(".json").write_text(json.dumps(plain(report), indent=1) + "\n", encoding="utf-8")
         stem.with_suffix(".md").write_text(render_markdown(report), encoding="utf-8")
     return report, stem.with_suffix(".json"), stem.with_suffix(".md")
 

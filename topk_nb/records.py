@@ -9,12 +9,15 @@ import errno
 import functools
 import hashlib
 import importlib
+import importlib.metadata
 import json
+import math
 import os
 import platform
 import re
 import stat
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -22,7 +25,7 @@ from .catalogue import package_dir
 
 # %% auto #0
 __all__ = ['RECORD', 'EXECUTED', 'RECORD_FORMAT', 'NO_CHECKSUM', 'RECORD_MAX_BYTES', 'git_commit', 'environment',
-           'atomic_write_json', 'record_checksum', 'seal_record', 'record_problem', 'catalogue_metrics',
+           'atomic_write_json', 'plain', 'record_checksum', 'seal_record', 'record_problem', 'catalogue_metrics',
            'metric_problem', 'write_record', 'RecordError', 'seal_command', 'read_plain_file', 'inspect_record',
            'read_record', 'load_records', 'seal_records', 'training_metrics']
 
@@ -46,20 +49,34 @@ def git_commit(path=None) -> str | None:
         return None
 
 # %% ../nbs/19_records.ipynb #44ade945
-def environment() -> dict:
-    "Versions and device of this process (no host name): python, torch, CUDA, cuDNN, device name, git commit."
-    env = {"python": platform.python_version(), "platform": platform.platform(terse=True),
-           "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "git_commit": git_commit()}
+def _installed_version(module: str) -> str | None:
+    "The version of `module` as imported, else of its installed distribution (nothing is imported); None if it is not installed."
+    version = getattr(sys.modules.get(module), "__version__", None)
+    if version is None:
+        try: version = importlib.metadata.version(module)
+        except importlib.metadata.PackageNotFoundError: pass
+    return version
+
+
+def environment(device=None,  # the device measured: a `torch.device` or its name (None: CUDA where there is a GPU, else the CPU)
+                ) -> dict:
+    "Versions and device of this process (no host name): python, platform, torch, CUDA, cuDNN, Triton, the device (`cuda` or `cpu`), its name and compute capability, torch's threads, CUDA_VISIBLE_DEVICES, the git commit."
+    env = {"python": platform.python_version(), "platform": platform.platform(),
+           "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "git_commit": git_commit(),
+           "triton": _installed_version("triton")}
     try:
         import torch
-        cuda = torch.cuda.is_available()
-        env.update(torch=torch.__version__, cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version() if cuda else None,
-                   device="cuda" if cuda else "cpu",
-                   device_name=torch.cuda.get_device_name(0) if cuda else (platform.processor() or platform.machine()),
-                   n_threads=torch.get_num_threads())
     except ImportError:
-        env.update(torch=None, cuda=None, device="cpu", device_name=platform.machine())
-    return env
+        return {**env, "torch": None, "cuda": None, "cudnn": None, "device": "cpu", "capability": None,
+                "device_name": platform.processor() or platform.machine(), "n_threads": None}
+    device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
+    cuda = device.type == "cuda"
+    return {**env, "torch": torch.__version__, "cuda": torch.version.cuda,
+            "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+            "device": device.type,
+            "device_name": torch.cuda.get_device_name(device) if cuda else (platform.processor() or platform.machine()),
+            "capability": ".".join(map(str, torch.cuda.get_device_capability(device))) if cuda else None,
+            "n_threads": torch.get_num_threads()}
 
 # %% ../nbs/19_records.ipynb #4da905a3
 def atomic_write_json(path, obj) -> Path:
@@ -72,6 +89,14 @@ def _json_default(x):
     if hasattr(x, "tolist"): return x.tolist()        # tensors and arrays
     if isinstance(x, Path): return str(x)
     raise TypeError(f"cannot write {type(x).__name__} to a JSON record")
+
+# %% ../nbs/19_records.ipynb #822d3777
+def plain(value):
+    "`value` as strict JSON holds it: tuples as lists, keys as strings, NaN and infinities as the strings 'nan', 'inf' and '-inf', all the way down."
+    if isinstance(value, dict): return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)): return [plain(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value): return str(value)
+    return value
 
 # %% ../nbs/19_records.ipynb #8ac574c3
 RECORD_FORMAT = "topk_nb record v1"   # the `format` field of the records this version writes
