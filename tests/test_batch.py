@@ -271,6 +271,36 @@ def test_report_on_fabricated_records(tmp_path):
     assert md.startswith("# fab: report\n\n> **Not comparable with the papers' numbers: 2 of 2 records ran no paper")
 
 
+
+def _table_rows(md: str) -> list[list[str]]:
+    "Each row of the tables of the markdown `md`, as a markdown parser reads it: the texts of its cells, `<br>` as a line break."
+    markdown_it = pytest.importorskip("markdown_it")
+    rows, row = [], None
+    for token in markdown_it.MarkdownIt("commonmark").enable("table").parse(md):
+        if token.type == "tr_open": row = []
+        elif token.type == "inline" and row is not None: row.append(token.content.replace("<br>", "\n"))
+        elif token.type == "tr_close": rows.append(row); row = None
+    return rows
+
+
+def test_a_pipe_or_a_line_break_in_a_cell_stays_in_its_table_row(tmp_path):
+    # the report and the GPU check write their tables with one function (`topk_nb.results.markdown_table`): a `|` in a
+    # GPU check's error no longer splits its row, nor does a line break in a report's claim
+    from topk_nb.gpucheck import render_markdown
+    error = "RuntimeError: shapes (2 | 3) differ\nin the second line"
+    gpu = {"device": "cpu", "preset": "dry", "date": "2026-01-01", "sections": {
+        "environment": {"status": "ok", "seconds": 0.0}, "compile": {"status": "error", "error": error, "seconds": 1.5}}}
+    assert _table_rows(render_markdown(gpu)) == [["section", "status", "seconds", "note"], ["environment", "ok", "0.0", "-"],
+                                                 ["compile", "error", "1.5", error]]
+    statement = "ce is best | in top-1\nand in top-2"
+    exp = Experiment("fab", "none.ipynb", "fabricated", group_by=("s", "loss"),
+                     findings=(Finding("Some 2020, Fig. 1", statement, {}, "s", (1,), "top1", "best"),))
+    _fabricate(tmp_path, "fab", {"s": 1}, [{"loss": l, "seed": i, "top1": v} for l, v in (("ce", 0.7), ("g", 0.5))
+                                           for i in range(2)])
+    rows = _table_rows(report(exp, tmp_path, figures=False).read_text())
+    claims = [r for r in rows if r[0] == "Some 2020, Fig. 1"]
+    assert len(claims) == 1 and len(claims[0]) == len(rows[0]) == 11 and claims[0][1] == statement
+
 def test_circles_report_on_fabricated_records(tmp_path):
     name = CIRCLES_TRADEOFFS.name
     for d, ce2 in ((30, 0.99), (60, 0.90)):          # CE best in top-2 at d=30, worse at d=60

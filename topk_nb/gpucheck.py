@@ -30,6 +30,7 @@ from .core import check_int, check_real, force_sync_free, fwd_bwd, time_fn
 from .losses import LOSSES, get_loss
 from .models import INPUT_SHAPES, get_model
 from .records import environment, plain
+from .results import markdown_table
 
 # %% auto #0
 __all__ = ['PRESETS', 'SECTIONS', 'TOLERANCE', 'TRAINING_STEPS', 'NO_CUDA', 'GPU_HOST_COMPILE', 'INDUCTOR_SECONDS', 'one_line',
@@ -562,13 +563,6 @@ def section_calls(device, preset: dict) -> dict[str, Callable[[], dict]]:
             "compile": lambda: check_compile(device, B, d, n, k),
             "cuda_graphs": lambda: check_cuda_graphs(device, B, d, n, k)}
 
-# %% ../nbs/15_gpucheck.ipynb #b7f7b266
-def _table(header: Sequence[str], rows: list[Sequence]) -> list[str]:
-    "A markdown table; pipes inside cells escaped."
-    cell = lambda v: "-" if v is None else str(v).replace("|", "\\|")
-    return ["| " + " | ".join(map(cell, header)) + " |", "|" + " --- |" * len(header),
-            *("| " + " | ".join(map(cell, r)) + " |" for r in rows), ""]
-
 # %% ../nbs/15_gpucheck.ipynb #91c8fa5c
 def _e(x) -> str | None:
     return None if x is None else f"{x:.1e}"
@@ -579,10 +573,10 @@ def _syncs(d: dict) -> str:
 
 # %% ../nbs/15_gpucheck.ipynb #3e9b82b5
 def _md_correctness(s: dict) -> list[str]:
-    return _table(["loss", "ok", "loss error", "gradient error", "variants"],
-                  [[name, "yes" if v["ok"] else "**NO**", _e(v["loss_err"]), _e(v["grad_err"]),
-                    "; ".join(dict.fromkeys(c["variant"] + (f" ({c['error']})" if "error" in c else "") for c in v["checks"]))]
-                   for name, v in s["losses"].items()])
+    return markdown_table(["loss", "ok", "loss error", "gradient error", "variants"],
+                          [[name, "yes" if v["ok"] else "**NO**", _e(v["loss_err"]), _e(v["grad_err"]),
+                            "; ".join(dict.fromkeys(c["variant"] + (f" ({c['error']})" if "error" in c else "") for c in v["checks"]))]
+                           for name, v in s["losses"].items()]) + [""]
 
 # %% ../nbs/15_gpucheck.ipynb #04d0788a
 def _md_syncs(s: dict) -> list[str]:
@@ -593,7 +587,7 @@ def _md_syncs(s: dict) -> list[str]:
         rows.append([name, *(c[1] for c in cells), *((c[0] for c in cells) if cuda else ())])
     header = ["loss", "syncing aten ops, check_finite=False", "syncing aten ops, default"]
     header += ["debug mode, check_finite=False", "debug mode, default"] if cuda else []
-    return ([] if cuda else [f"Sync debug mode: {s['debug_mode']}.", ""]) + _table(header, rows)
+    return ([] if cuda else [f"Sync debug mode: {s['debug_mode']}.", ""]) + markdown_table(header, rows) + [""]
 
 # %% ../nbs/15_gpucheck.ipynb #4d4c31d6
 def _md_speed(s: dict) -> list[str]:
@@ -603,52 +597,52 @@ def _md_speed(s: dict) -> list[str]:
     for name, k in dict.fromkeys((r["loss"], r["k"]) for r in rows):
         ratio = {r["n"]: r["ratio"] for r in rows if (r["loss"], r["k"]) == (name, k)}
         out.append([name, k, *(f"{ratio[n]:.1f}x" if n in ratio else None for n in ns)])
-    return _table(["loss", "k", *(f"n={n}" for n in ns)], out)
+    return markdown_table(["loss", "k", *(f"n={n}" for n in ns)], out) + [""]
 
 
 
 def _md_host(s: dict) -> list[str]:
     launch = ([f"One Triton launch: {s['launch_us']:.1f} us of host time, {s['launch_ops']:.1f} small PyTorch operators' "
                f"({s['op_us']:.1f} us each).", ""] if s.get("launch_us") else [])
-    return launch + _table(["loss", "host ms / call", "x F.cross_entropy"],
-                           [[r["loss"], f"{r['host_ms']:.3f}" if "host_ms" in r else r.get("error"),
-                             f"{r['ratio']:.1f}x" if "ratio" in r else None] for r in s["rows"]])
+    return launch + markdown_table(["loss", "host ms / call", "x F.cross_entropy"],
+                                   [[r["loss"], f"{r['host_ms']:.3f}" if "host_ms" in r else r.get("error"),
+                                     f"{r['ratio']:.1f}x" if "ratio" in r else None] for r in s["rows"]]) + [""]
 
 # %% ../nbs/15_gpucheck.ipynb #5c898cdc
 def _md_steps(s: dict) -> list[str]:
     x = lambda r, key: f"{r[key]:.2f}x" if key in r else None
-    return _table(["loss", "eager ms", "x F.cross_entropy", "graph ms", "x F.cross_entropy"],
-                  [[r["loss"], f"{r['eager_ms']:.3f}" if "eager_ms" in r else r.get("error"), x(r, "eager_ratio"),
-                    f"{r['graph_ms']:.3f}" if "graph_ms" in r else None, x(r, "graph_ratio")] for r in s["rows"]])
+    return markdown_table(["loss", "eager ms", "x F.cross_entropy", "graph ms", "x F.cross_entropy"],
+                          [[r["loss"], f"{r['eager_ms']:.3f}" if "eager_ms" in r else r.get("error"), x(r, "eager_ratio"),
+                            f"{r['graph_ms']:.3f}" if "graph_ms" in r else None, x(r, "graph_ratio")] for r in s["rows"]]) + [""]
 
 
 def _md_training(s: dict) -> list[str]:
-    return _table(["setup", "loss", "step (ms)", "overhead vs CE"],
-                  [[r["setup"], r["loss"], f"{r['step_ms']:.2f}", f"{100 * r['overhead']:+.1f} %"] for r in s["rows"]])
+    return markdown_table(["setup", "loss", "step (ms)", "overhead vs CE"],
+                          [[r["setup"], r["loss"], f"{r['step_ms']:.2f}", f"{100 * r['overhead']:+.1f} %"] for r in s["rows"]]) + [""]
 
 
 def _md_epoch(s: dict) -> list[str]:
-    return _table(["loss", "k", "step (ms)", "epoch of 45,000 images (s)", "overhead vs CE"],
-                  [[r["loss"], r.get("k"), f"{r['step_ms']:.1f}", f"{r['epoch_s']:.1f}",
-                    None if r["overhead"] is None else f"{100 * r['overhead']:+.1f} %"] for r in s["rows"]])
+    return markdown_table(["loss", "k", "step (ms)", "epoch of 45,000 images (s)", "overhead vs CE"],
+                          [[r["loss"], r.get("k"), f"{r['step_ms']:.1f}", f"{r['epoch_s']:.1f}",
+                            None if r["overhead"] is None else f"{100 * r['overhead']:+.1f} %"] for r in s["rows"]]) + [""]
 
 # %% ../nbs/15_gpucheck.ipynb #3e60433b
 def _md_compile(s: dict) -> list[str]:
-    return _table(["loss", "fullgraph=True", "with graph breaks", "compiled vs eager", "Triton launches"],
-                  [[name, v.get("fullgraph", v.get("error")), v.get("graph_breaks"), _e(v.get("err")), v.get("kernel_launches")]
-                   for name, v in s["losses"].items()])
+    return markdown_table(["loss", "fullgraph=True", "with graph breaks", "compiled vs eager", "Triton launches"],
+                          [[name, v.get("fullgraph", v.get("error")), v.get("graph_breaks"), _e(v.get("err")), v.get("kernel_launches")]
+                           for name, v in s["losses"].items()]) + [""]
 
 # %% ../nbs/15_gpucheck.ipynb #b33fa328
 def _md_graphs(s: dict) -> list[str]:
-    return _table(["loss", "capture", "replay finite", "replay vs eager"],
-                  [[name, v["capture"], v.get("finite"), _e(v.get("err"))] for name, v in s["losses"].items()])
+    return markdown_table(["loss", "capture", "replay finite", "replay vs eager"],
+                          [[name, v["capture"], v.get("finite"), _e(v.get("err"))] for name, v in s["losses"].items()]) + [""]
 
 # %% ../nbs/15_gpucheck.ipynb #29634382
 def _md_kernels(s: dict) -> list[str]:
     unit = "device µs" if s.get("time") == "device" else "CPU µs (dry run)"
-    return _table(["loss", "k", "n", unit, "/ F.cross_entropy", "largest kernels (µs)"],
-                  [[r["loss"], r["k"], r["n"], f"{r['device_us']:.1f}", None if r["ratio"] is None else f"{r['ratio']:.2f}x",
-                    "; ".join(f"{name}: {us:.1f}" for name, us in r["kernels"].items())] for r in s["rows"]])
+    return markdown_table(["loss", "k", "n", unit, "/ F.cross_entropy", "largest kernels (µs)"],
+                          [[r["loss"], r["k"], r["n"], f"{r['device_us']:.1f}", None if r["ratio"] is None else f"{r['ratio']:.2f}x",
+                            "; ".join(f"{name}: {us:.1f}" for name, us in r["kernels"].items())] for r in s["rows"]]) + [""]
 
 # %% ../nbs/15_gpucheck.ipynb #cf3ca232
 _TITLES = {"correctness": "Correctness: float32 on the device vs float64 on the CPU, same rounded inputs",
@@ -670,8 +664,8 @@ def render_markdown(report: dict) -> str:
     lines = [f"# GPU check: {report['device']} ({report['preset']}, {report['date']})", ""]
     lines += [", ".join(f"{key} {env.get(key)}" for key in ("capability", "torch", "cuda", "cudnn", "triton", "python",
                                                           "git_commit")) + ".", ""]
-    lines += _table(["section", "status", "seconds", "note"],
-                    [[name, s["status"], s["seconds"], s.get("error") or s.get("reason")] for name, s in secs.items()])
+    lines += markdown_table(["section", "status", "seconds", "note"],
+                            [[name, s["status"], s["seconds"], s.get("error") or s.get("reason")] for name, s in secs.items()]) + [""]
     for name, s in secs.items():
         if name in _RENDER:
             params = ", ".join(f"{p}={s[p]}" for p in ("batch", "n", "k", "model", "rounds", "backend", "tolerance") if p in s)
@@ -719,7 +713,7 @@ def speed_summary(folder=None, ns: Sequence[int] = (1000, 100_000), k: int = 5) 
     lines = [f"Measured on {record['device']} (torch {env.get('torch')}, Triton {env.get('triton')}, CUDA {env.get('cuda')}) "
              f"on {record['date']} at commit {str(env.get('git_commit'))[:7]} (`results/gpu/{name}`); forward+backward of (B = {secs['speed'].get('batch')}, n) float32 scores, k = {k}, "
              f"as a ratio to `F.cross_entropy` in the same run:", ""]
-    lines += _table(head, rows)
+    lines += markdown_table(head, rows) + [""]
     training = secs.get("training", {}) if secs.get("training", {}).get("status") == "ok" else {}
     epoch = secs.get("epoch", {}) if secs.get("epoch", {}).get("status") == "ok" else {}
     over = ([(r["setup"], r["loss"], r["overhead"]) for r in training["rows"] if r["loss"] != "ce"] if training else
@@ -727,7 +721,7 @@ def speed_summary(folder=None, ns: Sequence[int] = (1000, 100_000), k: int = 5) 
              if r["loss"] != "ce" and r["overhead"] is not None])
     if over:
         lines += ["Training-step overhead against cross-entropy:", ""]
-        lines += _table(["step", "loss", "overhead"], [[setup, f"`{loss}`", f"{100 * o:+.1f} %"] for setup, loss, o in over])
+        lines += markdown_table(["step", "loss", "overhead"], [[setup, f"`{loss}`", f"{100 * o:+.1f} %"] for setup, loss, o in over]) + [""]
     return "\n".join(lines).rstrip("\n")
 
 # %% ../nbs/15_gpucheck.ipynb #a29175fc
