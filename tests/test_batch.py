@@ -197,6 +197,57 @@ def test_failure_is_recorded_and_the_grid_goes_on(tmp_path, monkeypatch):
     assert not list((tmp_path / "nbs").rglob(RECORD))
 
 
+
+# the notebook writes its record with `write_record`, counting in a file how many times its kernel sealed a record
+SEAL_COUNTING = ("import topk_nb.records as R\n"
+                 "sealed, seal = [], R.seal_record\n"
+                 "R.seal_record = lambda record: (sealed.append(1), seal(record))[1]\n"
+                 "R.write_record(record_path, {{'x': x, 'seed': seed}}, {{'final': [{{'y': x}}]}}, seed=seed)\n"
+                 "open({count!r}, 'w').write(str(len(sealed)))")
+
+
+def _counted(calls, name, function):
+    def counting(*args, **kwargs):
+        calls[name] += 1
+        return function(*args, **kwargs)
+    return counting
+
+
+def test_a_run_checks_its_request_makes_its_folder_and_seals_each_record_once(tmp_path, monkeypatch):
+    from collections import Counter
+    from topk_nb import cli, grid, records
+    count = tmp_path / "kernel_seals.txt"
+    nb = fake_notebook(tmp_path / "nb.ipynb", SEAL_COUNTING.format(count=str(count)))
+    calls = Counter()
+    for module, name in ((cli, "parse_grid"), (batch, "plan_grid"), (grid, "check_parameters"), (batch, "check_out_dir")):
+        monkeypatch.setattr(module, name, _counted(calls, name, getattr(module, name)))
+    assert main(["run", str(nb), "--grid", "x=2,3", "--out", str(tmp_path / "runs"), "--no-progress"]) == 0
+    assert calls == {"parse_grid": 1, "plan_grid": 1, "check_parameters": 1, "check_out_dir": 1}
+    recs = load_records(tmp_path / "runs")                  # sealed: a record without its checksum is unreadable
+    assert sorted(r["identity"]["cell"]["x"] for r in recs) == [2, 3]
+    assert all(r["checksum"] == records.record_checksum(r) for r in recs)
+    assert count.read_text() == "0"                          # the notebook's write_record left the seal to the runner
+    # a caller of run_grid without a plan gets it planned, once
+    calls.clear()
+    assert run_grid(str(nb), grid={"x": [2, 4]}, out_dir=tmp_path / "runs", progress=False)["skipped"] == 1
+    assert calls == {"plan_grid": 1, "check_parameters": 1, "check_out_dir": 1}
+
+
+def test_a_record_is_sealed_once_by_the_runner_or_once_by_a_notebook_run_alone(tmp_path, monkeypatch):
+    import papermill
+    from topk_nb.records import record_checksum
+    count = tmp_path / "kernel_seals.txt"
+    nb = fake_notebook(tmp_path / "nb.ipynb", SEAL_COUNTING.format(count=str(count)))
+    runner, seal = [], batch.seal_record
+    monkeypatch.setattr(batch, "seal_record", lambda record: (runner.append(1), seal(record))[1])
+    rec = batch.run_cell(nb, {"x": 3}, tmp_path / "cell", identity={"experiment": "nb", "preset": None, "cell": {"x": 3}})
+    assert (len(runner), count.read_text()) == (1, "0")          # the runner's seal, with the identity it adds
+    assert rec["checksum"] == record_checksum(rec) and rec["identity"]["cell"] == {"x": 3}
+    papermill.execute_notebook(str(nb), str(tmp_path / "out.ipynb"), kernel_name="python3", progress_bar=False,
+                               parameters={"x": 4, "record_path": str(tmp_path / "alone.json")})
+    assert (len(runner), count.read_text()) == (1, "1")          # alone: the notebook's write_record seals it
+    assert read_record(tmp_path / "alone.json")["params"] == {"x": 4, "seed": 0}
+
 def test_a_kernel_that_does_not_start_is_started_again(tmp_path, monkeypatch):
     "Busy machines sometimes lose a kernel before its first reply (two kernels racing for a port): the cell starts it again."
     import papermill

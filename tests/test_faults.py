@@ -628,8 +628,7 @@ def test_hard_links_in_a_cell_folder_are_never_written_through(short_tmp):
 
 def test_a_link_at_the_slurm_ledger_lock_is_refused_and_nothing_is_made_through_it(tmp_path, monkeypatch):
     from topk_nb import slurm
-    monkeypatch.setattr(cli, "slurm_available", lambda: None)               # as if a cluster answered
-    monkeypatch.setattr(slurm, "slurm_available", lambda: None)
+    monkeypatch.setattr(slurm, "slurm_available", lambda: None)             # as if a cluster answered
     out = tmp_path / "runs"
     folder = slurm.slurm_folder(out, "circles_tradeoffs")
     folder.mkdir(parents=True)

@@ -24,7 +24,7 @@ from pathlib import Path
 from .catalogue import package_dir
 
 # %% auto #0
-__all__ = ['RECORD', 'EXECUTED', 'RECORD_FORMAT', 'NO_CHECKSUM', 'RECORD_MAX_BYTES', 'git_commit', 'environment',
+__all__ = ['RECORD', 'EXECUTED', 'RECORD_FORMAT', 'NO_CHECKSUM', 'RUNNER_SEALS', 'RECORD_MAX_BYTES', 'git_commit', 'environment',
            'atomic_write_json', 'plain', 'record_checksum', 'seal_record', 'record_problem', 'catalogue_metrics',
            'metric_problem', 'write_record', 'RecordError', 'seal_command', 'read_plain_file', 'inspect_record',
            'read_record', 'load_records', 'seal_records', 'training_metrics']
@@ -110,11 +110,16 @@ def record_checksum(record: dict,  # a record, with or without its `checksum` (a
     return hashlib.sha256(text.encode()).hexdigest()
 
 # %% ../nbs/19_records.ipynb #4a18b758
+def _json_form(record: dict) -> dict:
+    "The fields of `record` as reading them back gives them (its JSON form), without `checksum` and `path`, with `format` set to `RECORD_FORMAT`."
+    body = {k: v for k, v in record.items() if k not in ("checksum", "path")}
+    return json.loads(json.dumps({**body, "format": RECORD_FORMAT}, default=_json_default))
+
+
 def seal_record(record: dict,  # the fields of a record (status, params, metrics, ...)
                 ) -> dict:
     "The record as it is written: its JSON form, with `format` set to `RECORD_FORMAT` and its `checksum` added last."
-    body = {k: v for k, v in record.items() if k not in ("checksum", "path")}
-    body = json.loads(json.dumps({**body, "format": RECORD_FORMAT}, default=_json_default))   # what reading gives back
+    body = _json_form(record)
     return {**body, "checksum": record_checksum(body)}
 
 # %% ../nbs/19_records.ipynb #d8137f00
@@ -211,16 +216,21 @@ def metric_problem(rec: dict,  # a record whose `metrics.final` is a row or a li
     return None
 
 # %% ../nbs/19_records.ipynb #9fd78355
+RUNNER_SEALS = "TOPK_NB_RUNNER_SEALS"   # environment variable: the record file the runner seals itself (set for a notebook's kernel)
+
+
 def write_record(path, params: dict, metrics: dict | None = None, *, experiment: str | None = None,
                  seed: int | None = None, wall_time_s: float | None = None, status: str = "ok",
                  error: str | None = None, **extra) -> Path:
-    "Write a result record (atomically) to `path`: parameters, metrics, environment, seed, wall time, status; sealed (`seal_record`), and refused (ValueError) if it would not read back."
+    "Write a result record (atomically) to `path`: parameters, metrics, environment, seed, wall time, status; sealed (`seal_record`) unless the runner seals it itself (`path` is the file `RUNNER_SEALS` names), and refused (ValueError) if it would not read back."
     if status not in ("ok", "failed"):
         raise ValueError(f"status must be 'ok' or 'failed', got {status!r}")
-    record = seal_record({"experiment": experiment, "status": status, "params": params, "metrics": metrics,
-                          "error": error, "seed": seed, "wall_time_s": wall_time_s, "environment": environment(),
-                          "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **extra})
-    if problem := record_problem(record):
+    fields = {"experiment": experiment, "status": status, "params": params, "metrics": metrics, "error": error,
+              "seed": seed, "wall_time_s": wall_time_s, "environment": environment(),
+              "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **extra}
+    sealed = os.environ.get(RUNNER_SEALS) != os.path.abspath(path)
+    record = seal_record(fields) if sealed else _json_form(fields)
+    if problem := record_problem(record, sealed=sealed):
         raise ValueError(f"write_record: this record would not read back: {problem}")
     return atomic_write_json(path, record)
 
