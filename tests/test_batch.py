@@ -142,6 +142,11 @@ def test_write_record_is_complete_and_atomic(tmp_path):
     rec = read_record(path)
     assert rec["status"] == "ok" and rec["params"] == {"a": 1} and rec["seed"] == 3 and rec["wall_time_s"] == 2.0
     assert {"torch", "cuda", "device_name", "git_commit", "python"} <= set(rec["environment"])
+    # the one description of a process, which the GPU check's records carry too: its device's capability, Triton
+    import platform
+    env = rec["environment"]
+    assert {"capability", "triton", "cudnn", "n_threads", "cuda_visible_devices"} <= set(env)
+    assert (env["python"], env["platform"]) == (platform.python_version(), platform.platform())
     assert [p.name for p in (tmp_path / "c").iterdir()] == [RECORD]
     with pytest.raises(TypeError, match="cannot write object"):
         write_record(tmp_path / "d" / RECORD, {"a": object()})
@@ -191,6 +196,57 @@ def test_failure_is_recorded_and_the_grid_goes_on(tmp_path, monkeypatch):
     assert (summary["skipped"], summary["ok"], summary["failed"]) == (1, 0, 1)
     assert not list((tmp_path / "nbs").rglob(RECORD))
 
+
+
+# the notebook writes its record with `write_record`, counting in a file how many times its kernel sealed a record
+SEAL_COUNTING = ("import topk_nb.records as R\n"
+                 "sealed, seal = [], R.seal_record\n"
+                 "R.seal_record = lambda record: (sealed.append(1), seal(record))[1]\n"
+                 "R.write_record(record_path, {{'x': x, 'seed': seed}}, {{'final': [{{'y': x}}]}}, seed=seed)\n"
+                 "open({count!r}, 'w').write(str(len(sealed)))")
+
+
+def _counted(calls, name, function):
+    def counting(*args, **kwargs):
+        calls[name] += 1
+        return function(*args, **kwargs)
+    return counting
+
+
+def test_a_run_checks_its_request_makes_its_folder_and_seals_each_record_once(tmp_path, monkeypatch):
+    from collections import Counter
+    from topk_nb import cli, grid, records
+    count = tmp_path / "kernel_seals.txt"
+    nb = fake_notebook(tmp_path / "nb.ipynb", SEAL_COUNTING.format(count=str(count)))
+    calls = Counter()
+    for module, name in ((cli, "parse_grid"), (batch, "plan_grid"), (grid, "check_parameters"), (batch, "check_out_dir")):
+        monkeypatch.setattr(module, name, _counted(calls, name, getattr(module, name)))
+    assert main(["run", str(nb), "--grid", "x=2,3", "--out", str(tmp_path / "runs"), "--no-progress"]) == 0
+    assert calls == {"parse_grid": 1, "plan_grid": 1, "check_parameters": 1, "check_out_dir": 1}
+    recs = load_records(tmp_path / "runs")                  # sealed: a record without its checksum is unreadable
+    assert sorted(r["identity"]["cell"]["x"] for r in recs) == [2, 3]
+    assert all(r["checksum"] == records.record_checksum(r) for r in recs)
+    assert count.read_text() == "0"                          # the notebook's write_record left the seal to the runner
+    # a caller of run_grid without a plan gets it planned, once
+    calls.clear()
+    assert run_grid(str(nb), grid={"x": [2, 4]}, out_dir=tmp_path / "runs", progress=False)["skipped"] == 1
+    assert calls == {"plan_grid": 1, "check_parameters": 1, "check_out_dir": 1}
+
+
+def test_a_record_is_sealed_once_by_the_runner_or_once_by_a_notebook_run_alone(tmp_path, monkeypatch):
+    import papermill
+    from topk_nb.records import record_checksum
+    count = tmp_path / "kernel_seals.txt"
+    nb = fake_notebook(tmp_path / "nb.ipynb", SEAL_COUNTING.format(count=str(count)))
+    runner, seal = [], batch.seal_record
+    monkeypatch.setattr(batch, "seal_record", lambda record: (runner.append(1), seal(record))[1])
+    rec = batch.run_cell(nb, {"x": 3}, tmp_path / "cell", identity={"experiment": "nb", "preset": None, "cell": {"x": 3}})
+    assert (len(runner), count.read_text()) == (1, "0")          # the runner's seal, with the identity it adds
+    assert rec["checksum"] == record_checksum(rec) and rec["identity"]["cell"] == {"x": 3}
+    papermill.execute_notebook(str(nb), str(tmp_path / "out.ipynb"), kernel_name="python3", progress_bar=False,
+                               parameters={"x": 4, "record_path": str(tmp_path / "alone.json")})
+    assert (len(runner), count.read_text()) == (1, "1")          # alone: the notebook's write_record seals it
+    assert read_record(tmp_path / "alone.json")["params"] == {"x": 4, "seed": 0}
 
 def test_a_kernel_that_does_not_start_is_started_again(tmp_path, monkeypatch):
     "Busy machines sometimes lose a kernel before its first reply (two kernels racing for a port): the cell starts it again."
@@ -265,6 +321,36 @@ def test_report_on_fabricated_records(tmp_path):
     assert (tmp_path / "fab" / "report" / "f.svg").read_text().startswith("<?xml")
     assert md.startswith("# fab: report\n\n> **Not comparable with the papers' numbers: 2 of 2 records ran no paper")
 
+
+
+def _table_rows(md: str) -> list[list[str]]:
+    "Each row of the tables of the markdown `md`, as a markdown parser reads it: the texts of its cells, `<br>` as a line break."
+    markdown_it = pytest.importorskip("markdown_it")
+    rows, row = [], None
+    for token in markdown_it.MarkdownIt("commonmark").enable("table").parse(md):
+        if token.type == "tr_open": row = []
+        elif token.type == "inline" and row is not None: row.append(token.content.replace("<br>", "\n"))
+        elif token.type == "tr_close": rows.append(row); row = None
+    return rows
+
+
+def test_a_pipe_or_a_line_break_in_a_cell_stays_in_its_table_row(tmp_path):
+    # the report and the GPU check write their tables with one function (`topk_nb.results.markdown_table`): a `|` in a
+    # GPU check's error no longer splits its row, nor does a line break in a report's claim
+    from topk_nb.gpucheck import render_markdown
+    error = "RuntimeError: shapes (2 | 3) differ\nin the second line"
+    gpu = {"device": "cpu", "preset": "dry", "date": "2026-01-01", "sections": {
+        "environment": {"status": "ok", "seconds": 0.0}, "compile": {"status": "error", "error": error, "seconds": 1.5}}}
+    assert _table_rows(render_markdown(gpu)) == [["section", "status", "seconds", "note"], ["environment", "ok", "0.0", "-"],
+                                                 ["compile", "error", "1.5", error]]
+    statement = "ce is best | in top-1\nand in top-2"
+    exp = Experiment("fab", "none.ipynb", "fabricated", group_by=("s", "loss"),
+                     findings=(Finding("Some 2020, Fig. 1", statement, {}, "s", (1,), "top1", "best"),))
+    _fabricate(tmp_path, "fab", {"s": 1}, [{"loss": l, "seed": i, "top1": v} for l, v in (("ce", 0.7), ("g", 0.5))
+                                           for i in range(2)])
+    rows = _table_rows(report(exp, tmp_path, figures=False).read_text())
+    claims = [r for r in rows if r[0] == "Some 2020, Fig. 1"]
+    assert len(claims) == 1 and len(claims[0]) == len(rows[0]) == 11 and claims[0][1] == statement
 
 def test_circles_report_on_fabricated_records(tmp_path):
     name = CIRCLES_TRADEOFFS.name

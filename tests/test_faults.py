@@ -262,6 +262,29 @@ def test_atomic_files_follow_the_umask(tmp_path):
         os.umask(old)
 
 
+def test_one_fsync_makes_both_a_file_and_a_folder_durable(tmp_path, monkeypatch):
+    # the atomic writes and the runner's renames of a cell's results share `fsync_path`: the file's data and the
+    # folder's entries are each flushed, seen by the inode each fsync gets
+    from topk_nb.files import fsync_path
+    synced, real_fsync = [], os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.fstat(fd).st_ino), real_fsync(fd))[1])
+    data = tmp_path / "data.bin"
+    data.write_bytes(b"x")
+    fsync_path(data)
+    fsync_path(tmp_path)
+    fsync_path(tmp_path / "missing")                        # nothing to open: nothing to flush, and no error
+    assert synced == [data.stat().st_ino, tmp_path.stat().st_ino]
+    cell = tmp_path / "cell"
+    cell.mkdir()
+    (cell / ".notebook.1.ipynb").write_text("{}")
+    batch.write_record(cell / ".record.1.json", {"x": 1}, {"final": [{"y": 1}]})
+    executed = (cell / ".notebook.1.ipynb").stat().st_ino
+    synced.clear()
+    batch._publish(cell, cell / ".record.1.json", cell / ".notebook.1.ipynb")
+    assert synced.count(cell.stat().st_ino) >= 2 and executed in synced   # the notebook, then the folder after each rename
+    assert read_record(cell / RECORD)["params"] == {"x": 1} and (cell / EXECUTED).stat().st_ino == executed
+
+
 # --- the report -------------------------------------------------------------------------------------------------------
 def _report(*words):
     return subprocess.run([sys.executable, "-m", "topk_nb.cli", "report", *words], env=ENV, capture_output=True,
@@ -605,8 +628,7 @@ def test_hard_links_in_a_cell_folder_are_never_written_through(short_tmp):
 
 def test_a_link_at_the_slurm_ledger_lock_is_refused_and_nothing_is_made_through_it(tmp_path, monkeypatch):
     from topk_nb import slurm
-    monkeypatch.setattr(cli, "slurm_available", lambda: None)               # as if a cluster answered
-    monkeypatch.setattr(slurm, "slurm_available", lambda: None)
+    monkeypatch.setattr(slurm, "slurm_available", lambda: None)             # as if a cluster answered
     out = tmp_path / "runs"
     folder = slurm.slurm_folder(out, "circles_tradeoffs")
     folder.mkdir(parents=True)

@@ -73,6 +73,18 @@ def test_dry_run_writes_every_section(dry_run):
         assert f"| {name} |" in md
 
 
+def test_the_environment_section_is_the_records_description_of_the_device(dry_run):
+    # one description of a process for the runner's records and the GPU check: the device's kind, name and capability,
+    # torch's threads and the commit with its +dirty mark, as well as the versions, in both
+    import platform
+    from topk_nb.records import git_commit
+    env = dry_run[1]["sections"]["environment"]
+    assert (env["status"], env["device"], env["capability"]) == ("ok", "cpu", None)
+    assert env["device_name"] == (platform.processor() or platform.machine())
+    assert (env["python"], env["platform"], env["torch"]) == (platform.python_version(), platform.platform(), torch.__version__)
+    assert env["git_commit"] == git_commit() and "n_threads" in env and "cuda_visible_devices" in env
+
+
 def test_dry_run_correctness_below_tolerance(dry_run):
     losses = dry_run[1]["sections"]["correctness"]["losses"]
     assert list(losses) == list(LOSSES)

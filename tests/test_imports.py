@@ -1,9 +1,16 @@
-"""The package's modules import one another without a circle (imports inside functions count too): the command line is on
-top of the runner, the Slurm executor and the report, the report reads the grid and never imports the runner."""
+"""The package's modules import one another without a circle: imports inside functions count, and so do the modules a
+module imports by name (`importlib.import_module`: the catalogue imports every experiment's module) and the exported
+cells of the notebooks, which are the modules' source. The command line is on top of the runner, the Slurm executor
+and the report, the report reads the grid and never imports the runner, and an experiment's module imports nothing
+that reads the catalogue."""
 import ast
+import json
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "topk_nb"
+NOTEBOOKS = PACKAGE.parent / "nbs"
+EXPERIMENTS = "topk_nb.experiments"
 
 
 def module_name(path: Path) -> str:
@@ -11,11 +18,33 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imported(path: Path) -> set[str]:
-    "The modules of the package that the file at `path` imports, anywhere in it."
-    name, found = module_name(path), set()
-    package = name if path.stem == "__init__" else name.rpartition(".")[0]
-    for node in ast.walk(ast.parse(path.read_text())):
+def modules() -> set[str]:
+    return {module_name(p) for p in PACKAGE.rglob("*.py")}
+
+
+def _by_name(tree: ast.AST, known: set[str]) -> set[str]:
+    "The modules that the strings of `tree` name for importlib to import: 'topk_nb.losses:LOSSES', a package (each of its modules), or the start of an f-string, 'topk_nb.experiments.{name}' (any module of that package)."
+    calls = {n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", None)
+             for n in ast.walk(tree) if isinstance(n, ast.Call)}
+    if not calls & {"import_module", "iter_modules", "__import__"}:
+        return set()
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            match = re.fullmatch(r"(topk_nb(?:\.\w+)+)(?::\w+)?", node.value)
+            if match and match[1] in known:
+                found |= {match[1]} | {m for m in known if m.startswith(match[1] + ".")}
+        elif isinstance(node, ast.JoinedStr) and node.values and isinstance(node.values[0], ast.Constant):
+            head = str(node.values[0].value)
+            if re.fullmatch(r"topk_nb(?:\.\w+)*\.", head):
+                found |= {m for m in known if m.startswith(head)}
+    return found
+
+
+def imports_of(tree: ast.AST, name: str, package: str) -> set[str]:
+    "The modules of the package that the code `tree` of the module `name` (in `package`) imports, anywhere in it."
+    found = set()
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -25,12 +54,44 @@ def imported(path: Path) -> set[str]:
                 base = ".".join(anchor + ([base] if base else []))
             found.add(base)
             found |= {f"{base}.{a.name}" for a in node.names}      # `from topk_nb import batch`
-    modules = {module_name(p) for p in PACKAGE.rglob("*.py")}
-    return {m for m in found if m in modules and m != name and m != "topk_nb"}
+    known = modules()
+    return {m for m in found | _by_name(tree, known) if m in known and m != name and m != "topk_nb"}
+
+
+def imported(path: Path) -> set[str]:
+    "The modules of the package that the file at `path` imports, anywhere in it."
+    name = module_name(path)
+    package = name if path.stem == "__init__" else name.rpartition(".")[0]
+    return imports_of(ast.parse(path.read_text()), name, package)
+
+
+def exported_cells(notebook: Path) -> tuple[str | None, list[str]]:
+    "The module a notebook exports to (`#| default_exp`), and the source of its exported cells."
+    cells = [c for c in json.loads(notebook.read_text(encoding="utf-8"))["cells"] if c["cell_type"] == "code"]
+    sources = ["".join(c["source"]) for c in cells]
+    target = next((m[1] for s in sources if (m := re.search(r"^#\|\s*default_exp\s+(\S+)", s, re.M))), None)
+    return target, [s for s in sources if re.match(r"#\|\s*exports?\b", s)]
+
+
+def notebook_imports(notebook: Path) -> tuple[str | None, set[str]]:
+    "The module a notebook exports to, and the modules of the package its exported cells import."
+    target, sources = exported_cells(notebook)
+    if target is None:
+        return None, set()
+    name = f"topk_nb.{target}"
+    tree = ast.Module(body=[stmt for s in sources for stmt in ast.parse(s).body], type_ignores=[])
+    return name, imports_of(tree, name, name.rpartition(".")[0])
 
 
 def graph() -> dict[str, set[str]]:
-    return {module_name(p): imported(p) for p in PACKAGE.rglob("*.py") if p.name != "_modidx.py"}
+    "Each module's imports: those of its file, and those of the exported cells of its notebooks (its source)."
+    g = {module_name(p): imported(p) for p in PACKAGE.rglob("*.py") if p.name != "_modidx.py"}
+    for notebook in NOTEBOOKS.rglob("*.ipynb"):
+        if ".ipynb_checkpoints" in notebook.parts: continue
+        name, found = notebook_imports(notebook)
+        if name is not None:
+            g[name] = g.get(name, set()) | found
+    return g
 
 
 def reachable(g: dict, start: str) -> set[str]:
@@ -42,10 +103,14 @@ def reachable(g: dict, start: str) -> set[str]:
     return seen
 
 
+def circles(g: dict) -> dict:
+    "Each module that imports itself through others, with the modules of a circle it imports."
+    looped = sorted(m for m in g if m in reachable(g, m))
+    return {m: sorted(g[m] & set(looped)) for m in looped}
+
+
 def test_no_module_imports_itself_through_others():
-    g = graph()
-    circles = sorted(m for m in g if m in reachable(g, m))
-    assert circles == [], {m: sorted(g[m] & set(circles)) for m in circles}
+    assert circles(graph()) == {}
 
 
 def test_the_report_imports_the_grid_and_not_the_runner():
@@ -60,6 +125,59 @@ def test_the_graph_sees_imports_inside_functions(tmp_path):
     # the checks above are only as good as the parser: a lazy import counts, relative or absolute
     assert "topk_nb.files" in imported(PACKAGE / "records.py")            # `from topk_nb.files import` in a function
     assert "topk_nb.catalogue" in imported(PACKAGE / "records.py")        # `from .catalogue import`
+
+
+def test_the_graph_sees_the_modules_imported_by_name():
+    # the catalogue imports every experiment's module by name, the records look an entry up by its name, the grid
+    # imports the registries its parameters name ("topk_nb.losses:LOSSES"): each an import the graph counts
+    experiments = {m for m in modules() if m.startswith(EXPERIMENTS + ".")}
+    assert "topk_nb.experiments.circles_tradeoffs" in experiments
+    assert experiments <= imported(PACKAGE / "grid.py") and experiments <= imported(PACKAGE / "records.py")
+    assert {"topk_nb.losses", "topk_nb.models", "topk_nb.train"} <= imported(PACKAGE / "grid.py")
+
+
+def test_an_experiment_imports_nothing_that_reads_the_catalogue():
+    # an entry's module (its drawings' imports included) may use the entry types, the atomic writes and what the
+    # report shares with the entries; any other chapter reads the catalogue, or imports one that does
+    g = graph()
+    allowed = {"topk_nb.catalogue", "topk_nb.files", "topk_nb.results"}
+    for name in sorted(m for m in g if m.startswith(EXPERIMENTS)):
+        assert g[name] <= allowed, (name, sorted(g[name] - allowed))
+    for leaf in allowed:
+        assert not reachable(g, leaf), (leaf, sorted(reachable(g, leaf)))
+
+
+def test_a_circle_through_a_function_of_an_experiment_notebook_is_found(tmp_path):
+    # an experiment notebook whose drawing imports the report inside a function, as one once did: exported, its cells
+    # close a circle (the report reads the grid, which imports every experiment's module), and the check names it
+    source = next(NOTEBOOKS.glob("experiments/circles_tradeoffs.ipynb"))
+    nb = json.loads(source.read_text(encoding="utf-8"))
+    drawing = [c for c in nb["cells"] if c["cell_type"] == "code" and "def sawada_fig5" in "".join(c["source"])][0]
+    text = "".join(drawing["source"]).replace("    import matplotlib\n",
+                                               "    import matplotlib\n    from topk_nb.report import unique_rows\n", 1)
+    assert text != "".join(drawing["source"])
+    drawing["source"] = text
+    changed = tmp_path / source.name
+    changed.write_text(json.dumps(nb), encoding="utf-8")
+    name, found = notebook_imports(changed)
+    assert (name, "topk_nb.report" in found) == ("topk_nb.experiments.circles_tradeoffs", True)
+    g = graph()
+    g[name] = g[name] | found
+    assert name in circles(g) and "topk_nb.report" in circles(g)
+    assert circles(graph()) == {}                                          # as the notebooks are
+
+
+def test_the_catalogue_is_read_on_first_use():
+    # importing the grid, the runner, the report or the command line imports no experiment's module; the first look
+    # at the catalogue imports them all, once
+    out = _fresh("import sys\n"
+                 "import topk_nb.grid, topk_nb.batch, topk_nb.report, topk_nb.cli, topk_nb.notebook\n"
+                 f"print(sorted(m for m in sys.modules if m.startswith('{EXPERIMENTS}.')))\n"
+                 "from topk_nb.grid import EXPERIMENTS, experiment_catalogue\n"
+                 "assert 'circles_tradeoffs' in EXPERIMENTS and experiment_catalogue() is experiment_catalogue()\n"
+                 f"print(sorted(m for m in sys.modules if m.startswith('{EXPERIMENTS}.')) == "
+                 f"sorted('{EXPERIMENTS}.' + n for n in EXPERIMENTS))")
+    assert out.split() == ["[]", "True"], out
 
 
 def _fresh(code: str, **env) -> str:

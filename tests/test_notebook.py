@@ -112,3 +112,18 @@ def test_start_refuses_an_experiment_the_catalogue_does_not_know():
     with pytest.raises(ValueError, match="did you mean 'circles_tradeoffs'"):
         start({"sigma": 20.0}, "circles_tradeoff")
     assert start({"loss": "mine", "k": 2}).experiment is None          # no name: an ad-hoc notebook, as before
+
+
+def test_a_value_that_strict_json_cannot_hold_is_refused_at_start():
+    "The record holds the parameters as strict JSON (`records.plain`: NaN would become the string 'nan'): NaN and infinities stop the notebook, even inside a list or for a string parameter, instead of being recorded as what they are not."
+    import json
+    from topk_nb.notebook import start
+    from topk_nb.records import plain
+    nan_list = [3, float("nan")]
+    assert json.loads(json.dumps(plain(nan_list), allow_nan=False)) != nan_list     # what a record would have said
+    for namespace in ({"sizes": nan_list}, {"name": float("inf")}, {"grid": {"a": (1.0, float("-inf"))}}):
+        name = next(iter(namespace))
+        with pytest.raises(ValueError, match=f"^{name}=.*: {name} holds NaN or an infinity"):
+            start(namespace)
+    assert start({"sizes": (3, 5), "grid": {"a": (1.0, None)}}).params == {"sizes": [3, 5], "grid": {"a": [1.0, None]}}
+

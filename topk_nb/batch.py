@@ -20,14 +20,16 @@ import threading
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
 from tqdm import tqdm
 
+from .files import fsync_path
 from .catalogue import (Experiment, Figure, Finding, PaperValue,  # noqa: F401 (the entry types, importable from here)
                               experiments_dir)
-from .records import (EXECUTED, RECORD, RecordError, atomic_write_json, inspect_record, read_plain_file, seal_record,  # noqa: F401 (the record format)
+from .records import (EXECUTED, RECORD, RUNNER_SEALS, RecordError, atomic_write_json, inspect_record, read_plain_file, seal_record,  # noqa: F401 (the record format)
                              load_records, read_record, training_metrics, write_record)
 from .grid import (EXPERIMENTS, FILE_PARAMETERS, cell_dir, cell_id, cell_slug, check_files,  # noqa: F401 (the grid, importable from here)
                           check_folder_name, check_key, check_parameters, discover_experiments, expand_grid,
@@ -40,7 +42,7 @@ __all__ = ['LOCK', 'JOB_LOG', 'FAILED_ATTEMPT', 'FAILED_NOTEBOOK', 'NOTEBOOK_MAX
            'CellBusy', 'UnsafeCell', 'written_in_place', 'cell_links', 'open_in_place', 'claim_cell', 'cell_running',
            'record_stamp', 'notebook_final', 'cell_done', 'kernel_manager_class', 'kernel_config', 'Stopped',
            'no_space', 'run_cell', 'die_with_parent', 'pending_cells', 'grid_summary', 'RunStop', 'check_out_dir',
-           'run_grid']
+           'RunPlan', 'plan_run', 'run_plan', 'run_grid']
 
 # %% ../nbs/13_batch.ipynb #caf1b9ce
 LOCK = ".lock"
@@ -195,14 +197,6 @@ def cell_done(directory,  # a cell's folder
     return (not cell_links(directory) and (read_record(directory / RECORD) or {}).get("status") == "ok"
             and notebook_final(directory / EXECUTED))
 
-# %% ../nbs/13_batch.ipynb #32f97fd6
-def _fsync(path: Path) -> None:
-    "Flush a file (or a folder's entries) to disk."
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try: os.fsync(fd)
-        finally: os.close(fd)
-
 # %% ../nbs/13_batch.ipynb #2d9670fb
 def _clear_attempts(directory: Path) -> None:
     "Delete what killed attempts left in a cell folder this process owns: their records, notebooks and temporary files."
@@ -223,19 +217,19 @@ def _publish(directory: Path, record: Path, notebook: Path) -> None:
             if src.exists(): os.replace(src, dst)
             else:
                 with contextlib.suppress(FileNotFoundError): dst.unlink()
-        _fsync(directory)
+        fsync_path(directory)
         return
     final = directory / EXECUTED
     if notebook.exists():
-        _fsync(notebook)
+        fsync_path(notebook)
         os.replace(notebook, final)
     else:                                  # no notebook from this attempt: none from an older one beside its record
         with contextlib.suppress(FileNotFoundError): final.unlink()
-    _fsync(directory)
+    fsync_path(directory)
     os.replace(record, directory / RECORD)
     for name in (FAILED_ATTEMPT, FAILED_NOTEBOOK):   # an older rerun's failure: this attempt's outcome supersedes it
         with contextlib.suppress(FileNotFoundError): (directory / name).unlink()
-    _fsync(directory)
+    fsync_path(directory)
 
 # %% ../nbs/13_batch.ipynb #4bb93c88
 def _finished_record(directory: Path, since: list | None) -> dict | None:
@@ -273,12 +267,19 @@ _KERNEL_MANAGER = None
 
 
 def kernel_manager_class():
-    "jupyter_client's AsyncKernelManager, except that a shutdown does not interrupt the kernel first (SIGINT): a kernel still running a cell gets the shutdown request, then SIGTERM (`shutdown_wait_time`)."
+    "jupyter_client's AsyncKernelManager, except that a shutdown does not interrupt the kernel first (SIGINT): a kernel still running a cell gets the shutdown request, then SIGTERM (`shutdown_wait_time`); and the kernel gets the variables of its `kernel_env` in its environment."
     global _KERNEL_MANAGER
     if _KERNEL_MANAGER is None:
         from jupyter_client.manager import AsyncKernelManager
+        from traitlets import Dict
 
         class RunnerKernelManager(AsyncKernelManager):
+            kernel_env = Dict(config=True, help="variables the kernel gets besides this process's environment")
+
+            async def _async_pre_start_kernel(self, **kw):
+                if self.kernel_env: kw["env"] = {**kw.get("env", os.environ), **self.kernel_env}
+                return await super()._async_pre_start_kernel(**kw)
+
             async def _async_interrupt_kernel(self):
                 if getattr(self, "shutting_down", False): return     # the shutdown's own interrupt
                 await super()._async_interrupt_kernel()
@@ -287,8 +288,9 @@ def kernel_manager_class():
     return _KERNEL_MANAGER
 
 
-def kernel_config():
-    "The traitlets config of the notebooks' clients and kernel managers: CurveZMQ keys for the kernel's sockets where the kernel declares support (ipykernel does; it warns at every start of a kernel without them) and pyzmq has Curve, and `kernel_manager_class()`."
+def kernel_config(env: dict | None = None,  # environment variables the kernel gets besides this process's
+                  ):
+    "The traitlets config of the notebooks' clients and kernel managers: CurveZMQ keys for the kernel's sockets where the kernel declares support (ipykernel does; it warns at every start of a kernel without them) and pyzmq has Curve, `kernel_manager_class()`, and `env` for the kernel."
     import zmq
     from jupyter_client.manager import KernelManager
     from traitlets.config import Config
@@ -296,6 +298,7 @@ def kernel_config():
     if "transport_encryption" in KernelManager.class_trait_names() and zmq.has("curve"):
         config.KernelManager.transport_encryption = "auto"
     config.NotebookClient.kernel_manager_class = kernel_manager_class()
+    if env: config.RunnerKernelManager.kernel_env = dict(env)
     return config
 
 # %% ../nbs/13_batch.ipynb #daeb8e7e
@@ -337,7 +340,7 @@ def _error_text(e: Exception, timeout) -> str:
 
 
 def _execute(notebook, params: dict, directory: Path, experiment, timeout, log_output, identity=None) -> dict:
-    "Run one attempt in a folder this process owns, publish its notebook and record (sealed, with `identity` added); returns the record. Interrupted, or on a full disk, the attempt leaves no file and the exception goes on."
+    "Run one attempt in a folder this process owns, publish its notebook and record (sealed once, here, with `identity` added: the notebook's `write_record` leaves it to the runner, `RUNNER_SEALS`); returns the record. Interrupted, or on a full disk, the attempt leaves no file and the exception goes on."
     import papermill as pm
     _clear_attempts(directory)
     attempt = f"{os.getpid()}-{secrets.token_hex(4)}"
@@ -348,7 +351,7 @@ def _execute(notebook, params: dict, directory: Path, experiment, timeout, log_o
             _with_kernel_retries(lambda: pm.execute_notebook(
                 with_parameters_tag(notebook), str(executed), parameters={**params, "record_path": str(record)},
                 kernel_name="python3", cwd=str(Path(notebook).parent), progress_bar=False, log_output=log_output,
-                execution_timeout=timeout, start_timeout=KERNEL_START_TIMEOUT, config=kernel_config()))
+                execution_timeout=timeout, start_timeout=KERNEL_START_TIMEOUT, config=kernel_config({RUNNER_SEALS: str(record)})))
             written, problem = inspect_record(record, sealed=False)   # the runner seals it below
             if written is None:
                 raise RuntimeError(f"the record the notebook wrote to record_path {problem}" if problem else
@@ -601,6 +604,29 @@ def check_out_dir(out_dir,  # the folder of a run's cells (made if missing)
         raise ValueError(f"--out {str(out_dir)!r} is not a folder this process can write to ({e.strerror or e})") from None
     return out
 
+# %% ../nbs/13_batch.ipynb #98a7ff4e
+@dataclass(frozen=True)
+class RunPlan:
+    "A run checked once, before anything runs (`plan_run`); the executors run it without checking it again."
+    experiment: Experiment  # the catalogue entry, or the ad-hoc one of a notebook's path
+    preset: str | None      # the preset its cells come from (None: the notebook's defaults)
+    cells: list             # the parameters of each cell of its grid (`plan_grid`)
+    out_dir: Path           # the --out folder, made and writable (`check_out_dir`)
+
+
+def plan_run(experiment: str | Experiment,  # a catalogue name, or the path of a notebook
+             preset: str | None = None,  # one of the experiment's presets
+             grid: dict | None = None,  # overrides {parameter: [values]}
+             seeds: int | None = None,  # number of seeds
+             out_dir="runs",  # the --out folder: one folder per cell
+             data_root=None,  # the real data's folder (the parameter `data_root`)
+             ready: Callable[[], object] | None = None,  # the executor's own check, after the grid's (Slurm: `require_slurm`); raises to stop
+             ) -> RunPlan:
+    "Check a run and expand its grid (`plan_grid`), then `ready`, then make the --out folder (`check_out_dir`, last: a mistake leaves no folder behind); any mistake raises before anything runs."
+    exp, cells = plan_grid(experiment, preset, grid, seeds, data_root)
+    if ready is not None: ready()
+    return RunPlan(exp, preset, cells, check_out_dir(out_dir))
+
 # %% ../nbs/13_batch.ipynb #f387e342
 def _run_pool(cells: list[dict], run, devices: list, bar) -> list[dict]:
     "Run `run(params, device)` over `cells` with one worker per device; returns the cells for which it returned False (None: not started)."
@@ -635,6 +661,47 @@ def _stop_on(stop: RunStop):
         for s, h in old.items(): signal.signal(s, h)
 
 # %% ../nbs/13_batch.ipynb #33566009
+def _check_timeout(timeout) -> None:
+    "A one-line ValueError unless `timeout` (seconds per notebook cell) is a positive number or None."
+    if timeout is not None and not (isinstance(timeout, (int, float)) and 0 < timeout < math.inf):
+        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+
+
+def _devices(gpus: Sequence[str] | None, jobs: int) -> list:
+    "One worker per GPU id of `gpus`, else `jobs` workers without one; a one-line ValueError for `jobs` that is no positive integer."
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"jobs must be a positive integer, got {jobs!r}")
+    return [str(g) for g in gpus] if gpus else [None] * jobs
+
+
+def _run_planned(plan: RunPlan, devices: list, timeout, progress: bool) -> dict:
+    "Run the cells of `plan` that are not done, one worker per device; `grid_summary`, with `stopped` when the run ended early."
+    exp, cells, out_dir, preset = plan.experiment, plan.cells, plan.out_dir, plan.preset
+    todo = pending_cells(exp, cells, out_dir)
+    since = {cell_id(c): record_stamp(cell_dir(out_dir, exp, c)) for c in todo}
+    stop = RunStop()
+    with _stop_on(stop), tqdm(total=len(todo), desc=exp.name, disable=not progress, unit="cell") as bar:
+        busy = _run_pool(todo, lambda c, d: _launch(exp, c, out_dir, d, timeout, False, since[cell_id(c)], preset, stop),
+                         devices, bar)
+        _run_pool(busy, lambda c, d: _launch(exp, c, out_dir, d, timeout, True, since[cell_id(c)], preset, stop),
+                  devices, bar)
+    pending = {cell_id(c) for c in todo}
+    summary = grid_summary(exp, cells, out_dir, skipped=[c for c in cells if cell_id(c) not in pending])
+    return summary if stop.reason is None else {**summary, "stopped": stop.reason, "signal": stop.signum}
+
+
+def run_plan(plan: RunPlan,  # a run checked by `plan_run`
+             gpus: Sequence[str] | None = None,  # GPU ids: one job per GPU
+             jobs: int = 1,  # parallel jobs without GPUs
+             timeout: float | None = None,  # seconds per notebook cell
+             progress: bool = True,  # show a progress bar
+             ) -> dict:
+    "Run the cells of a checked run that are not done, without checking its grid or folder again; returns `grid_summary` of the files on disk, with `stopped` (why) when a signal or a full disk ended the run early."
+    devices = _devices(gpus, jobs)
+    _check_timeout(timeout)
+    return _run_planned(plan, devices, timeout, progress)
+
+
 def run_grid(experiment: str | Experiment,  # a catalogue name, or the path of a notebook
              preset: str | None = None,  # one of the experiment's presets
              grid: dict | None = None,  # overrides {parameter: [values]}
@@ -646,22 +713,7 @@ def run_grid(experiment: str | Experiment,  # a catalogue name, or the path of a
              progress: bool = True,  # show a progress bar
              data_root=None,  # the real data's folder (the parameter `data_root`)
              ) -> dict:
-    "Run the cells of a grid that are not done; returns `grid_summary` of the files on disk, with `stopped` (why) when a signal or a full disk ended the run early."
-    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
-        raise ValueError(f"jobs must be a positive integer, got {jobs!r}")
-    if timeout is not None and not (isinstance(timeout, (int, float)) and 0 < timeout < math.inf):
-        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
-    exp, cells = plan_grid(experiment, preset, grid, seeds, data_root)
-    out_dir = check_out_dir(out_dir)
-    todo = pending_cells(exp, cells, out_dir)
-    since = {cell_id(c): record_stamp(cell_dir(out_dir, exp, c)) for c in todo}
-    devices = [str(g) for g in gpus] if gpus else [None] * jobs
-    stop = RunStop()
-    with _stop_on(stop), tqdm(total=len(todo), desc=exp.name, disable=not progress, unit="cell") as bar:
-        busy = _run_pool(todo, lambda c, d: _launch(exp, c, out_dir, d, timeout, False, since[cell_id(c)], preset, stop),
-                         devices, bar)
-        _run_pool(busy, lambda c, d: _launch(exp, c, out_dir, d, timeout, True, since[cell_id(c)], preset, stop),
-                  devices, bar)
-    pending = {cell_id(c) for c in todo}
-    summary = grid_summary(exp, cells, out_dir, skipped=[c for c in cells if cell_id(c) not in pending])
-    return summary if stop.reason is None else {**summary, "stopped": stop.reason, "signal": stop.signum}
+    "Check a run (`plan_run`) and run the cells of its grid that are not done (`run_plan`); returns `grid_summary` of the files on disk, with `stopped` (why) when a signal or a full disk ended the run early."
+    devices = _devices(gpus, jobs)                   # first: a bad value leaves no folder behind
+    _check_timeout(timeout)
+    return _run_planned(plan_run(experiment, preset, grid, seeds, out_dir, data_root), devices, timeout, progress)

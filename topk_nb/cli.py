@@ -18,12 +18,12 @@ import tempfile
 from pathlib import Path
 from typing import Sequence
 
-from .batch import _job_main, check_out_dir, run_grid
+from .batch import RunPlan, _job_main, plan_run, run_plan
 from .catalogue import Experiment, experiments_dir
-from .grid import (EXPERIMENTS, check_folder_name, expand_grid, notebook_parameters, parameter_choices, parse_grid, plan_grid,
+from .grid import (EXPERIMENTS, check_folder_name, expand_grid, notebook_parameters, parameter_choices, parse_grid,
                           short_error)
 from .records import RecordError, seal_records
-from .slurm import SlurmOptions, run_slurm, slurm_available, status_lines
+from .slurm import SlurmOptions, SlurmUnavailable, require_slurm, run_plan_on_slurm, status_lines
 
 # %% auto #0
 __all__ = ['SLURM_FLAGS', 'EXPERIMENT_MODULES', 'describe_experiment', 'slurm_options', 'experiment_runtime', 'main']
@@ -224,11 +224,11 @@ def _seal(out: str, experiment: str) -> int:
     return 0
 
 
-def _run_on_slurm(args: argparse.Namespace, options) -> int:
+def _run_on_slurm(plan: RunPlan,  # the run, checked by `plan_run` with Slurm's answer
+                  args: argparse.Namespace, options) -> int:
     "`topk-nb run --executor slurm`: submit what is neither done nor queued, wait (unless --no-wait), print the cells not ok with their Slurm jobs and logs, then the counts."
     try:
-        summary = run_slurm(args.experiment, args.preset, parse_grid(args.grid), args.seeds, args.out, options,
-                            args.timeout, args.data_root, wait=not args.no_wait, progress=not args.no_progress)
+        summary = run_plan_on_slurm(plan, options, args.timeout, wait=not args.no_wait, progress=not args.no_progress)
     except (ValueError, OSError, RuntimeError, ImportError) as e:
         return _fail("run", e)
     for f in summary["failures"]:
@@ -264,19 +264,18 @@ def main(argv: Sequence[str] | None = None,  # the words after `topk-nb` (sys.ar
         except (ValueError, OSError) as e:
             return _fail("report", e)
         return 0
-    try:
+    try:                                         # every check once, before anything runs; the --out folder last
         experiment_runtime()                     # papermill, nbformat, ipykernel and a python3 kernel, or one line
         options = slurm_options(args)
-        plan_grid(args.experiment, args.preset, parse_grid(args.grid), args.seeds, args.data_root)
-        if options is not None:
-            if problem := slurm_available(): raise ValueError(f"--executor slurm: {problem}")
-        check_out_dir(args.out)                  # last: a mistake above leaves no folder behind
+        plan = plan_run(args.experiment, args.preset, parse_grid(args.grid), args.seeds, args.out, args.data_root,
+                        ready=require_slurm if options is not None else None)
+    except SlurmUnavailable as e:
+        return _fail("run", ValueError(f"--executor slurm: {e}"))
     except (ValueError, OSError, ImportError) as e:
         return _fail("run", e)
     if options is not None:
-        return _run_on_slurm(args, options)
-    summary = run_grid(args.experiment, args.preset, parse_grid(args.grid), args.seeds, args.out, args.gpus,
-                       args.jobs or 1, args.timeout, progress=not args.no_progress, data_root=args.data_root)
+        return _run_on_slurm(plan, args, options)
+    summary = run_plan(plan, args.gpus, args.jobs or 1, args.timeout, progress=not args.no_progress)
     for f in summary["failures"]:
         print(f"not done: {json.dumps(f['params'])}: {short_error(f['error'])}" + (f"; log: {f['log']}" if f.get("log") else ""),
               file=sys.stderr)

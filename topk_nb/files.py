@@ -14,14 +14,15 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 # %% auto #0
-__all__ = ['atomic_write', 'remove_temporary_files', 'atomic_write_text', 'save_figure', 'CheckpointError', 'previous_checkpoint',
-           'save_checkpoint', 'load_checkpoint']
+__all__ = ['fsync_path', 'atomic_write', 'remove_temporary_files', 'atomic_write_text', 'save_figure', 'CheckpointError',
+           'previous_checkpoint', 'save_checkpoint', 'load_checkpoint']
 
 # %% ../nbs/18_files.ipynb #021f9277
-def _fsync_dir(folder: Path) -> None:
-    "Make a rename inside `folder` durable (POSIX: fsync the directory; a no-op where directories cannot be opened)."
+def fsync_path(path: str | os.PathLike,  # a file (its data), or a folder (its entries: a rename inside it)
+               ) -> None:
+    "Flush `path` to disk (POSIX fsync): a file's data, or a folder's entries, which makes a rename inside it durable; a no-op where it cannot be opened (a folder on some systems)."
     with contextlib.suppress(OSError):
-        fd = os.open(folder, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try: os.fsync(fd)
         finally: os.close(fd)
 
@@ -49,7 +50,7 @@ def atomic_write(path: str | os.PathLike,  # the file to write or replace
     except BaseException:
         with contextlib.suppress(FileNotFoundError): os.unlink(tmp)
         raise
-    _fsync_dir(path.parent)
+    fsync_path(path.parent)
     return path
 
 # %% ../nbs/18_files.ipynb #7333e3eb

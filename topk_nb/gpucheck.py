@@ -11,11 +11,8 @@ import contextlib
 import datetime
 import json
 import logging
-import math
 import os
-import platform
 import re
-import subprocess
 import sys
 import time
 import traceback
@@ -32,14 +29,16 @@ from .kernels import count_launches
 from .core import check_int, check_real, force_sync_free, fwd_bwd, time_fn
 from .losses import LOSSES, get_loss
 from .models import INPUT_SHAPES, get_model
+from .records import environment, plain
+from .results import markdown_table
 
 # %% auto #0
 __all__ = ['PRESETS', 'SECTIONS', 'TOLERANCE', 'TRAINING_STEPS', 'NO_CUDA', 'GPU_HOST_COMPILE', 'INDUCTOR_SECONDS', 'one_line',
            'loss_and_grad', 'compare_to_reference', 'loss_variants', 'check_correctness', 'check_syncs', 'speed_table',
            'host_times', 'launch_cost', 'epoch_overhead', 'step_times', 'training_overheads', 'kernel_times',
-           'check_compile', 'capture_step', 'check_cuda_graphs', 'environment', 'device_slug', 'run_section',
-           'section_calls', 'render_markdown', 'newest_record', 'speed_summary', 'gpu_check', 'main',
-           'recorded_launches', 'triton_variants', 'compile_estimate']
+           'check_compile', 'capture_step', 'check_cuda_graphs', 'device_slug', 'run_section', 'section_calls',
+           'render_markdown', 'newest_record', 'speed_summary', 'gpu_check', 'main', 'recorded_launches',
+           'triton_variants', 'compile_estimate']
 
 # %% ../nbs/15_gpucheck.ipynb #fbf51fd0
 PRESETS = {
@@ -528,29 +527,6 @@ def check_cuda_graphs(device="cuda", batch: int = 256, features: int = 64, n: in
     failed = any(e.get("capture") == "ok" and not e["ok"] for e in out.values())
     return {"status": "failed" if failed else "ok", "losses": out}
 
-# %% ../nbs/15_gpucheck.ipynb #5f2bfdbf
-def environment(device="cuda") -> dict:
-    "Device name and compute capability, torch, triton, CUDA, cuDNN and Python versions, platform, and the git commit when there is one."
-    device = torch.device(device)
-    env = {"status": "ok", "device": "cpu", "capability": None, "torch": torch.__version__, "cuda": torch.version.cuda,
-           "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
-           "python": platform.python_version(), "platform": platform.platform(), "triton": None, "git_commit": None}
-    if device.type == "cuda":
-        env["device"] = torch.cuda.get_device_name(device)
-        env["capability"] = ".".join(map(str, torch.cuda.get_device_capability(device)))
-    try:
-        import triton
-        env["triton"] = triton.__version__
-    except Exception as e:
-        env["triton"] = f"not available ({type(e).__name__})"
-    try:
-        root = Path(__file__).resolve().parent.parent if "__file__" in globals() else Path.cwd()
-        env["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
-                                           timeout=10, check=True).stdout.strip() or None
-    except Exception:
-        pass                                                                  # not a git checkout, or no git
-    return env
-
 # %% ../nbs/15_gpucheck.ipynb #59f59679
 def device_slug(name: str) -> str:
     "A file-name slug of a device name: 'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3'."
@@ -572,7 +548,7 @@ def run_section(fn: Callable[[], dict]) -> dict:
 def section_calls(device, preset: dict) -> dict[str, Callable[[], dict]]:
     "The sections of the check, in the order they run: the ones that compile or capture come last."
     B, d, n, k = preset["step"]
-    return {"environment": lambda: environment(device),
+    return {"environment": lambda: {"status": "ok", **environment(device)},
             "correctness": lambda: check_correctness(device, preset["cases"]),
             "syncs": lambda: check_syncs(device, *preset["cases"][0]),
             "speed": lambda: speed_table(device, preset["ns"], preset["ks"], preset["batch"], preset["repeats"]),
@@ -587,13 +563,6 @@ def section_calls(device, preset: dict) -> dict[str, Callable[[], dict]]:
             "compile": lambda: check_compile(device, B, d, n, k),
             "cuda_graphs": lambda: check_cuda_graphs(device, B, d, n, k)}
 
-# %% ../nbs/15_gpucheck.ipynb #b7f7b266
-def _table(header: Sequence[str], rows: list[Sequence]) -> list[str]:
-    "A markdown table; pipes inside cells escaped."
-    cell = lambda v: "-" if v is None else str(v).replace("|", "\\|")
-    return ["| " + " | ".join(map(cell, header)) + " |", "|" + " --- |" * len(header),
-            *("| " + " | ".join(map(cell, r)) + " |" for r in rows), ""]
-
 # %% ../nbs/15_gpucheck.ipynb #91c8fa5c
 def _e(x) -> str | None:
     return None if x is None else f"{x:.1e}"
@@ -604,10 +573,10 @@ def _syncs(d: dict) -> str:
 
 # %% ../nbs/15_gpucheck.ipynb #3e9b82b5
 def _md_correctness(s: dict) -> list[str]:
-    return _table(["loss", "ok", "loss error", "gradient error", "variants"],
-                  [[name, "yes" if v["ok"] else "**NO**", _e(v["loss_err"]), _e(v["grad_err"]),
-                    "; ".join(dict.fromkeys(c["variant"] + (f" ({c['error']})" if "error" in c else "") for c in v["checks"]))]
-                   for name, v in s["losses"].items()])
+    return markdown_table(["loss", "ok", "loss error", "gradient error", "variants"],
+                          [[name, "yes" if v["ok"] else "**NO**", _e(v["loss_err"]), _e(v["grad_err"]),
+                            "; ".join(dict.fromkeys(c["variant"] + (f" ({c['error']})" if "error" in c else "") for c in v["checks"]))]
+                           for name, v in s["losses"].items()]) + [""]
 
 # %% ../nbs/15_gpucheck.ipynb #04d0788a
 def _md_syncs(s: dict) -> list[str]:
@@ -618,7 +587,7 @@ def _md_syncs(s: dict) -> list[str]:
         rows.append([name, *(c[1] for c in cells), *((c[0] for c in cells) if cuda else ())])
     header = ["loss", "syncing aten ops, check_finite=False", "syncing aten ops, default"]
     header += ["debug mode, check_finite=False", "debug mode, default"] if cuda else []
-    return ([] if cuda else [f"Sync debug mode: {s['debug_mode']}.", ""]) + _table(header, rows)
+    return ([] if cuda else [f"Sync debug mode: {s['debug_mode']}.", ""]) + markdown_table(header, rows) + [""]
 
 # %% ../nbs/15_gpucheck.ipynb #4d4c31d6
 def _md_speed(s: dict) -> list[str]:
@@ -628,52 +597,52 @@ def _md_speed(s: dict) -> list[str]:
     for name, k in dict.fromkeys((r["loss"], r["k"]) for r in rows):
         ratio = {r["n"]: r["ratio"] for r in rows if (r["loss"], r["k"]) == (name, k)}
         out.append([name, k, *(f"{ratio[n]:.1f}x" if n in ratio else None for n in ns)])
-    return _table(["loss", "k", *(f"n={n}" for n in ns)], out)
+    return markdown_table(["loss", "k", *(f"n={n}" for n in ns)], out) + [""]
 
 
 
 def _md_host(s: dict) -> list[str]:
     launch = ([f"One Triton launch: {s['launch_us']:.1f} us of host time, {s['launch_ops']:.1f} small PyTorch operators' "
                f"({s['op_us']:.1f} us each).", ""] if s.get("launch_us") else [])
-    return launch + _table(["loss", "host ms / call", "x F.cross_entropy"],
-                           [[r["loss"], f"{r['host_ms']:.3f}" if "host_ms" in r else r.get("error"),
-                             f"{r['ratio']:.1f}x" if "ratio" in r else None] for r in s["rows"]])
+    return launch + markdown_table(["loss", "host ms / call", "x F.cross_entropy"],
+                                   [[r["loss"], f"{r['host_ms']:.3f}" if "host_ms" in r else r.get("error"),
+                                     f"{r['ratio']:.1f}x" if "ratio" in r else None] for r in s["rows"]]) + [""]
 
 # %% ../nbs/15_gpucheck.ipynb #5c898cdc
 def _md_steps(s: dict) -> list[str]:
     x = lambda r, key: f"{r[key]:.2f}x" if key in r else None
-    return _table(["loss", "eager ms", "x F.cross_entropy", "graph ms", "x F.cross_entropy"],
-                  [[r["loss"], f"{r['eager_ms']:.3f}" if "eager_ms" in r else r.get("error"), x(r, "eager_ratio"),
-                    f"{r['graph_ms']:.3f}" if "graph_ms" in r else None, x(r, "graph_ratio")] for r in s["rows"]])
+    return markdown_table(["loss", "eager ms", "x F.cross_entropy", "graph ms", "x F.cross_entropy"],
+                          [[r["loss"], f"{r['eager_ms']:.3f}" if "eager_ms" in r else r.get("error"), x(r, "eager_ratio"),
+                            f"{r['graph_ms']:.3f}" if "graph_ms" in r else None, x(r, "graph_ratio")] for r in s["rows"]]) + [""]
 
 
 def _md_training(s: dict) -> list[str]:
-    return _table(["setup", "loss", "step (ms)", "overhead vs CE"],
-                  [[r["setup"], r["loss"], f"{r['step_ms']:.2f}", f"{100 * r['overhead']:+.1f} %"] for r in s["rows"]])
+    return markdown_table(["setup", "loss", "step (ms)", "overhead vs CE"],
+                          [[r["setup"], r["loss"], f"{r['step_ms']:.2f}", f"{100 * r['overhead']:+.1f} %"] for r in s["rows"]]) + [""]
 
 
 def _md_epoch(s: dict) -> list[str]:
-    return _table(["loss", "k", "step (ms)", "epoch of 45,000 images (s)", "overhead vs CE"],
-                  [[r["loss"], r.get("k"), f"{r['step_ms']:.1f}", f"{r['epoch_s']:.1f}",
-                    None if r["overhead"] is None else f"{100 * r['overhead']:+.1f} %"] for r in s["rows"]])
+    return markdown_table(["loss", "k", "step (ms)", "epoch of 45,000 images (s)", "overhead vs CE"],
+                          [[r["loss"], r.get("k"), f"{r['step_ms']:.1f}", f"{r['epoch_s']:.1f}",
+                            None if r["overhead"] is None else f"{100 * r['overhead']:+.1f} %"] for r in s["rows"]]) + [""]
 
 # %% ../nbs/15_gpucheck.ipynb #3e60433b
 def _md_compile(s: dict) -> list[str]:
-    return _table(["loss", "fullgraph=True", "with graph breaks", "compiled vs eager", "Triton launches"],
-                  [[name, v.get("fullgraph", v.get("error")), v.get("graph_breaks"), _e(v.get("err")), v.get("kernel_launches")]
-                   for name, v in s["losses"].items()])
+    return markdown_table(["loss", "fullgraph=True", "with graph breaks", "compiled vs eager", "Triton launches"],
+                          [[name, v.get("fullgraph", v.get("error")), v.get("graph_breaks"), _e(v.get("err")), v.get("kernel_launches")]
+                           for name, v in s["losses"].items()]) + [""]
 
 # %% ../nbs/15_gpucheck.ipynb #b33fa328
 def _md_graphs(s: dict) -> list[str]:
-    return _table(["loss", "capture", "replay finite", "replay vs eager"],
-                  [[name, v["capture"], v.get("finite"), _e(v.get("err"))] for name, v in s["losses"].items()])
+    return markdown_table(["loss", "capture", "replay finite", "replay vs eager"],
+                          [[name, v["capture"], v.get("finite"), _e(v.get("err"))] for name, v in s["losses"].items()]) + [""]
 
 # %% ../nbs/15_gpucheck.ipynb #29634382
 def _md_kernels(s: dict) -> list[str]:
     unit = "device µs" if s.get("time") == "device" else "CPU µs (dry run)"
-    return _table(["loss", "k", "n", unit, "/ F.cross_entropy", "largest kernels (µs)"],
-                  [[r["loss"], r["k"], r["n"], f"{r['device_us']:.1f}", None if r["ratio"] is None else f"{r['ratio']:.2f}x",
-                    "; ".join(f"{name}: {us:.1f}" for name, us in r["kernels"].items())] for r in s["rows"]])
+    return markdown_table(["loss", "k", "n", unit, "/ F.cross_entropy", "largest kernels (µs)"],
+                          [[r["loss"], r["k"], r["n"], f"{r['device_us']:.1f}", None if r["ratio"] is None else f"{r['ratio']:.2f}x",
+                            "; ".join(f"{name}: {us:.1f}" for name, us in r["kernels"].items())] for r in s["rows"]]) + [""]
 
 # %% ../nbs/15_gpucheck.ipynb #cf3ca232
 _TITLES = {"correctness": "Correctness: float32 on the device vs float64 on the CPU, same rounded inputs",
@@ -695,8 +664,8 @@ def render_markdown(report: dict) -> str:
     lines = [f"# GPU check: {report['device']} ({report['preset']}, {report['date']})", ""]
     lines += [", ".join(f"{key} {env.get(key)}" for key in ("capability", "torch", "cuda", "cudnn", "triton", "python",
                                                           "git_commit")) + ".", ""]
-    lines += _table(["section", "status", "seconds", "note"],
-                    [[name, s["status"], s["seconds"], s.get("error") or s.get("reason")] for name, s in secs.items()])
+    lines += markdown_table(["section", "status", "seconds", "note"],
+                            [[name, s["status"], s["seconds"], s.get("error") or s.get("reason")] for name, s in secs.items()]) + [""]
     for name, s in secs.items():
         if name in _RENDER:
             params = ", ".join(f"{p}={s[p]}" for p in ("batch", "n", "k", "model", "rounds", "backend", "tolerance") if p in s)
@@ -744,7 +713,7 @@ def speed_summary(folder=None, ns: Sequence[int] = (1000, 100_000), k: int = 5) 
     lines = [f"Measured on {record['device']} (torch {env.get('torch')}, Triton {env.get('triton')}, CUDA {env.get('cuda')}) "
              f"on {record['date']} at commit {str(env.get('git_commit'))[:7]} (`results/gpu/{name}`); forward+backward of (B = {secs['speed'].get('batch')}, n) float32 scores, k = {k}, "
              f"as a ratio to `F.cross_entropy` in the same run:", ""]
-    lines += _table(head, rows)
+    lines += markdown_table(head, rows) + [""]
     training = secs.get("training", {}) if secs.get("training", {}).get("status") == "ok" else {}
     epoch = secs.get("epoch", {}) if secs.get("epoch", {}).get("status") == "ok" else {}
     over = ([(r["setup"], r["loss"], r["overhead"]) for r in training["rows"] if r["loss"] != "ce"] if training else
@@ -752,20 +721,12 @@ def speed_summary(folder=None, ns: Sequence[int] = (1000, 100_000), k: int = 5) 
              if r["loss"] != "ce" and r["overhead"] is not None])
     if over:
         lines += ["Training-step overhead against cross-entropy:", ""]
-        lines += _table(["step", "loss", "overhead"], [[setup, f"`{loss}`", f"{100 * o:+.1f} %"] for setup, loss, o in over])
+        lines += markdown_table(["step", "loss", "overhead"], [[setup, f"`{loss}`", f"{100 * o:+.1f} %"] for setup, loss, o in over]) + [""]
     return "\n".join(lines).rstrip("\n")
 
 # %% ../nbs/15_gpucheck.ipynb #a29175fc
 NO_CUDA = ("no CUDA device is available to torch {}: run `make gpu-check` (or `python -m topk_nb.gpucheck`) on a machine "
            "with an NVIDIA GPU; `--device cpu` is a dry run at tiny sizes")
-
-
-def _plain(obj):
-    "JSON-safe copy: non-finite floats as strings (strict JSON has no NaN or Infinity)."
-    if isinstance(obj, dict): return {str(k): _plain(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)): return [_plain(v) for v in obj]
-    if isinstance(obj, float) and not math.isfinite(obj): return str(obj)
-    return obj
 
 # %% ../nbs/15_gpucheck.ipynb #3a0c0baa
 def gpu_check(device="cuda",          # cuda, cuda:N; cpu is a dry run of every section at tiny sizes
@@ -790,7 +751,7 @@ def gpu_check(device="cuda",          # cuda, cuda:N; cpu is a dry run of every 
         result = report["sections"][section] = run_section(fn)
         if result["status"] in ("failed", "error"): report["failed"].append(section)
         log(f"gpu-check: {section} {result['status']} ({result['seconds']} s)" + (f": {result['error']}" if "error" in result else ""))
-        stem.with_suffix(".json").write_text(json.dumps(_plain(report), indent=1) + "\n", encoding="utf-8")
+        stem.with_suffix(".json").write_text(json.dumps(plain(report), indent=1) + "\n", encoding="utf-8")
         stem.with_suffix(".md").write_text(render_markdown(report), encoding="utf-8")
     return report, stem.with_suffix(".json"), stem.with_suffix(".md")
 

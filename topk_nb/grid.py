@@ -5,6 +5,7 @@
 # %% ../nbs/22_grid.ipynb #712891b7
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import itertools
@@ -14,15 +15,16 @@ import math
 import os
 import pkgutil
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Callable, Sequence
 
 from .catalogue import Experiment, experiments_dir
 
 # %% auto #0
-__all__ = ['EXPERIMENTS', 'REGISTRIES', 'FILE_PARAMETERS', 'FLAG_CHOICES', 'discover_experiments', 'check_folder_name',
-           'get_experiment', 'parse_value', 'check_key', 'parse_grid', 'expand_grid', 'cell_id', 'cell_slug',
-           'cell_dir', 'with_parameters_tag', 'short_error', 'notebook_parameters', 'literal_values',
+__all__ = ['EXPERIMENTS', 'REGISTRIES', 'FILE_PARAMETERS', 'FLAG_CHOICES', 'discover_experiments', 'experiment_catalogue',
+           'check_folder_name', 'get_experiment', 'parse_value', 'check_key', 'parse_grid', 'expand_grid', 'cell_id',
+           'cell_slug', 'cell_dir', 'with_parameters_tag', 'short_error', 'notebook_parameters', 'literal_values',
            'parameter_annotations', 'parameter_choices', 'annotation_kind', 'value_mismatch', 'unknown_names',
            'value_problem', 'check_parameters', 'check_files', 'check_cells', 'plan_grid']
 
@@ -41,7 +43,21 @@ def discover_experiments(package: str = "topk_nb.experiments",  # the package wh
     return found
 
 # %% ../nbs/22_grid.ipynb #24f923f9
-EXPERIMENTS: dict[str, Experiment] = discover_experiments()   # the catalogue: every experiment notebook's entry
+@functools.cache
+def experiment_catalogue() -> dict[str, Experiment]:
+    "The catalogue, {name: entry} of every experiment notebook (`discover_experiments`): read on the first call, then kept."
+    return discover_experiments()
+
+
+class _Catalogue(Mapping):
+    "The catalogue as a read-only mapping that reads it (`experiment_catalogue`) on first use."
+    def __getitem__(self, name): return experiment_catalogue()[name]
+    def __iter__(self): return iter(experiment_catalogue())
+    def __len__(self): return len(experiment_catalogue())
+    def __repr__(self): return f"EXPERIMENTS({', '.join(self)})"
+
+
+EXPERIMENTS = _Catalogue()   # the catalogue: every experiment notebook's entry, by name, read on first use
 
 # %% ../nbs/22_grid.ipynb #4837008f
 def check_folder_name(name: str,  # an experiment's name: the folder of its cells under --out

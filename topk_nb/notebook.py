@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import sys
 import tempfile
 import time
@@ -17,7 +18,7 @@ from typing import Callable
 import torch
 
 from .grid import EXPERIMENTS, literal_values, notebook_parameters, value_problem
-from .records import write_record
+from .records import plain, write_record
 
 # %% auto #0
 __all__ = ['namespace_parameters', 'NotebookRun', 'start']
@@ -35,11 +36,11 @@ def _is_value(v) -> bool:
     return isinstance(v, dict) and all(isinstance(k, str) and _is_value(x) for k, x in v.items())
 
 
-def _plain(v):
-    "`v` with tuples as lists, as JSON and the records hold it."
-    if isinstance(v, (list, tuple)):
-        return [_plain(x) for x in v]
-    return {k: _plain(x) for k, x in v.items()} if isinstance(v, dict) else v
+def _finite(v) -> bool:
+    "Whether `v` holds no NaN and no infinity, all the way down: strict JSON, as the records hold parameters, has none."
+    if isinstance(v, float): return math.isfinite(v)
+    if isinstance(v, (list, tuple)): return all(map(_finite, v))
+    return all(map(_finite, v.values())) if isinstance(v, dict) else True
 
 
 def _imported(name: str, value, namespace: dict) -> bool:
@@ -56,7 +57,7 @@ def _imported(name: str, value, namespace: dict) -> bool:
 def namespace_parameters(namespace: dict,  # a notebook's globals, before its body has run
                          ) -> dict:
     "The parameters a notebook holds: its public names with JSON values (`_is_value`), tuples as lists, in the order they were assigned; IPython's own names and imported tables (`_imported`) left out."
-    return {name: _plain(v) for name, v in namespace.items()
+    return {name: plain(v) for name, v in namespace.items()
             if not name.startswith("_") and name not in _IPYTHON_NAMES and _is_value(v) and not _imported(name, v, namespace)}
 
 # %% ../nbs/24_notebook.ipynb #c57017f6
@@ -155,10 +156,13 @@ def start(namespace: dict,  # the notebook's `globals()`, right after its parame
         if missing:
             raise ValueError(f"start: the notebook does not hold {', '.join(missing)}, which the parameters cell of "
                              f"{entry.notebook_path().name} assigns: run that cell first")
-        found = {n: _plain(namespace[n]) for n in declared}
+        found = {n: plain(namespace[n]) for n in declared}
     else:                                                # an ad-hoc notebook: what it holds
         found = namespace_parameters(namespace)
         found.pop("record_path", None)
+    if bad := next((n for n in found if not _finite(namespace[n])), None):
+        raise ValueError(f"{bad}={namespace[bad]!r}: {bad} holds NaN or an infinity, which no parameter takes "
+                         "(a record holds its parameters as strict JSON, which has neither)")
     annotations = namespace.get("__annotations__") or {}
     for name, value in found.items():
         choices = literal_values(annotations[name]) if name in annotations else None

@@ -9,20 +9,23 @@ import errno
 import functools
 import hashlib
 import importlib
+import importlib.metadata
 import json
+import math
 import os
 import platform
 import re
 import stat
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 from .catalogue import package_dir
 
 # %% auto #0
-__all__ = ['RECORD', 'EXECUTED', 'RECORD_FORMAT', 'NO_CHECKSUM', 'RECORD_MAX_BYTES', 'git_commit', 'environment',
-           'atomic_write_json', 'record_checksum', 'seal_record', 'record_problem', 'catalogue_metrics',
+__all__ = ['RECORD', 'EXECUTED', 'RECORD_FORMAT', 'NO_CHECKSUM', 'RUNNER_SEALS', 'RECORD_MAX_BYTES', 'git_commit', 'environment',
+           'atomic_write_json', 'plain', 'record_checksum', 'seal_record', 'record_problem', 'catalogue_metrics',
            'metric_problem', 'write_record', 'RecordError', 'seal_command', 'read_plain_file', 'inspect_record',
            'read_record', 'load_records', 'seal_records', 'training_metrics']
 
@@ -46,20 +49,34 @@ def git_commit(path=None) -> str | None:
         return None
 
 # %% ../nbs/19_records.ipynb #44ade945
-def environment() -> dict:
-    "Versions and device of this process (no host name): python, torch, CUDA, cuDNN, device name, git commit."
-    env = {"python": platform.python_version(), "platform": platform.platform(terse=True),
-           "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "git_commit": git_commit()}
+def _installed_version(module: str) -> str | None:
+    "The version of `module` as imported, else of its installed distribution (nothing is imported); None if it is not installed."
+    version = getattr(sys.modules.get(module), "__version__", None)
+    if version is None:
+        try: version = importlib.metadata.version(module)
+        except importlib.metadata.PackageNotFoundError: pass
+    return version
+
+
+def environment(device=None,  # the device measured: a `torch.device` or its name (None: CUDA where there is a GPU, else the CPU)
+                ) -> dict:
+    "Versions and device of this process (no host name): python, platform, torch, CUDA, cuDNN, Triton, the device (`cuda` or `cpu`), its name and compute capability, torch's threads, CUDA_VISIBLE_DEVICES, the git commit."
+    env = {"python": platform.python_version(), "platform": platform.platform(),
+           "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "git_commit": git_commit(),
+           "triton": _installed_version("triton")}
     try:
         import torch
-        cuda = torch.cuda.is_available()
-        env.update(torch=torch.__version__, cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version() if cuda else None,
-                   device="cuda" if cuda else "cpu",
-                   device_name=torch.cuda.get_device_name(0) if cuda else (platform.processor() or platform.machine()),
-                   n_threads=torch.get_num_threads())
     except ImportError:
-        env.update(torch=None, cuda=None, device="cpu", device_name=platform.machine())
-    return env
+        return {**env, "torch": None, "cuda": None, "cudnn": None, "device": "cpu", "capability": None,
+                "device_name": platform.processor() or platform.machine(), "n_threads": None}
+    device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
+    cuda = device.type == "cuda"
+    return {**env, "torch": torch.__version__, "cuda": torch.version.cuda,
+            "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+            "device": device.type,
+            "device_name": torch.cuda.get_device_name(device) if cuda else (platform.processor() or platform.machine()),
+            "capability": ".".join(map(str, torch.cuda.get_device_capability(device))) if cuda else None,
+            "n_threads": torch.get_num_threads()}
 
 # %% ../nbs/19_records.ipynb #4da905a3
 def atomic_write_json(path, obj) -> Path:
@@ -73,6 +90,14 @@ def _json_default(x):
     if isinstance(x, Path): return str(x)
     raise TypeError(f"cannot write {type(x).__name__} to a JSON record")
 
+# %% ../nbs/19_records.ipynb #822d3777
+def plain(value):
+    "`value` as strict JSON holds it: tuples as lists, keys as strings, NaN and infinities as the strings 'nan', 'inf' and '-inf', all the way down."
+    if isinstance(value, dict): return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)): return [plain(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value): return str(value)
+    return value
+
 # %% ../nbs/19_records.ipynb #8ac574c3
 RECORD_FORMAT = "topk_nb record v1"   # the `format` field of the records this version writes
 
@@ -85,11 +110,16 @@ def record_checksum(record: dict,  # a record, with or without its `checksum` (a
     return hashlib.sha256(text.encode()).hexdigest()
 
 # %% ../nbs/19_records.ipynb #4a18b758
+def _json_form(record: dict) -> dict:
+    "The fields of `record` as reading them back gives them (its JSON form), without `checksum` and `path`, with `format` set to `RECORD_FORMAT`."
+    body = {k: v for k, v in record.items() if k not in ("checksum", "path")}
+    return json.loads(json.dumps({**body, "format": RECORD_FORMAT}, default=_json_default))
+
+
 def seal_record(record: dict,  # the fields of a record (status, params, metrics, ...)
                 ) -> dict:
     "The record as it is written: its JSON form, with `format` set to `RECORD_FORMAT` and its `checksum` added last."
-    body = {k: v for k, v in record.items() if k not in ("checksum", "path")}
-    body = json.loads(json.dumps({**body, "format": RECORD_FORMAT}, default=_json_default))   # what reading gives back
+    body = _json_form(record)
     return {**body, "checksum": record_checksum(body)}
 
 # %% ../nbs/19_records.ipynb #d8137f00
@@ -186,16 +216,21 @@ def metric_problem(rec: dict,  # a record whose `metrics.final` is a row or a li
     return None
 
 # %% ../nbs/19_records.ipynb #9fd78355
+RUNNER_SEALS = "TOPK_NB_RUNNER_SEALS"   # environment variable: the record file the runner seals itself (set for a notebook's kernel)
+
+
 def write_record(path, params: dict, metrics: dict | None = None, *, experiment: str | None = None,
                  seed: int | None = None, wall_time_s: float | None = None, status: str = "ok",
                  error: str | None = None, **extra) -> Path:
-    "Write a result record (atomically) to `path`: parameters, metrics, environment, seed, wall time, status; sealed (`seal_record`), and refused (ValueError) if it would not read back."
+    "Write a result record (atomically) to `path`: parameters, metrics, environment, seed, wall time, status; sealed (`seal_record`) unless the runner seals it itself (`path` is the file `RUNNER_SEALS` names), and refused (ValueError) if it would not read back."
     if status not in ("ok", "failed"):
         raise ValueError(f"status must be 'ok' or 'failed', got {status!r}")
-    record = seal_record({"experiment": experiment, "status": status, "params": params, "metrics": metrics,
-                          "error": error, "seed": seed, "wall_time_s": wall_time_s, "environment": environment(),
-                          "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **extra})
-    if problem := record_problem(record):
+    fields = {"experiment": experiment, "status": status, "params": params, "metrics": metrics, "error": error,
+              "seed": seed, "wall_time_s": wall_time_s, "environment": environment(),
+              "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **extra}
+    sealed = os.environ.get(RUNNER_SEALS) != os.path.abspath(path)
+    record = seal_record(fields) if sealed else _json_form(fields)
+    if problem := record_problem(record, sealed=sealed):
         raise ValueError(f"write_record: this record would not read back: {problem}")
     return atomic_write_json(path, record)
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Sequence
 
@@ -15,13 +14,14 @@ from .catalogue import Experiment, Figure, Finding, PaperValue, unit_scale
 from .grid import expand_grid, get_experiment, short_error
 from .files import atomic_write_text, save_figure
 from .records import RecordError, load_records
+from .results import (ENVIRONMENT_PARAMS, NOT_IDENTITY, markdown_table, record_newness,  # noqa: F401 (importable from here)
+                             record_settings, series_colours)
 
 # %% auto #0
-__all__ = ['ENVIRONMENT_PARAMS', 'NOT_IDENTITY', 'IDENTITY', 'SETTING', 'LEVEL', 'SINGLE_RUN', 'VERDICT_MARKS', 'SMOKE_BANNER',
-           'record_rows', 'summarise', 'aggregate', 'fmt', 'record_settings', 'unique_rows', 'setting_labels',
-           'label_rows', 'beta_inc', 't_two_sided', 'welch_test', 'verdict', 'single_run_verdict', 'check_finding',
-           'draws', 'paper_points', 'undrawn_paper_values', 'settings_as_series', 'series_colours', 'plot_figure',
-           'paper_cells', 'comparability', 'banners', 'verdict_counts', 'report']
+__all__ = ['IDENTITY', 'SETTING', 'LEVEL', 'SINGLE_RUN', 'VERDICT_MARKS', 'SMOKE_BANNER', 'record_rows', 'summarise', 'aggregate',
+           'fmt', 'unique_rows', 'setting_labels', 'label_rows', 'beta_inc', 't_two_sided', 'welch_test', 'verdict',
+           'single_run_verdict', 'check_finding', 'draws', 'paper_points', 'undrawn_paper_values', 'settings_as_series',
+           'plot_figure', 'paper_cells', 'comparability', 'banners', 'verdict_counts', 'report']
 
 # %% ../nbs/20_report.ipynb #05734c7c
 def record_rows(records: list[dict]) -> list[dict]:
@@ -63,35 +63,7 @@ def fmt(s: dict, scale: float = 100.0) -> str:
     return "n/a" if not s["n"] else f"{scale * s['mean']:.2f} ± {scale * s['std']:.2f}"
 
 # %% ../nbs/20_report.ipynb #2b7f68f8
-ENVIRONMENT_PARAMS = ("record_path", "device", "num_workers", "progress", "log_every", "data_root",   # how and where a cell ran,
-                      "fused_head")                                                                 # not what it measured
-NOT_IDENTITY = ("seed",) + ENVIRONMENT_PARAMS      # and the seed: the sample, not the setting
 IDENTITY = "_identity"                             # the key of a result row's identity less its seed (`unique_rows`)
-
-
-def record_settings(record: dict,  # a record (`load_records`)
-                    seeds_param: str | None = None,  # the experiment's parameter holding the number of seeds
-                    hardware: bool = False,  # the results are times: the device the record ran on is part of them
-                    ) -> str:
-    "Canonical JSON of what a record measured: its preset, its grid cell's and its notebook's parameters less the seeds and `ENVIRONMENT_PARAMS`, whether it had real data, the device where `hardware`."
-    ident = record.get("identity") or {}
-    params = {**(ident.get("cell") or {}), **(record.get("params") or {})}
-    drop = set(NOT_IDENTITY) | {seeds_param}
-    settings = {k: v for k, v in params.items() if k not in drop}
-    settings["preset"] = ident.get("preset")
-    if "data_root" in params:
-        settings["real data"] = params["data_root"] is not None
-    if hardware:
-        env = record.get("environment") or {}
-        settings["hardware"] = f"{env.get('device', '?')}: {env.get('device_name', '?')}"
-    return json.dumps(settings, sort_keys=True, default=str)
-
-# %% ../nbs/20_report.ipynb #36d7ccc2
-def _newness(record: dict) -> tuple:
-    "Sort key of a record's age: its `finished` time, then its file's modification time."
-    try: mtime = os.stat(record["path"]).st_mtime_ns
-    except (KeyError, OSError): mtime = 0
-    return (record.get("finished") or "", mtime)
 
 # %% ../nbs/20_report.ipynb #7a0eefae
 def unique_rows(records: list[dict],  # records of one experiment
@@ -109,7 +81,7 @@ def unique_rows(records: list[dict],  # records of one experiment
         for row in record_rows([rec]):
             unit = base + (json.dumps(row.get("seed", fallback), default=str),)
             tagged.append((unit, i, {**row, IDENTITY: setting}))
-            if unit not in owner or _newness(rec) > _newness(records[owner[unit]]): owner[unit] = i
+            if unit not in owner or record_newness(rec) > record_newness(records[owner[unit]]): owner[unit] = i
     dropped = [(unit, i) for unit, i, _ in tagged if owner[unit] != i]
     return ([row for unit, i, row in tagged if owner[unit] == i],
             {"rows": len(dropped), "seeds": len(set(dropped)), "records": len({i for _, i in dropped})})
@@ -148,11 +120,6 @@ def label_rows(rows: list[dict],  # tidy result rows (`unique_rows`)
     "The rows, each with its `setting_labels` label under `SETTING` ('' where it is pooled with no other identity)."
     labels = setting_labels(rows, keys, where)
     return [{**r, SETTING: labels.get(r.get(IDENTITY), "")} for r in rows]
-
-# %% ../nbs/20_report.ipynb #f02c0659
-def _table(header: list[str], body: list[list]) -> list[str]:
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + \
-           ["| " + " | ".join(str(c) for c in row) + " |" for row in body]
 
 # %% ../nbs/20_report.ipynb #0b49e91a
 def _order(values):
@@ -405,16 +372,6 @@ def settings_as_series(rows: list[dict],  # tidy result rows (`unique_rows`)
     return [{**r, fig.series: f"{r.get(fig.series)} [{r[SETTING]}]"} if r[SETTING] else r
             for r in label_rows(rows, [fig.x, fig.series], fig.where) if _matches(r, fig.where)]
 
-# %% ../nbs/20_report.ipynb #fc5238d1
-def series_colours(series: Sequence,  # the series of a figure, in drawing order
-                   ) -> dict:
-    "A distinct colour per series: matplotlib's ten default colours, `tab20` up to 20 series, evenly spaced hues of `turbo` beyond."
-    import matplotlib
-    n = len(series)
-    if n <= 10: return {s: f"C{i}" for i, s in enumerate(series)}
-    if n <= 20: return {s: matplotlib.colors.to_hex(matplotlib.colormaps["tab20"](i)) for i, s in enumerate(series)}
-    return {s: matplotlib.colors.to_hex(matplotlib.colormaps["turbo"](i / (n - 1))) for i, s in enumerate(series)}
-
 # %% ../nbs/20_report.ipynb #ed15cc35
 def plot_figure(rows: list[dict],  # tidy result rows (`unique_rows`)
                 fig: Figure,  # the figure of the catalogue
@@ -515,7 +472,7 @@ def _paper_section(exp: Experiment, rows: list[dict]) -> list[str]:
             diff = "n/a" if not s["n"] else f"{sc * (s['mean'] - pv.value):+.2f}"
             body.append([pv.source, pv.row + (f" [ours: {label}]" if label else ""), metric, paper, fmt(s, sc), s["n"], diff])
     return ["## The paper's numbers and ours", ""] + \
-        _table(["source", "row", "metric", "paper", "ours", "n", "ours − paper"], body) + [""]
+        markdown_table(["source", "row", "metric", "paper", "ours", "n", "ours − paper"], body) + [""]
 
 # %% ../nbs/20_report.ipynb #808d96ce
 def verdict_counts(results: Sequence) -> dict:
@@ -551,7 +508,7 @@ def _findings_section(results: Sequence, level: float, samples: str = "seeds") -
             "*untested* with a single run a side, unless the paper itself compared single runs: then the sign of the "
             f"difference decides, as it did for the paper (\"{SINGLE_RUN}\"). Among many tests at this level, about one in "
             f"{round(1 / level)} differences of pure noise is called significant.", ""] + \
-        _table(["source", "claim", "at", "metric", "claim", "reference", "best other", "diff", "Welch t (df)", "p",
+        markdown_table(["source", "claim", "at", "metric", "claim", "reference", "best other", "diff", "Welch t (df)", "p",
                 "verdict"], body) + [""]
 
 # %% ../nbs/20_report.ipynb #e8e58a79
@@ -565,9 +522,9 @@ def _figure_sections(exp: Experiment, rows: list[dict], report_dir: Path, figure
         if not any(aggs.values()): continue
         series = list(dict.fromkeys(s for agg in aggs.values() for _, s in agg))
         xs = _order({x for agg in aggs.values() for x, _ in agg})
-        body = [[x] + [fmt(aggs[m].get((x, s), summarise([])), unit_scale(fig.unit)) for m in fig.metrics for s in series]
+        body = [[str(x)] + [fmt(aggs[m].get((x, s), summarise([])), unit_scale(fig.unit)) for m in fig.metrics for s in series]
                 for x in xs]
-        lines += [f"## {fig.title}", ""] + _table([fig.x] + [f"{s} {m}" for m in fig.metrics for s in series], body) + [""]
+        lines += [f"## {fig.title}", ""] + markdown_table([fig.x] + [f"{s} {m}" for m in fig.metrics for s in series], body) + [""]
         if figures and plot_figure(rows, fig, report_dir / f"{fig.name}.png", exp.paper, results, banner,
                                    exp.samples) is not None:
             drawn = any(paper_points(exp.paper, fig, m) for m in fig.metrics)
@@ -587,9 +544,9 @@ def _records_section(ok: list[dict], failed: list[dict], unreadable: list) -> li
     lines = []
     if unreadable:
         lines += ["## Unreadable records", "", "Left out of everything above; `topk-nb run` runs their cells again.", ""] + \
-                 _table(["record", "what is wrong"], [[str(p), what] for p, what in unreadable]) + [""]
+                 markdown_table(["record", "what is wrong"], [[str(p), what] for p, what in unreadable]) + [""]
     if failed:
-        lines += ["## Failed cells", ""] + _table(["params", "error"], [[json.dumps(r.get("params")),
+        lines += ["## Failed cells", ""] + markdown_table(["params", "error"], [[json.dumps(r.get("params")),
                                                    short_error(r.get("error"))] for r in failed]) + [""]
     envs = sorted({json.dumps({k: (r.get("environment") or {}).get(k) for k in ("torch", "cuda", "device_name", "git_commit")})
                    for r in ok})

@@ -17,16 +17,17 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Sequence
 
-from .batch import FAILED_ATTEMPT, JOB_LOG, STOP_GRACE, RunStop, _launch, cell_done, cell_running, check_out_dir, record_stamp
-from .batch import _signals_held, open_in_place
-from .grid import cell_dir, cell_id, check_folder_name, get_experiment, plan_grid, short_error
+from .batch import FAILED_ATTEMPT, JOB_LOG, STOP_GRACE, RunPlan, RunStop, _launch, cell_done, cell_running, plan_run, record_stamp
+from .batch import _check_timeout, _signals_held, open_in_place
+from .grid import cell_dir, cell_id, check_folder_name, get_experiment, short_error
 from .catalogue import Experiment
 from .records import RECORD, RECORD_MAX_BYTES, atomic_write_json, read_plain_file, read_record
 
 # %% auto #0
 __all__ = ['SLURM_DIR', 'QUEUED', 'RUNNING', 'PING_TIMEOUT', 'CANCEL_TIMEOUT', 'SlurmOptions', 'SlurmCell', 'slurm_folder',
            'task_log', 'write_submission', 'read_submissions', 'parse_squeue', 'squeue_states', 'cell_state',
-           'grid_states', 'count_states', 'submit_cells', 'slurm_available', 'run_slurm', 'status_lines']
+           'grid_states', 'count_states', 'submit_cells', 'slurm_available', 'SlurmUnavailable', 'require_slurm',
+           'run_slurm', 'run_plan_on_slurm', 'status_lines']
 
 # %% ../nbs/21_slurm.ipynb #b4888592
 @dataclass
@@ -319,6 +320,15 @@ def slurm_available() -> str | None:
 CANCEL_TIMEOUT = 30.0   # seconds scancel, then the squeue of the summary, may take once the runner is interrupted
 
 
+class SlurmUnavailable(RuntimeError):
+    "Slurm's commands are missing, or its controller does not answer (`slurm_available` says why)."
+
+
+def require_slurm() -> None:
+    "Raise SlurmUnavailable, in one line, unless Slurm's commands are here and its controller answers (`slurm_available`)."
+    if problem := slurm_available(): raise SlurmUnavailable(problem)
+
+
 def run_slurm(experiment: str | Experiment,  # a catalogue name, or the path of a notebook
               preset: str | None = None,  # one of the experiment's presets
               grid: dict | None = None,  # overrides {parameter: [values]}
@@ -330,13 +340,28 @@ def run_slurm(experiment: str | Experiment,  # a catalogue name, or the path of 
               wait: bool = True,  # wait until no cell of the grid is queued or running
               progress: bool = True,  # a line per change of the counts while waiting (on stderr)
               ) -> dict:
-    "Submit the cells of a grid that are neither ok nor queued nor running as one Slurm array job; returns the counts of `count_states`, `submitted`, the `slurm_job` and the cells not ok (`failures`, with their Slurm job and logs); interrupted (SIGINT, SIGTERM), also `stopped` and `signal`."
+    "Check a run (`plan_run`, with Slurm's answer, `require_slurm`, before the folder is made) and submit its cells that are neither ok nor queued nor running (`run_plan_on_slurm`)."
     options = (options or SlurmOptions()).check()
-    if timeout is not None and not (isinstance(timeout, (int, float)) and 0 < timeout < math.inf):
-        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
-    exp, cells = plan_grid(experiment, preset, grid, seeds, data_root)
-    out_dir = check_out_dir(out_dir).resolve()
-    if problem := slurm_available(): raise RuntimeError(problem)
+    _check_timeout(timeout)
+    plan = plan_run(experiment, preset, grid, seeds, out_dir, data_root, ready=require_slurm)
+    return _submit_planned(plan, options, timeout, wait, progress)
+
+
+def run_plan_on_slurm(plan: RunPlan,  # a run checked by `plan_run` with `ready=require_slurm`
+                      options: SlurmOptions | None = None,  # what each task asks Slurm for
+                      timeout: float | None = None,  # seconds per notebook cell
+                      wait: bool = True,  # wait until no cell of the grid is queued or running
+                      progress: bool = True,  # a line per change of the counts while waiting (on stderr)
+                      ) -> dict:
+    "Submit the cells of a checked run that are neither ok nor queued nor running as one Slurm array job, without checking its grid, folder or Slurm's answer again; returns the counts of `count_states`, `submitted`, the `slurm_job` and the cells not ok (`failures`, with their Slurm job and logs); interrupted (SIGINT, SIGTERM), also `stopped` and `signal`."
+    options = (options or SlurmOptions()).check()
+    _check_timeout(timeout)
+    return _submit_planned(plan, options, timeout, wait, progress)
+
+
+def _submit_planned(plan: RunPlan, options: SlurmOptions, timeout, wait: bool, progress: bool) -> dict:
+    "The body of `run_plan_on_slurm`, for a plan and options checked already."
+    exp, cells, out_dir, preset = plan.experiment, plan.cells, plan.out_dir.resolve(), plan.preset
     folder = slurm_folder(out_dir, exp)
     todo, skipped, array, rows = [], 0, None, None
     with _interrupts() as got:

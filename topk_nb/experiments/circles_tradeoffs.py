@@ -54,7 +54,7 @@ def sawada_fig5(records: list[dict],  # the successful records of circles_tradeo
     "Sawada Fig. 5 (a: exp. 2, d = 90°; b: exp. 3, m = 8): where each loss predicts class `target` along the circle; the report's lines (none without such records)."
     import matplotlib
     from topk_nb.files import save_figure
-    from topk_nb.report import _newness   # the newest record of a setting
+    from topk_nb.results import record_newness   # the newest record of a setting
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     found = []
@@ -62,7 +62,7 @@ def sawada_fig5(records: list[dict],  # the successful records of circles_tradeo
                               ("b", "exp. 3, d = 90°, m = 8 hidden units", {"experiment": 3, "m": 8})):
         recs = [r for r in records if (r.get("metrics") or {}).get("regions")
                 and all((r.get("params") or {}).get(k) == v for k, v in where.items())]
-        if recs: found.append((tag, label, max(recs, key=_newness)))
+        if recs: found.append((tag, label, max(recs, key=record_newness)))
     if not found: return []
     panels, axes = plt.subplots(1, len(found), figsize=(6.0 * len(found), 4.4), squeeze=False, layout="constrained")
     for ax, (tag, label, rec) in zip(axes[0], found):

@@ -52,13 +52,13 @@ def berrada_fig2a(records: list[dict],  # the successful records of temperature
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from topk_nb.files import save_figure
-    from topk_nb.report import _newness, record_settings, series_colours
+    from topk_nb.results import record_newness, record_settings, series_colours
     newest = {}
     for r in records:
         history = (r.get("metrics") or {}).get("history") or []
         if not history or "train_top5" not in history[0]: continue
         key = (record_settings(r), json.dumps(r.get("seed")))              # one curve per identity and seed: the newest
-        if key not in newest or _newness(r) > _newness(newest[key]): newest[key] = r
+        if key not in newest or record_newness(r) > record_newness(newest[key]): newest[key] = r
     if not newest: return []
     recs = sorted(newest.values(), key=lambda r: ((r.get("params") or {}).get("tau", 0), record_settings(r)))
     taus = [(r.get("params") or {}).get("tau") for r in recs]
