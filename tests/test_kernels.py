@@ -541,11 +541,11 @@ from triton.compiler import ASTSource
 import triton
 from topk_nb import kernels as K, row_kernels as R
 ptrs = lambda names, kinds: dict(zip(names, kinds))
-fwd = ptrs(["s_ptr", "y_ptr", "m_ptr", "loss_ptr", "lse_ptr", "coef_ptr", "cls_ptr"],
-           ["*fp32", "*i64", "*fp32", "*fp32", "*fp32", "*fp32", "*i32"]) | dict(n="i32", alpha="fp32", gamma="fp32", scale="fp32")
-bwd = ptrs(["s_ptr", "y_ptr", "m_ptr", "go_ptr", "w_ptr", "den_ptr", "lse_ptr", "coef_ptr", "cls_ptr", "g_ptr"],
-           ["*fp32", "*i64", "*fp32", "*fp32", "*fp32", "*fp32", "*fp32", "*fp32", "*i32", "*fp32"])
-bwd.update(n="i32", ignore_index="i32", scale="fp32")
+fwd = ptrs(["s_ptr", "y_ptr", "m_ptr", "state_ptr"], ["*fp32", "*i64", "*fp32", "*fp32"])
+fwd.update(n_rows="i32", n="i32", alpha="fp32", gamma="fp32", scale="fp32")
+bwd = ptrs(["s_ptr", "y_ptr", "m_ptr", "go_ptr", "w_ptr", "den_ptr", "state_ptr", "g_ptr"],
+           ["*fp32", "*i64", "*fp32", "*fp32", "*fp32", "*fp32", "*fp32", "*fp32"])
+bwd.update(n_rows="i32", n="i32", ignore_index="i32", scale="fp32")
 variants = []
 for name in R.ROW_LOSSES:                                 # each loss's K as `row_plan` sets it, at k = 5
     loss = R.ROW_LOSSES.index(name)

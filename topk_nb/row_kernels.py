@@ -34,6 +34,7 @@ class RowSpec(NamedTuple):
     ignore_index: int
     reduction: int
     formula: Callable          # formula(scores, labels) -> (B,): the loss by plain autograd operations
+    kpad: int = 1              # slots of a row's top list, next_pow2(max(K, 1)): the state's (`row_state`)
 
 # %% auto #0
 __all__ = ['ROW_LOSSES', 'ROW_BLOCK', 'RowSpec', 'row_block', 'row_state', 'row_loss_forward', 'row_loss_backward', 'RowLoss',
@@ -62,10 +63,10 @@ if HAS_TRITON:
 # %% ../nbs/06a_row_kernels.ipynb #21587e72
 if HAS_TRITON:
     @triton.jit
-    def _row_loss_kernel(s_ptr, y_ptr, m_ptr, loss_ptr, lse_ptr, coef_ptr, cls_ptr, n, alpha, gamma, scale,
+    def _row_loss_kernel(s_ptr, y_ptr, m_ptr, state_ptr, n_rows, n, alpha, gamma, scale,
                          LOSS: tl.constexpr, K: tl.constexpr, KPAD: tl.constexpr, DETACH: tl.constexpr,
                          BLOCK: tl.constexpr):
-        "Program `row`: in one pass over the row's chunks, its log-sum-exp (the softmax losses; LDAM's of scale (s - m_y e_y)), the sum of e^(s_j - max) over j != y (focal's 1 - q_y without cancellation), and its K largest (the hinges' and Sawada's); then the row's loss (B,), its log-sum-exp (B,), the backward's coefficients (B, 4) and the selected classes (B, KPAD)."
+        "Program `row`: in one pass over the row's chunks, its log-sum-exp (the softmax losses; LDAM's of scale (s - m_y e_y)), the sum of e^(s_j - max) over j != y (focal's 1 - q_y without cancellation), and its K largest (the hinges' and Sawada's); then, in the state (`row_state`), the row's loss, its log-sum-exp, the backward's four coefficients and the selected classes."
         row = tl.program_id(0).to(tl.int64)
         lanes = tl.arange(0, BLOCK)
         tj = tl.arange(0, KPAD)
@@ -143,18 +144,19 @@ if HAS_TRITON:
                 c0, c1, c2 = 1.0, -inside_g, inside_g - 1
                 loss = ce + gap
             c3 = q_G
-        tl.store(loss_ptr + row, loss)
+        lse_ptr, coef_ptr, cls_ptr = state_ptr + n_rows, state_ptr + 2 * n_rows, state_ptr + 6 * n_rows   # `row_state`
+        tl.store(state_ptr + row, loss)
         tl.store(lse_ptr + row, lse)
         tl.store(coef_ptr + row * 4 + 0, c0)
         tl.store(coef_ptr + row * 4 + 1, c1)
         tl.store(coef_ptr + row * 4 + 2, c2)
         tl.store(coef_ptr + row * 4 + 3, c3)
-        tl.store(cls_ptr + row * KPAD + tj, rcls)
+        tl.store(cls_ptr + row * KPAD + tj, rcls.to(tl.float32, bitcast=True))   # int32 classes, kept as their bits
 
 # %% ../nbs/06a_row_kernels.ipynb #354e98b0
 if HAS_TRITON:
     @triton.jit
-    def _row_grad_kernel(s_ptr, y_ptr, m_ptr, go_ptr, w_ptr, den_ptr, lse_ptr, coef_ptr, cls_ptr, g_ptr, n, ignore_index,
+    def _row_grad_kernel(s_ptr, y_ptr, m_ptr, go_ptr, w_ptr, den_ptr, state_ptr, g_ptr, n_rows, n, ignore_index,
                          scale, LOSS: tl.constexpr, K: tl.constexpr, KPAD: tl.constexpr, REDUCTION: tl.constexpr,
                          HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr):
         "Program (row, block): the block of the row's gradient under the conventions (`_row_go`): focal c (e_y - q), LDAM scale (q - e_y), a hinge's +-coefficient at its selected classes and the label where it is active, Sawada's a q + b r + c e_y."
@@ -164,6 +166,7 @@ if HAS_TRITON:
         go, y = _row_go(y_ptr, go_ptr, w_ptr, den_ptr, row, n, ignore_index, REDUCTION, HAS_WEIGHT)
         go = go.to(tl.float32)
         at_y = (offs == y).to(tl.float32)
+        lse_ptr, coef_ptr, cls_ptr = state_ptr + n_rows, state_ptr + 2 * n_rows, state_ptr + 6 * n_rows   # `row_state`
         c0 = tl.load(coef_ptr + row * 4 + 0)
         if LOSS <= 1 or LOSS >= 5:
             x = tl.load(s_ptr + row * n + offs, mask=inside, other=0.0).to(tl.float32)
@@ -182,23 +185,23 @@ if HAS_TRITON:
                 q_G = tl.load(coef_ptr + row * 4 + 3)
                 in_g = tl.zeros([BLOCK], dtype=tl.float32)
                 for t in tl.static_range(K - 1):                         # G: the k largest
-                    in_g += (offs == tl.load(cls_ptr + row * KPAD + t)).to(tl.float32)
+                    in_g += (offs == tl.load(cls_ptr + row * KPAD + t).to(tl.int32, bitcast=True)).to(tl.float32)
                 g = go * (c0 * q + c1 * (q / q_G) * in_g + c2 * at_y)
         else:                                                            # the hinges: only where the argument is positive
             active = c0 > 0
             if LOSS == 2:                                                # 1/k at the kth other, -1/k at y
                 coef = 1.0 / K
-                sel = (offs == tl.load(cls_ptr + row * KPAD + K - 1)).to(tl.float32)
+                sel = (offs == tl.load(cls_ptr + row * KPAD + K - 1).to(tl.int32, bitcast=True)).to(tl.float32)
                 count = 1.0
             elif LOSS == 3:                                              # 1/k at each of the k, -1 at y
                 coef = 1.0 / K
                 sel = tl.zeros([BLOCK], dtype=tl.float32)
                 for t in tl.static_range(K):
-                    sel += (offs == tl.load(cls_ptr + row * KPAD + t)).to(tl.float32)
+                    sel += (offs == tl.load(cls_ptr + row * KPAD + t).to(tl.int32, bitcast=True)).to(tl.float32)
                 count = K * 1.0
             else:                                                        # 1 at top_{k+1}, -1 at y
                 coef = 1.0
-                sel = (offs == tl.load(cls_ptr + row * KPAD + K - 1)).to(tl.float32)
+                sel = (offs == tl.load(cls_ptr + row * KPAD + K - 1).to(tl.int32, bitcast=True)).to(tl.float32)
                 count = 1.0
             g = tl.where(active, go * coef * (sel - count * at_y), 0.0)
         tl.store(g_ptr + row * n + offs, g.to(g_ptr.dtype.element_ty), mask=inside)
@@ -210,23 +213,22 @@ def row_block(n: int) -> int:
     return min(ROW_BLOCK, max(16, next_pow2(n)))
 
 
-def row_state(s: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    "Uninitialised outputs of the forward kernel: the loss (B,) and log-sum-exp (B,) in float32, the coefficients (B, 4) and the selected classes (B, KPAD)."
-    B, dev = s.shape[0], s.device
-    return (torch.empty(B, dtype=torch.float32, device=dev), torch.empty(B, dtype=torch.float32, device=dev),
-            torch.empty(B, 4, dtype=torch.float32, device=dev), torch.empty(B, next_pow2(max(K, 1)), dtype=torch.int32, device=dev))
+def row_state(s: torch.Tensor, # (B, n) scores
+              kpad: int,       # slots of a row's top list (`RowSpec.kpad`)
+              ) -> torch.Tensor:
+    "The forward kernel's uninitialised state, one float32 buffer of (6 + kpad) B: each row's loss (B), log-sum-exp (B), the backward's four coefficients (4 B) and selected classes (kpad B, int32 kept as their bits); the losses first, so that `_finish` reads them as (B,)."
+    return torch.empty(s.shape[0] * (6 + kpad), dtype=torch.float32, device=s.device)
 
 
 def row_loss_forward(s: torch.Tensor,                 # (B, n) float32 scores, contiguous
                      target: torch.Tensor,            # (B,) int64 labels, contiguous
                      margins: Optional[torch.Tensor], # (n,) LDAM's margins on the device, or None
-                     spec: RowSpec) -> tuple[torch.Tensor, ...]:
-    "Launch `_row_loss_kernel`: (each row's loss (B,), log-sum-exp, coefficients, selected classes)."
-    (B, n), state = s.shape, row_state(s, spec.K)
-    loss, lse, coef, cls = state
+                     spec: RowSpec) -> torch.Tensor:
+    "Launch `_row_loss_kernel`: its state (`row_state`), whose first B entries are each row's loss."
+    (B, n), state = s.shape, row_state(s, spec.kpad)
     block = row_block(n)
-    _launch(_row_loss_kernel, (B,), s, target, s if margins is None else margins, loss, lse, coef, cls, n, spec.alpha,
-            spec.gamma, spec.scale, LOSS=spec.loss, K=spec.K, KPAD=cls.shape[1], DETACH=spec.detach_weight, BLOCK=block,
+    _launch(_row_loss_kernel, (B,), s, target, s if margins is None else margins, state, B, n, spec.alpha, spec.gamma,
+            spec.scale, LOSS=spec.loss, K=spec.K, KPAD=spec.kpad, DETACH=spec.detach_weight, BLOCK=block,
             num_warps=min(8, max(1, block // 256)))
     return state
 
@@ -234,14 +236,15 @@ def row_loss_forward(s: torch.Tensor,                 # (B, n) float32 scores, c
 def row_loss_backward(s: torch.Tensor, target: torch.Tensor, margins: Optional[torch.Tensor], weight: Optional[torch.Tensor],
                       grad: torch.Tensor,   # dL / d loss: (B,) per row, or () of the reduced loss
                       den: torch.Tensor,    # () the mean's denominator
-                      lse: torch.Tensor, coef: torch.Tensor, cls: torch.Tensor, spec: RowSpec) -> torch.Tensor:
+                      state: torch.Tensor,  # the forward kernel's state (`row_state`)
+                      spec: RowSpec) -> torch.Tensor:
     "Launch `_row_grad_kernel`: dL/ds (B, n) in the scores' dtype, each element written once."
     (B, n), block = s.shape, min(1024, row_block(s.shape[1]))
     out = torch.empty_like(s)
     g = grad.contiguous()
     _launch(_row_grad_kernel, (B, cdiv(n, block)), s, target, s if margins is None else margins, g,
-            g if weight is None else weight, den, lse, coef, cls, out, n, spec.ignore_index, spec.scale, LOSS=spec.loss,
-            K=spec.K, KPAD=cls.shape[1], REDUCTION=spec.reduction, HAS_WEIGHT=weight is not None, BLOCK=block, num_warps=4)
+            g if weight is None else weight, den, state, out, B, n, spec.ignore_index, spec.scale, LOSS=spec.loss,
+            K=spec.K, KPAD=spec.kpad, REDUCTION=spec.reduction, HAS_WEIGHT=weight is not None, BLOCK=block, num_warps=4)
     return out
 
 # %% ../nbs/06a_row_kernels.ipynb #24f10d9f
@@ -250,22 +253,22 @@ class RowLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, s, target, weight, margins, spec: RowSpec):
-        loss, lse, coef, cls = row_loss_forward(s, target, margins, spec)
-        out, _, den, _ = _finish(loss, target, weight, s.shape[1], spec.ignore_index, spec.reduction, assert_labels=True)
-        ctx.save_for_backward(s, target, weight, margins, den, lse, coef, cls)
+        state = row_loss_forward(s, target, margins, spec)
+        out, _, den, _ = _finish(state, target, weight, s.shape[1], spec.ignore_index, spec.reduction, assert_labels=True)
+        ctx.save_for_backward(s, target, weight, margins, den, state)   # `_finish` reads the state's first B: the losses
         ctx.spec = spec
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        s, target, weight, margins, den, lse, coef, cls = ctx.saved_tensors
+        s, target, weight, margins, den, state = ctx.saved_tensors
         spec = ctx.spec
         if torch.is_grad_enabled():                       # create_graph=True: the plain formula, by autograd
             n = s.shape[1]
             go = _row_grads(grad, target, weight, den, n, spec.ignore_index, spec.reduction)
             y = torch.where((target >= 0) & (target < n), target, 0)
             return twice_differentiable(spec.formula, s, go, y), None, None, None, None
-        return row_loss_backward(s, target, margins, weight, grad, den, lse, coef, cls, spec), None, None, None, None
+        return row_loss_backward(s, target, margins, weight, grad, den, state, spec), None, None, None, None
 
 # %% ../nbs/06a_row_kernels.ipynb #09ce2fb3
 def row_plan(module,               # the loss module: its ignore_index, reduction and per_sample (the plain formula)
@@ -280,7 +283,7 @@ def row_plan(module,               # the loss module: its ignore_index, reductio
     if s.dtype != torch.float32 or not triton_ok(s, max(K, 1)):
         return None
     spec = RowSpec(ROW_LOSSES.index(loss), K, float(alpha), float(gamma), float(scale), bool(detach_weight),
-                   int(module.ignore_index), REDUCTION_CODES[module.reduction], module.per_sample)
+                   int(module.ignore_index), REDUCTION_CODES[module.reduction], module.per_sample, next_pow2(max(K, 1)))
 
     def run(s, target, weight):
         return RowLoss.apply(s.contiguous(), target.contiguous(), weight, None if margins is None else margins(s), spec)
