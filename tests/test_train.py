@@ -496,6 +496,29 @@ def test_fused_step_gives_the_unfused_loss_and_gradients(loss, head):
             assert fused.item() == pytest.approx(plain.item(), rel=1e-2)
 
 
+def test_fused_training_accuracy_is_topk_correct_of_the_scores_without_a_sync():
+    "The training accuracy the fused step counts chunk by chunk equals `topk_correct` of the whole scores (ties as a tie-break's chance, a NaN row a miss), with labels in every chunk and none in some, and reads nothing back to the host."
+    from topk_nb.bench import aten_ops, syncing_ops
+    from topk_nb.core import topk_correct
+    from topk_nb.train import _head_topk_correct
+    g = torch.Generator().manual_seed(0)
+    B, d, n, chunk = 9, 6, 70, 16                                        # five chunks, the last one short
+    x, W, b = torch.randn(B, d, generator=g), torch.randn(n, d, generator=g), torch.randn(n, generator=g)
+    W[40:50] = 0.0; b[40:50] = 0.0                                       # ten classes tied at 0 ...
+    x[3] = 0.0                                                           # ... and a row where every score is its bias
+    b[5] = b[6]; W[5] = W[6]                                             # two classes tied in every row
+    y = torch.tensor([0, 5, 6, 42, 15, 16, 69, 45, 33])                 # chunk 3 holds no label
+    W[60, 0] = float("nan")                                              # rows with x[:, 0] != 0 have a NaN score
+    x[[1, 4], 0] = 0.0; x[3, 0] = 0.0                                    # ... but for these
+    ks = (1, 2, 5, 12)
+    scores = torch.nn.functional.linear(x, W, b)
+    expected = topk_correct(scores, y, ks)
+    got = _head_topk_correct(x, W, b, y, ks, chunk=chunk)
+    assert expected[:, [1, 3, 4]].isfinite().all() and (expected[:, [0, 2]] == 0).all()   # the NaN rows miss, others count
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+    assert not syncing_ops(aten_ops(lambda: _head_topk_correct(x, W, b, y, ks, chunk=chunk)))
+
+
 def test_fused_head_runs_under_autocast_and_channels_last_on_cpu(tmp_path):
     spec = dict(SMOKE, loss="smooth_svm", loss_params={"k": 5}, amp=True, channels_last=True, device="cpu")
     plain = run(spec, out_dir=str(tmp_path / "plain"))

@@ -911,24 +911,24 @@ def _fused_step(model: nn.Module, loss: nn.Module, train_set, name: str | None, 
 @torch.no_grad()
 def _head_topk_correct(features: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
                        ks, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
-    "`topk_correct` (ties: 'expected') of the scores F.linear(features, weight, bias) for the labels `target`, (len(ks), B), counted a chunk of classes at a time: the label's score from its chunk, then the classes above it and those tied with it."
+    "`topk_correct` (ties: 'expected') of the scores F.linear(features, weight, bias) for the labels `target`, (len(ks), B), counted a chunk of classes at a time without reading anything back: the label's score from its chunk, then the classes above it and those tied with it."
     head = LinearHead(features, weight, bias, chunk)
     B, dev = head.B, head.device
     s_y = torch.zeros(B, dtype=head.work, device=dev)
     kept = None
-    for c0, c1 in head.bounds():                                        # the label's score, as its chunk makes it
-        rows = ((target >= c0) & (target < c1)).nonzero()[:, 0]
-        if len(rows):
-            s = head.scores(c0, c1)
-            s_y[rows] = s[rows, target[rows] - c0]
-            kept = (c0, s)
+    for c0, c1 in head.bounds():                                        # 1. the label's score, as its chunk makes it
+        s = head.scores(c0, c1)                                         # (B, c1 - c0)
+        inside = (target >= c0) & (target < c1)                         # (B,) the rows whose label is in this chunk
+        at = (target - c0).clamp(0, c1 - c0 - 1)[:, None]               # (B, 1)
+        s_y = torch.where(inside, s.gather(1, at)[:, 0], s_y)
+        kept = (c0, s)                                                  # the last chunk: not made again below
     above = torch.zeros(B, dtype=torch.long, device=dev)
     tied, nan = torch.zeros_like(above), torch.zeros(B, dtype=torch.bool, device=dev)
-    for c0, c1 in head.bounds():
-        s = kept[1] if kept is not None and kept[0] == c0 else head.scores(c0, c1)
-        others = torch.ones_like(s, dtype=torch.bool)
-        rows = ((target >= c0) & (target < c1)).nonzero()[:, 0]
-        others[rows, target[rows] - c0] = False                         # the label itself is neither above nor tied
+    for c0, c1 in head.bounds():                                        # 2. the classes above the label and tied with it
+        s = kept[1] if kept[0] == c0 else head.scores(c0, c1)
+        inside = (target >= c0) & (target < c1)
+        at = (target - c0).clamp(0, c1 - c0 - 1)[:, None]
+        others = torch.ones_like(s, dtype=torch.bool).scatter_(1, at, ~inside[:, None])   # the label is neither
         above += ((s > s_y[:, None]) & others).sum(1)
         tied += ((s == s_y[:, None]) & others).sum(1)
         nan |= s.isnan().any(1)
