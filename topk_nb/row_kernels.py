@@ -34,7 +34,7 @@ class RowSpec(NamedTuple):
     ignore_index: int
     reduction: int
     formula: Callable          # formula(scores, labels) -> (B,): the loss by plain autograd operations
-    kpad: int = 1              # slots of a row's top list, next_pow2(max(K, 1)): the state's (`row_state`)
+    kpad: int                  # slots of a row's top list, next_pow2(max(K, 1)): the state's (`row_state`)
 
 # %% auto #0
 __all__ = ['ROW_LOSSES', 'ROW_BLOCK', 'RowSpec', 'row_block', 'row_state', 'row_loss_forward', 'row_loss_backward', 'RowLoss',
