@@ -45,11 +45,14 @@ def test_without_cuda_one_line_and_exit_1():
 def test_bad_flags_exit_2(capsys):
     res = run_command("--quik")
     assert res.returncode == 2 and res.stderr.startswith("usage: python -m topk_nb.gpucheck"), res.stderr
-    for args in (["--device", "tpu"], ["--device", "cuda:x"], ["--out"]):
+    for args in (["--device", "tpu"], ["--device", "cuda:x"], ["--out"], ["--sections", "host,sped"], ["--sections", ","]):
         with pytest.raises(SystemExit) as exit_:
             main(args)
         assert exit_.value.code == 2, args
         assert "usage: python -m topk_nb.gpucheck" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--device", "cpu", "--sections", "host,sped"])      # a typo stops the command before any section runs
+    assert "must be among environment, correctness" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +133,22 @@ def test_correctness_catches_a_wrong_gradient(monkeypatch):
     assert res["status"] == "failed"
     assert res["losses"]["ce"]["ok"] and not res["losses"]["topk_hinge"]["ok"]
     assert res["losses"]["topk_hinge"]["loss_err"] < TOLERANCE < res["losses"]["topk_hinge"]["grad_err"] < 1e-2
+
+
+class BrokenHinge(TopkHinge):
+    "The top-k hinge with a graph break in its forward: right values, but no whole graph under torch.compile."
+
+    def forward(self, scores, target):
+        torch._dynamo.graph_break()
+        return super().forward(scores, target)
+
+
+def test_compile_section_fails_a_loss_that_does_not_compile_whole(monkeypatch):
+    monkeypatch.setitem(LOSSES, "topk_hinge", dataclasses.replace(LOSSES["topk_hinge"], module=BrokenHinge))
+    res = gpucheck.check_compile("cpu", batch=4, features=8, n=20, k=3, names=["ce", "topk_hinge"], backend="eager")
+    entry = res["losses"]["topk_hinge"]
+    assert res["status"] == "failed" and res["losses"]["ce"]["ok"] and not entry["ok"], res
+    assert entry["fullgraph"] != "ok" and entry["graph_breaks"] == "ok", entry     # it compiled, in pieces
 
 
 def test_compile_section_counts_the_kernels_a_compiled_step_runs():

@@ -573,6 +573,34 @@ def test_row_kernels_compile_for_a_gpu():
     assert out.returncode == 0 and "compiled 37" in out.stdout, out.stderr[-2000:]
 
 
+
+# --- traced outside torch.compile: the operators, not their functions ----------------------------------------------
+
+@pytest.mark.parametrize("name, dtype", [("smooth_svm", torch.float32), ("smooth_svm", torch.float64),
+                                         ("noised_bal", torch.float32), ("noised_imbal", torch.float32)])
+def test_a_trace_keeps_the_operators(name, dtype):
+    """make_fx on fake tensors, as AOTAutograd traces a compiled loss's forward and backward (some torch versions run that
+    trace with torch.compiler.is_compiling() false): each kernel call is its registered operator, whose fake
+    implementation the tracer reads; the eager shortcut would launch a kernel on tensors that have no data."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from topk_nb.core import force_sync_free
+    n = 20
+    kw = {"class_counts": torch.arange(1, n + 1)} if name == "noised_imbal" else {}
+    crit = get_loss(name, k=3, **kw)
+    s = torch.randn(8, n, dtype=dtype, device=DEV, requires_grad=True)
+    y = torch.randint(0, n, (8,), device=DEV)
+
+    def step(s, y):
+        loss = crit(s, y)
+        return loss, torch.autograd.grad(loss, s)[0]
+
+    with kernels.force_triton(), force_sync_free():
+        graph = make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=True)(s, y)   # the margins: a real buffer
+    ops = [str(node.target) for node in graph.graph.nodes if str(node.target).startswith("topk_nb.")]
+    assert len(ops) == 2, ops                                       # the forward's operator and the backward's
+    assert "backward" in ops[1] or "grad" in ops[1], ops
+
+
 # --- the loss modules' conventions inside the kernels ------------------------------------------------------------
 
 from topk_nb.losses import get_loss  # noqa: E402

@@ -37,8 +37,8 @@ __all__ = ['PRESETS', 'SECTIONS', 'TOLERANCE', 'TRAINING_STEPS', 'NO_CUDA', 'GPU
            'loss_and_grad', 'compare_to_reference', 'loss_variants', 'check_correctness', 'check_syncs', 'speed_table',
            'host_times', 'launch_cost', 'epoch_overhead', 'step_times', 'training_overheads', 'kernel_times',
            'check_compile', 'capture_step', 'check_cuda_graphs', 'device_slug', 'run_section', 'section_calls',
-           'render_markdown', 'newest_record', 'speed_summary', 'gpu_check', 'main', 'recorded_launches',
-           'triton_variants', 'compile_estimate']
+           'render_markdown', 'newest_record', 'speed_summary', 'check_sections', 'gpu_check', 'main',
+           'recorded_launches', 'triton_variants', 'compile_estimate']
 
 # %% ../nbs/15_gpucheck.ipynb #fbf51fd0
 PRESETS = {
@@ -63,12 +63,13 @@ _USER_FRAME = re.compile(r'File "[^"]*[/\\]topk_nb[/\\](\w+\.py)", line (\d+), i
 
 
 def one_line(e: BaseException) -> str:
-    "`Type: first line of the message (at file.py:line function)`: the innermost package frame named in the message (compile errors) or in the traceback."
+    "`Type: first line of the message (at file.py:line function)`, the next line too where the first ends in a colon (a compiler's `backend='inductor' raised:`); the innermost package frame named in the message (compile errors) or in the traceback."
     text = str(e)
     places = [m.groups() for m in _USER_FRAME.finditer(text) if m.group(1) != "gpucheck.py"]
     places = places or [(Path(f.filename).name, f.lineno, f.name) for f in traceback.extract_tb(e.__traceback__)
                         if Path(f.filename).parent.name == "topk_nb" and Path(f.filename).name != "gpucheck.py"]
-    first = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    lines = [line.strip() for line in text.splitlines() if line.strip()] or [""]
+    first = " ".join(lines[:2]) if lines[0].endswith(":") else lines[0]     # what was raised, not only that it was
     first = first.removeprefix("Consider annotating your code using torch._check*(). ")         # Dynamo's preamble
     return f"{type(e).__name__}: {first[:300]}" + (" (at {}:{} {})".format(*places[-1]) if places else "")
 
@@ -468,13 +469,15 @@ def check_compile(device="cuda", batch: int = 256, features: int = 64, n: int = 
                   names: Sequence[str] | None = None,
                   backend: str | None = None,   # torch.compile backend: inductor on CUDA, eager (tracing only) on the CPU
                   tol: float = TOLERANCE) -> dict:
-    "torch.compile of model + loss (forward compiled, backward through AOTAutograd) per loss: fullgraph=True, else with graph breaks; compiled vs eager."
+    "torch.compile of model + loss (forward compiled, backward through AOTAutograd) per loss: fullgraph=True, else with graph breaks; compiled vs eager. A loss passes when its whole step compiles in one graph and matches eager."
     backend = backend or ("inductor" if torch.device(device).type == "cuda" else "eager")
     out, failed = {}, False
     with _quiet_compile_logs():
         for name in names or LOSSES:
             out[name] = _compile_one(name, device, batch, features, n, k, backend)
-            failed |= not out[name].get("err", 0.0) <= tol
+            entry = out[name]
+            entry["ok"] = entry.get("fullgraph") == "ok" and entry.get("err", 0.0) <= tol   # err: deterministic losses
+            failed |= not entry["ok"]
     torch._dynamo.reset()
     return {"status": "failed" if failed else "ok", "backend": backend, "losses": out}
 
@@ -729,13 +732,27 @@ NO_CUDA = ("no CUDA device is available to torch {}: run `make gpu-check` (or `p
            "with an NVIDIA GPU; `--device cpu` is a dry run at tiny sizes")
 
 # %% ../nbs/15_gpucheck.ipynb #3a0c0baa
+def check_sections(sections: Sequence[str] | None, # section names, or None: all of SECTIONS
+                   ) -> list[str]:
+    "The sections a check runs, in order: environment first (the record's device and versions), then `sections` as given, each once; a name outside SECTIONS is a ValueError naming the allowed ones."
+    if sections is None: return list(SECTIONS)
+    if isinstance(sections, str) or not sections:
+        raise ValueError(f"sections must be a non-empty list of names among {', '.join(SECTIONS)}, got {sections!r}")
+    unknown = [s for s in sections if s not in SECTIONS]
+    if unknown:
+        raise ValueError(f"sections must be among {', '.join(SECTIONS)}; got {', '.join(map(repr, unknown))}")
+    return list(dict.fromkeys(["environment", *sections]))
+
+
 def gpu_check(device="cuda",          # cuda, cuda:N; cpu is a dry run of every section at tiny sizes
               quick: bool = False,    # n=100, k=5 only, a tiny network for the epoch and few rounds
               out="results/gpu",      # folder of <device-slug>-<YYYY-MM-DD>.json and .md
               log: Callable[[str], object] = print,  # progress lines
+              sections: Sequence[str] | None = None, # the sections to run, in this order, after environment; all by default
               ) -> tuple[dict, Path, Path]:
-    "Run every section on `device`, writing the JSON record and the markdown tables after each section (a run cut short keeps what it measured)."
+    "Run the sections on `device`, writing the JSON record and the markdown tables after each section (a run cut short keeps what it measured); a record of some sections is named after them, so it never overwrites a whole one."
     device = torch.device(device)
+    chosen = check_sections(sections)
     if device.type not in ("cuda", "cpu"):
         raise ValueError(f"device must be cuda, cuda:N or cpu, got {str(device)!r}")
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -743,10 +760,11 @@ def gpu_check(device="cuda",          # cuda, cuda:N; cpu is a dry run of every 
     preset = "dry" if device.type == "cpu" else "quick" if quick else "full"
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     today = datetime.date.today().isoformat()
-    stem = Path(out) / f"{device_slug(name)}-{today}"
+    stem = Path(out) / "-".join([device_slug(name), today, *((chosen[1:] or chosen) if sections is not None else ())])
     stem.parent.mkdir(parents=True, exist_ok=True)
     report = {"device": name, "preset": preset, "date": today, "tolerance": TOLERANCE, "failed": [], "sections": {}}
-    for section, fn in section_calls(device, PRESETS[preset]).items():
+    calls = section_calls(device, PRESETS[preset])
+    for section, fn in ((s, calls[s]) for s in chosen):
         log(f"gpu-check: {section} ...")
         result = report["sections"][section] = run_section(fn)
         if result["status"] in ("failed", "error"): report["failed"].append(section)
@@ -761,22 +779,31 @@ def _device_arg(text: str) -> torch.device:
         raise argparse.ArgumentTypeError(f"must be cuda, cuda:N or cpu (a dry run), got {text!r}")
     return torch.device(text)
 
+
+def _sections_arg(text: str) -> list[str]:
+    try:
+        return check_sections([s.strip() for s in text.split(",") if s.strip()])
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).replace("sections must", "must")) from None
+
 # %% ../nbs/15_gpucheck.ipynb #f9b38757
 def main(argv: Sequence[str] | None = None) -> int:
-    "`python -m topk_nb.gpucheck [--quick] [--out DIR] [--device cuda|cuda:N|cpu]`: 0 if every section passed, 1 if not or without CUDA, 2 on bad flags."
+    "`python -m topk_nb.gpucheck [--quick] [--out DIR] [--device cuda|cuda:N|cpu] [--sections a,b]`: 0 if every section passed, 1 if not or without CUDA, 2 on bad flags."
     parser = argparse.ArgumentParser(prog="python -m topk_nb.gpucheck", description="One-command GPU check of every "
                                      "registry loss: correctness, host syncs, speed, epoch overhead, torch.compile, CUDA graphs.")
     parser.add_argument("--quick", action="store_true", help="n=100, k=5 only; a tiny network for the epoch")
     parser.add_argument("--out", default="results/gpu", metavar="DIR", help="folder of the JSON record and markdown tables")
     parser.add_argument("--device", default=torch.device("cuda"), type=_device_arg,
                         help="cuda (default), cuda:N, or cpu: a dry run of every section at tiny sizes")
+    parser.add_argument("--sections", type=_sections_arg, metavar="A,B", help="only these sections, in this order "
+                        f"(environment always first), in a record named after them; among: {', '.join(SECTIONS)}")
     args = parser.parse_args(argv)
     if args.device.type == "cuda" and not torch.cuda.is_available():
         print(NO_CUDA.format(torch.__version__), file=sys.stderr)
         return 1
     if args.device.type == "cuda" and (args.device.index or 0) >= torch.cuda.device_count():
         parser.error(f"argument --device: {args.device} does not exist; this machine has {torch.cuda.device_count()} CUDA device(s)")
-    report, json_path, md_path = gpu_check(args.device, args.quick, args.out)
+    report, json_path, md_path = gpu_check(args.device, args.quick, args.out, sections=args.sections)
     print(f"gpu-check: wrote {json_path} and {md_path}")
     if report["failed"]:
         print(f"gpu-check: failed sections: {', '.join(report['failed'])}", file=sys.stderr)

@@ -175,8 +175,8 @@ def loss_op(op):
 
 
 def call_op(op, *args):
-    "Run a custom operator: under `torch.compile` the registered operator (the graph keeps it whole), in eager code its function directly, under its autograd formula (`lean_op`)."
-    if torch.compiler.is_compiling():
+    "Run a custom operator: traced, the registered operator (the graph keeps it whole); in eager code its function directly, under its autograd formula (`lean_op`)."
+    if torch.compiler.is_compiling() or type(args[0]) is not torch.Tensor:    # traced: fake or functional tensors
         return op(*args)
     return _LEAN.get(op, op)(*args)
 
