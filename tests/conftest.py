@@ -20,7 +20,6 @@ if not torch.cuda.is_available():
 ONE_PROCESS = {
     "test_slurm": "the single-node Slurm cluster: its CPUs are all the jobs of every test have",
     "test_wheel": "the wheel, built once from the source tree (its build/ folder) for the module",
-    "test_costmodel": "the cost table of every kernel, made once for the module (minutes)",
     "test_gpucheck": "the dry run of every section, made once for the module",
 }
 

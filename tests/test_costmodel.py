@@ -1,5 +1,7 @@
 """The static cost model of the Triton kernels (bench chapter, section 7-8): SASS classes, software float64
-transcendentals, dynamic counts from declared loop trips, the time bounds, and the kernels' budgets."""
+transcendentals, dynamic counts from declared loop trips, the time bounds, and how a budget is judged. The budgets
+themselves are held by chapter 14's check under its cost table (run by `nbdev_test`): the table compiles every
+kernel for sm_90, minutes of work that is done once."""
 import importlib.util
 import textwrap
 
@@ -103,19 +105,6 @@ def test_within_budget_reports_and_refuses():
     assert bench.within_budget([{**row, "ratio": 4.0}], budgets) == {"b": []}
     with pytest.raises(ValueError, match="selects no step row"):
         bench.within_budget([{**row, "n": 10}], budgets)
-
-
-@pytest.fixture(scope="module")
-def table():
-    return bench.cost_table()
-
-
-@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.xfail(strict=True, raises=AssertionError,
-                                                                                   reason="expected over budget"))
-                                  if b.expected_over else name for name, b in bench.BUDGETS.items()])
-def test_kernels_within_budget(table, name):
-    "Each budget holds, or is marked expected over and fails its assertion: an error elsewhere (a stale loop table, say) fails either way."
-    assert bench.within_budget(table, {name: bench.BUDGETS[name]})[name] == []
 
 
 def test_pruning_cuts_the_modelled_work():

@@ -1388,7 +1388,14 @@ import time
 
 LAUNCH_OPS = (2.0, "assumed: Triton's launcher binds and specialises each launch's arguments in Python, about twice a "
                    "PyTorch operator's C++ dispatch; replaced by the newest GPU record's measurement (launch_ops)")
-GPU_RECORDS = Path(__file__).resolve().parents[1] / "results" / "gpu" if "__file__" in globals() else Path("../results/gpu")
+def _records_folder() -> Path:
+    "results/gpu of the source tree this module (or, in a notebook, the working folder) is in: the nearest folder up that has one."
+    module = __name__ != "__main__" and "__file__" in globals()     # a notebook is __main__; its cells can leave a __file__
+    here = Path(__file__).resolve().parent if module else Path.cwd().resolve()
+    return next((f / "results" / "gpu" for f in (here, *here.parents) if (f / "results" / "gpu").is_dir()), here / "results" / "gpu")
+
+
+GPU_RECORDS = _records_folder()
 
 
 def recorded_launch_ops(folder: Path | str = GPU_RECORDS, # the GPU records (`make gpu-check`'s JSON files)

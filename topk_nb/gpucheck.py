@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .bench import aten_ops, bench_loss, bench_scores, epoch_times, loss_speed, syncing_ops, time_interleaved
+from .bench import aten_ops, bench_loss, bench_scores, epoch_times, loss_speed, peak_memory, syncing_ops, time_interleaved
 from .kernels import count_launches
 from .core import check_int, check_real, force_sync_free, fwd_bwd, time_fn
 from .losses import LOSSES, get_loss
@@ -35,27 +35,30 @@ from .results import markdown_table
 # %% auto #0
 __all__ = ['PRESETS', 'SECTIONS', 'TOLERANCE', 'TRAINING_STEPS', 'NO_CUDA', 'GPU_HOST_COMPILE', 'INDUCTOR_SECONDS', 'one_line',
            'loss_and_grad', 'compare_to_reference', 'loss_variants', 'check_correctness', 'check_syncs', 'speed_table',
-           'host_times', 'launch_cost', 'epoch_overhead', 'step_times', 'training_overheads', 'kernel_times',
-           'check_compile', 'capture_step', 'check_cuda_graphs', 'device_slug', 'run_section', 'section_calls',
-           'render_markdown', 'newest_record', 'speed_summary', 'check_sections', 'gpu_check', 'main',
-           'recorded_launches', 'triton_variants', 'compile_estimate']
+           'host_times', 'launch_cost', 'epoch_overhead', 'step_times', 'training_overheads', 'fused_head_times',
+           'kernel_times', 'check_compile', 'capture_step', 'check_cuda_graphs', 'device_slug', 'run_section',
+           'section_calls', 'render_markdown', 'newest_record', 'speed_summary', 'Stopped', 'check_sections',
+           'gpu_check', 'main', 'recorded_launches', 'triton_variants', 'compile_estimate']
 
 # %% ../nbs/15_gpucheck.ipynb #fbf51fd0
 PRESETS = {
     "full": dict(cases=((256, 1000, 5), (64, 100_000, 20)), batch=256, ns=(100, 1000, 10_000, 100_000), ks=(1, 5, 20),
                  repeats=15, epoch=dict(model="densenet40_40", n_classes=100, batch=64, rounds=50), step=(256, 64, 1000, 5),
-                 training=dict(rounds=30, steps=None)),
+                 training=dict(rounds=30, steps=None),
+                 fused=dict(shapes=((256, 2048, 100_000), (256, 2048, 1_000_000)), repeats=5)),
     "quick": dict(cases=((64, 100, 5),), batch=256, ns=(100,), ks=(5,), repeats=9,
                   epoch=dict(model="densenet_tiny", n_classes=100, batch=64, rounds=10), step=(64, 32, 100, 5),
                   training=dict(rounds=5, steps={"linear head 768 -> 1000, B = 256": dict(model="linear", features=768, batch=256,
-                                                                                        n_classes=1000, autocast=None)})),
+                                                                                        n_classes=1000, autocast=None)}),
+                  fused=dict(shapes=((256, 2048, 100_000),), repeats=3)),
     "dry": dict(cases=((8, 20, 3),), batch=8, ns=(20,), ks=(3,), repeats=3,
                 epoch=dict(model="densenet_tiny", n_classes=10, batch=4, rounds=2), step=(8, 16, 20, 3),
                 training=dict(rounds=2, steps={"linear head 16 -> 20, B = 8": dict(model="linear", features=16, batch=8,
-                                                                                 n_classes=20, autocast=None)})),
+                                                                                 n_classes=20, autocast=None)}),
+                fused=dict(shapes=((4, 8, 40),), repeats=2, check=(6, 8, 30))),
 }
 SECTIONS = ("environment", "correctness", "syncs", "speed", "host", "kernels", "steps", "epoch", "training", "compile",
-            "cuda_graphs")
+            "cuda_graphs", "fused_head")
 TOLERANCE = 1e-4
 
 
@@ -335,6 +338,90 @@ def training_overheads(device="cuda", rounds: int = 30, k: int = 5, steps: dict 
             rows.append({"setup": label, "loss": name, "step_ms": t["median"] * 1e3, "overhead": t["median"] / base - 1})
     return {"status": "ok", "rounds": rounds, "rows": rows}
 
+# %% ../nbs/15_gpucheck.ipynb #69187968
+def _fused_leaves(B: int, d: int, n: int, dtype, device, seed: int = 0) -> tuple:
+    "Features (B, d), a weight (n, d) and a bias (n,) as leaves in `dtype` on `device`, and labels (B,): a linear head's inputs."
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, d, generator=g)
+    W, b = torch.randn(n, d, generator=g) / d ** 0.5, torch.randn(n, generator=g) / 10
+    y = torch.randint(0, n, (B,), generator=g)
+    return (*(t.to(device=device, dtype=dtype).requires_grad_() for t in (x, W, b)), y.to(device))
+
+
+def _fused_modules(k: int) -> dict[str, Callable[[], nn.Module]]:
+    from topk_nb.fused import FusedLinearNoisedBal, FusedLinearSmoothSVM
+    return {"smooth_svm": lambda **kw: FusedLinearSmoothSVM(k=k, **kw), "noised_bal": lambda **kw: FusedLinearNoisedBal(k=k, **kw)}
+
+
+def _step_peak(fn: Callable[[], object], leaves: Sequence[torch.Tensor], device: torch.device) -> int:
+    "Bytes `fn()` holds at its peak beyond what was allocated before it (the leaves' gradients cleared first)."
+    for t in leaves: t.grad = None
+    if device.type != "cuda":
+        return peak_memory(fn)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - base
+
+
+def fused_head_times(device="cuda",
+                     shapes: Sequence[tuple[int, int, int]] = ((256, 2048, 100_000), (256, 2048, 1_000_000)),  # (B, d, n)
+                     k: int = 5, repeats: int = 5,
+                     check: tuple[int, int, int] = (32, 64, 3000),   # (B, d, n) of the float32 check against float64
+                     tol: float = TOLERANCE,
+                     log: Callable[[str], object] = lambda message: None,   # progress: what the section is doing
+                     ) -> dict:
+    "The fused classifier heads (chapter 05b): each loss's value and gradients in float32 against the unfused loss in float64 on the CPU; then forward+backward of the fused loss, of the same loss on F.linear's scores and of F.linear + F.cross_entropy, on bf16 features and weight (float32 on a CPU), the three taking turns: ms per step, the ratio to F.linear + F.cross_entropy, and the peak memory beyond the inputs."
+    device = torch.device(device)
+    make, checks, rows = _fused_modules(k), {}, []
+    x, W, b, y = _fused_leaves(*check, torch.float32, device, seed=1)
+    for name, module in make.items():
+        log(f"{name}: float32 against float64, (B, d, n) = {check}")
+        try:
+            extra = {"epsilon": 0.0} if name != "smooth_svm" else {}       # the noised loss without noise: no draws to match
+            crit = module(**extra)
+            loss = crit(x, W, y, b)
+            grads = torch.autograd.grad(loss, (x, W, b))
+            ref_in = [t.detach().double().cpu().requires_grad_() for t in (x, W, b)]
+            ref = get_loss(name, k=k, **extra)(F.linear(*ref_in), y.cpu())
+            ref_grads = torch.autograd.grad(ref, ref_in)
+            loss_err = abs(loss.item() - ref.item()) / max(abs(ref.item()), 1e-12)
+            grad_err = max(((a.double().cpu() - r).abs().max() / r.abs().max().clamp_min(1e-12)).item() for a, r in zip(grads, ref_grads))
+            checks[name] = {"loss_err": loss_err, "grad_err": grad_err, "ok": loss_err <= tol and grad_err <= tol}
+        except Exception as e:
+            checks[name] = {"ok": False, "error": one_line(e)}
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    for B, d, n in shapes:
+        x, W, b, y = _fused_leaves(B, d, n, dtype, device)
+        leaves = (x, W, b)
+
+        def run(loss_of):
+            def step():
+                for t in leaves: t.grad = None
+                loss_of().backward()
+            return step
+        steps = {"F.linear + F.cross_entropy": run(lambda: F.cross_entropy(F.linear(x, W, b).float(), y))}
+        for name, module in make.items():
+            crit, unfused = module(), bench_loss(name, n, k)
+            steps[f"F.linear + {name}"] = run(lambda unfused=unfused: unfused(F.linear(x, W, b).float(), y))
+            steps[f"fused {name}"] = run(lambda crit=crit: crit(x, W, y, b))
+        log(f"timing (B, d, n) = {(B, d, n)}: {', '.join(steps)}")
+        try:
+            times = time_interleaved(list(steps.values()), device, rounds=repeats, block=1, turn_warmup=0)
+            peaks = [_step_peak(fn, leaves, device) for fn in steps.values()]
+        except Exception as e:
+            rows.append({"batch": B, "d": d, "n": n, "error": one_line(e)})
+            continue
+        base = times[0]["median"]
+        rows += [{"step": label, "batch": B, "d": d, "n": n, "ms": t["median"] * 1e3, "ratio": t["median"] / base,
+                  "peak_mb": peak / 2 ** 20} for label, t, peak in zip(steps, times, peaks)]
+        del x, W, b, leaves, steps
+    failed = not all(c["ok"] for c in checks.values()) or any("error" in r for r in rows)
+    return {"status": "failed" if failed else "ok", "k": k, "dtype": str(dtype).removeprefix("torch."), "tolerance": tol,
+            "checks": checks, "rows": rows}
+
 # %% ../nbs/15_gpucheck.ipynb #3a37cd5a
 @contextlib.contextmanager
 def _quiet_fd2():
@@ -564,7 +651,13 @@ def section_calls(device, preset: dict) -> dict[str, Callable[[], dict]]:
             "epoch": lambda: epoch_overhead(device, **preset["epoch"]),
             "training": lambda: training_overheads(device, **preset["training"]),
             "compile": lambda: check_compile(device, B, d, n, k),
-            "cuda_graphs": lambda: check_cuda_graphs(device, B, d, n, k)}
+            "cuda_graphs": lambda: check_cuda_graphs(device, B, d, n, k),
+            "fused_head": lambda: fused_head_times(device, k=5, **preset["fused"], log=_progress("fused_head"))}
+
+
+def _progress(section: str) -> Callable[[str], None]:
+    "A section's progress lines, on standard error as they happen: a run cut short shows how far it went."
+    return lambda message: print(f"gpu-check: {section}: {message}", file=sys.stderr, flush=True)
 
 # %% ../nbs/15_gpucheck.ipynb #91c8fa5c
 def _e(x) -> str | None:
@@ -624,6 +717,16 @@ def _md_training(s: dict) -> list[str]:
                           [[r["setup"], r["loss"], f"{r['step_ms']:.2f}", f"{100 * r['overhead']:+.1f} %"] for r in s["rows"]]) + [""]
 
 
+def _md_fused(s: dict) -> list[str]:
+    out = markdown_table(["loss", "ok", "loss error", "gradient error (x, W, b)"],
+                         [[name, "yes" if c["ok"] else "**NO**", _e(c.get("loss_err")), _e(c.get("grad_err")) if "error" not in c else c["error"]]
+                          for name, c in s["checks"].items()]) + [""]
+    return out + markdown_table(["step", "B", "d", "n", "ms", "x F.linear + F.cross_entropy", "peak beyond the inputs (MB)"],
+                                [[r.get("step", r.get("error")), r["batch"], r["d"], f"{r['n']:,}", f"{r['ms']:.2f}" if "ms" in r else None,
+                                  f"{r['ratio']:.2f}x" if "ratio" in r else None, f"{r['peak_mb']:,.1f}" if "peak_mb" in r else None]
+                                 for r in s["rows"]]) + [""]
+
+
 def _md_epoch(s: dict) -> list[str]:
     return markdown_table(["loss", "k", "step (ms)", "epoch of 45,000 images (s)", "overhead vs CE"],
                           [[r["loss"], r.get("k"), f"{r['step_ms']:.1f}", f"{r['epoch_s']:.1f}",
@@ -655,10 +758,11 @@ _TITLES = {"correctness": "Correctness: float32 on the device vs float64 on the 
            "steps": "Forward+backward step, eager and replayed from a CUDA graph, against F.cross_entropy's",
            "epoch": "Training-step time and epoch overhead",
            "training": "Training steps against cross-entropy, the losses taking turns", "compile": "torch.compile of model + loss",
-           "cuda_graphs": "CUDA-graph capture of a training step"}
+           "cuda_graphs": "CUDA-graph capture of a training step",
+           "fused_head": "Fused classifier heads: float32 against float64, and forward+backward against F.linear + F.cross_entropy"}
 _RENDER = {"correctness": _md_correctness, "syncs": _md_syncs, "speed": _md_speed, "host": _md_host, "kernels": _md_kernels, "epoch": _md_epoch,
            "steps": _md_steps, "training": _md_training,
-           "compile": _md_compile, "cuda_graphs": _md_graphs}
+           "compile": _md_compile, "cuda_graphs": _md_graphs, "fused_head": _md_fused}
 
 
 def render_markdown(report: dict) -> str:
@@ -732,6 +836,14 @@ NO_CUDA = ("no CUDA device is available to torch {}: run `make gpu-check` (or `p
            "with an NVIDIA GPU; `--device cpu` is a dry run at tiny sizes")
 
 # %% ../nbs/15_gpucheck.ipynb #3a0c0baa
+class Stopped(BaseException):
+    "SIGTERM (a time limit's `timeout`, a scheduler) during a section: the check records what it has and stops."
+
+
+def _stop(signum, frame):
+    raise Stopped(f"stopped by signal {signum}")
+
+
 def check_sections(sections: Sequence[str] | None, # section names, or None: all of SECTIONS
                    ) -> list[str]:
     "The sections a check runs, in order: environment first (the record's device and versions), then `sections` as given, each once; a name outside SECTIONS is a ValueError naming the allowed ones."
@@ -750,7 +862,7 @@ def gpu_check(device="cuda",          # cuda, cuda:N; cpu is a dry run of every 
               log: Callable[[str], object] = print,  # progress lines
               sections: Sequence[str] | None = None, # the sections to run, in this order, after environment; all by default
               ) -> tuple[dict, Path, Path]:
-    "Run the sections on `device`, writing the JSON record and the markdown tables after each section (a run cut short keeps what it measured); a record of some sections is named after them, so it never overwrites a whole one."
+    "Run the sections on `device`, writing the JSON record and the markdown tables after each section; SIGTERM (a time limit) records the running section as stopped, with its seconds, and ends the check. A record of some sections is named after them, so it never overwrites a whole one."
     device = torch.device(device)
     chosen = check_sections(sections)
     if device.type not in ("cuda", "cpu"):
@@ -764,13 +876,26 @@ def gpu_check(device="cuda",          # cuda, cuda:N; cpu is a dry run of every 
     stem.parent.mkdir(parents=True, exist_ok=True)
     report = {"device": name, "preset": preset, "date": today, "tolerance": TOLERANCE, "failed": [], "sections": {}}
     calls = section_calls(device, PRESETS[preset])
-    for section, fn in ((s, calls[s]) for s in chosen):
-        log(f"gpu-check: {section} ...")
-        result = report["sections"][section] = run_section(fn)
-        if result["status"] in ("failed", "error"): report["failed"].append(section)
-        log(f"gpu-check: {section} {result['status']} ({result['seconds']} s)" + (f": {result['error']}" if "error" in result else ""))
-        stem.with_suffix(".json").write_text(json.dumps(plain(report), indent=1) + "\n", encoding="utf-8")
-        stem.with_suffix(".md").write_text(render_markdown(report), encoding="utf-8")
+    import signal, threading
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _stop) if main_thread else None
+    try:
+        for section, fn in ((s, calls[s]) for s in chosen):
+            log(f"gpu-check: {section} ...")
+            t0 = time.perf_counter()
+            try:
+                result = run_section(fn)
+            except Stopped as e:                       # the section cut short: recorded as such, the rest not run
+                result = {"status": "stopped", "error": f"{e} after {time.perf_counter() - t0:.1f} s",
+                          "seconds": round(time.perf_counter() - t0, 2)}
+            report["sections"][section] = result
+            if result["status"] in ("failed", "error", "stopped"): report["failed"].append(section)
+            log(f"gpu-check: {section} {result['status']} ({result['seconds']} s)" + (f": {result['error']}" if "error" in result else ""))
+            stem.with_suffix(".json").write_text(json.dumps(plain(report), indent=1) + "\n", encoding="utf-8")
+            stem.with_suffix(".md").write_text(render_markdown(report), encoding="utf-8")
+            if result["status"] == "stopped": break
+    finally:
+        if main_thread: signal.signal(signal.SIGTERM, previous)
     return report, stem.with_suffix(".json"), stem.with_suffix(".md")
 
 # %% ../nbs/15_gpucheck.ipynb #4b95063c
