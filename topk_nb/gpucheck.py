@@ -801,26 +801,44 @@ def newest_record(folder=None,            # the GPU records (`make gpu-check`'s 
 
 
 def speed_summary(folder=None, ns: Sequence[int] = (1000, 100_000), k: int = 5) -> str:
-    "A short markdown speed table from the newest GPU record: each loss's forward+backward time over F.cross_entropy's at `ns` classes (k = `k`), its eager step and CUDA-graph replay where the record has them, and the training-step overheads; with the device, versions, date and commit measured."
+    "A short markdown speed table from the newest GPU record: each loss's forward+backward time over F.cross_entropy's at `ns` classes (k = `k`), and where the record has them its host time per call, eager step, CUDA-graph replay and kernels' device time, and the training-step overheads; with the device, versions, date and commit measured."
     found = newest_record(folder)
     if found is None:
         return "No GPU record is committed yet: `make gpu-check` on a CUDA machine writes one to `results/gpu/`."
     record, name = found
     secs, env = record["sections"], record["sections"].get("environment", {})
     speed = {(r["loss"], r["n"]): r["ratio"] for r in secs["speed"]["rows"] if r.get("k") in (None, k) and "ratio" in r}
-    steps = {r["loss"]: r for r in secs.get("steps", {}).get("rows", [])} if secs.get("steps", {}).get("status") == "ok" else {}
-    head = ["loss"] + [f"x CE at n = {n:,}" for n in ns] + (["eager x CE", "graph x CE"] if steps else [])
+    ran = lambda section: secs.get(section, {}).get("status") == "ok"
+    steps = {r["loss"]: r for r in secs["steps"]["rows"]} if ran("steps") else {}
+    host = {r["loss"]: r["ratio"] for r in secs["host"]["rows"] if "ratio" in r} if ran("host") else {}
+    n_dev = max((r["n"] for r in secs["kernels"]["rows"]), default=None) if ran("kernels") else None
+    device = {r["loss"]: r["ratio"] for r in secs["kernels"]["rows"] if r["n"] == n_dev and "ratio" in r} if n_dev else {}
+    head = (["loss"] + [f"x CE at n = {n:,}" for n in ns] + (["host x CE"] if host else [])
+            + (["eager x CE", "graph x CE"] if steps else []) + ([f"device x CE at n = {n_dev:,}"] if device else []))
+    fmt = lambda x: "-" if x is None else f"{x:.2f}"
     rows = []
     for loss in LOSSES:
-        row = [f"`{loss}`"] + [f"{speed[loss, n]:.2f}" if (loss, n) in speed else "-" for n in ns]
-        if steps:
-            r = steps.get(loss, {})
-            row += [f"{r['eager_ratio']:.2f}" if "eager_ratio" in r else "-", f"{r['graph_ratio']:.2f}" if "graph_ratio" in r else "-"]
+        row = [f"`{loss}`"] + [fmt(speed.get((loss, n))) for n in ns]
+        if host: row.append(fmt(host.get(loss)))
+        if steps: row += [fmt(steps.get(loss, {}).get("eager_ratio")), fmt(steps.get(loss, {}).get("graph_ratio"))]
+        if device: row.append(fmt(device.get(loss)))
         rows.append(row)
     lines = [f"Measured on {record['device']} (torch {env.get('torch')}, Triton {env.get('triton')}, CUDA {env.get('cuda')}) "
              f"on {record['date']} at commit {str(env.get('git_commit'))[:7]} (`results/gpu/{name}`); forward+backward of (B = {secs['speed'].get('batch')}, n) float32 scores, k = {k}, "
              f"as a ratio to `F.cross_entropy` in the same run:", ""]
     lines += markdown_table(head, rows) + [""]
+    said = ["`x CE at n`: forward+backward as called, the losses taking turns"]
+    if host: said.append(f"`host`: the host's time per eager call at n = {secs['host']['n']:,} (the device runs behind)")
+    if steps: said.append(f"`eager` and `graph`: the step at n = {secs['steps']['n']:,} as called (CUDA events around it) "
+                          "and replayed from a CUDA graph (the kernels alone)")
+    if device: said.append("`device`: the kernels' own time, from the profiler")
+    lines += ["Columns: " + "; ".join(said) + ".", ""]
+    ours = [loss for loss in LOSSES if loss != "ce"]
+    if host and device and all(loss in host and loss in device for loss in ours):
+        d, h = [device[loss] for loss in ours], [host[loss] for loss in ours]
+        lines += [f"What it shows: the top-k losses' kernels take {min(d):.2f}-{max(d):.2f}x cross-entropy's device time at "
+                  f"n = {n_dev:,}, and their eager calls {min(h):.1f}-{max(h):.1f}x its host time"
+                  + (": the host, not the kernels, is what separates them from cross-entropy." if max(d) < min(h) else "."), ""]
     training = secs.get("training", {}) if secs.get("training", {}).get("status") == "ok" else {}
     epoch = secs.get("epoch", {}) if secs.get("epoch", {}).get("status") == "ok" else {}
     over = ([(r["setup"], r["loss"], r["overhead"]) for r in training["rows"] if r["loss"] != "ce"] if training else
