@@ -372,10 +372,12 @@ def fused_head_times(device="cuda",
                      check: tuple[int, int, int] = (32, 64, 3000),   # (B, d, n) of the float32 check against float64
                      tol: float = TOLERANCE,
                      log: Callable[[str], object] = lambda message: None,   # progress: what the section is doing
+                     partial: dict | None = None,  # filled as the section goes (checks, then rows): what a stopped run keeps
                      ) -> dict:
     "The fused classifier heads (chapter 05b): each loss's value and gradients in float32 against the unfused loss in float64 on the CPU; then forward+backward of the fused loss, of the same loss on F.linear's scores and of F.linear + F.cross_entropy, on bf16 features and weight (float32 on a CPU), the three taking turns: ms per step, the ratio to F.linear + F.cross_entropy, and the peak memory beyond the inputs."
     device = torch.device(device)
     make, checks, rows = _fused_modules(k), {}, []
+    if partial is not None: partial.update(checks=checks, rows=rows)      # the same objects, filled below
     x, W, b, y = _fused_leaves(*check, torch.float32, device, seed=1)
     for name, module in make.items():
         log(f"{name}: float32 against float64, (B, d, n) = {check}")
@@ -638,7 +640,8 @@ def run_section(fn: Callable[[], dict]) -> dict:
 def section_calls(device, preset: dict) -> dict[str, Callable[[], dict]]:
     "The sections of the check, in the order they run: the ones that compile or capture come last."
     B, d, n, k = preset["step"]
-    return {"environment": lambda: {"status": "ok", **environment(device)},
+    fused = {}                                                               # the fused section's results so far
+    calls = {"environment": lambda: {"status": "ok", **environment(device)},
             "correctness": lambda: check_correctness(device, preset["cases"]),
             "syncs": lambda: check_syncs(device, *preset["cases"][0]),
             "speed": lambda: speed_table(device, preset["ns"], preset["ks"], preset["batch"], preset["repeats"]),
@@ -652,7 +655,9 @@ def section_calls(device, preset: dict) -> dict[str, Callable[[], dict]]:
             "training": lambda: training_overheads(device, **preset["training"]),
             "compile": lambda: check_compile(device, B, d, n, k),
             "cuda_graphs": lambda: check_cuda_graphs(device, B, d, n, k),
-            "fused_head": lambda: fused_head_times(device, k=5, **preset["fused"], log=_progress("fused_head"))}
+            "fused_head": lambda: fused_head_times(device, k=5, **preset["fused"], log=_progress("fused_head"), partial=fused)}
+    calls["fused_head"].partial = fused                                      # kept by gpu_check if the section is stopped
+    return calls
 
 
 def _progress(section: str) -> Callable[[str], None]:
@@ -777,7 +782,8 @@ def render_markdown(report: dict) -> str:
         if name in _RENDER:
             params = ", ".join(f"{p}={s[p]}" for p in ("batch", "n", "k", "model", "rounds", "backend", "tolerance") if p in s)
             lines += [f"## {_TITLES[name]}" + (f" ({params})" if params else ""), ""]
-            lines += _RENDER[name](s) if s["status"] in ("ok", "failed") else [f"{s['status']}: {s.get('error') or s.get('reason')}", ""]
+            kept = s["status"] in ("ok", "failed") or (s["status"] == "stopped" and bool(s.get("rows")))   # a stopped section's rows
+            lines += _RENDER[name](s) if kept else [f"{s['status']}: {s.get('error') or s.get('reason')}", ""]
     return "\n".join(lines).rstrip("\n") + "\n"
 
 # %% ../nbs/15_gpucheck.ipynb #b2c3d4e5
@@ -904,8 +910,8 @@ def gpu_check(device="cuda",          # cuda, cuda:N; cpu is a dry run of every 
             try:
                 result = run_section(fn)
             except Stopped as e:                       # the section cut short: recorded as such, the rest not run
-                result = {"status": "stopped", "error": f"{e} after {time.perf_counter() - t0:.1f} s",
-                          "seconds": round(time.perf_counter() - t0, 2)}
+                result = {**plain(getattr(fn, "partial", {})), "status": "stopped",     # with what it had measured
+                          "error": f"{e} after {time.perf_counter() - t0:.1f} s", "seconds": round(time.perf_counter() - t0, 2)}
             report["sections"][section] = result
             if result["status"] in ("failed", "error", "stopped"): report["failed"].append(section)
             log(f"gpu-check: {section} {result['status']} ({result['seconds']} s)" + (f": {result['error']}" if "error" in result else ""))
