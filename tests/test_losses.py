@@ -134,3 +134,34 @@ def test_mixture_averages_as_its_losses_do(name, conventions):
         by_hand = (0.25 * get_loss(name, k=1, reduction=reduction, **kw, **shared)(s, y)
                    + 0.75 * get_loss(name, k=3, reduction=reduction, **kw, **shared)(s, y))
         torch.testing.assert_close(mix(s, y), by_hand)
+
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_module_shows_every_setting_it_was_given(name):
+    "print(module) shows each argument of its own with the value it holds, and the conventions only where they differ from nn.CrossEntropyLoss's defaults: one function for every loss and fused head, so no module leaves a setting out."
+    import inspect, re
+    from topk_nb.core import CONVENTIONS
+    from topk_nb.fused import FusedLinearNoisedBal, FusedLinearNoisedImbal, FusedLinearSmoothSVM
+    kw = {"class_counts": torch.arange(1, 9)} if LOSSES[name].needs_class_counts else {}
+    fused = {"smooth_svm": FusedLinearSmoothSVM, "noised_bal": FusedLinearNoisedBal, "noised_imbal": FusedLinearNoisedImbal}
+    given = dict(reduction="sum", ignore_index=3, weight=torch.ones(8))
+    for make in [LOSSES[name].module] + ([fused[name]] if name in fused else []):
+        plain, configured = repr(make(**kw)), repr(make(**kw, **given))
+        own = [p.name for p in inspect.signature(make.__init__).parameters.values()
+               if p.name not in ("self", *CONVENTIONS) and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        shows = lambda arg, text: re.search(rf"\b{arg}=", text) is not None
+        assert all(shows(arg, plain) for arg in own), (own, plain)                           # every own argument
+        assert not any(shows(arg, plain) for arg in CONVENTIONS), plain                      # defaults: not shown
+        assert "reduction='sum'" in configured and "ignore_index=3" in configured and "weight=<tensor (8,)>" in configured, configured
+
+
+def test_the_authors_signatures_show_their_own_names():
+    "The classes that take an authors' package's arguments show them under the authors' names."
+    from topk_nb.noised import BalNoisedTopK, ImbalNoisedTopK
+    from topk_nb.svm import SmoothTopkSVM
+    assert repr(SmoothTopkSVM(10)) == "SmoothTopkSVM(n_classes=10, alpha=1.0, tau=1.0, k=5, hard_switch=True)"
+    assert repr(BalNoisedTopK(5, 0.1)) == "BalNoisedTopK(k=5, epsilon=0.1, n_sample=5, generator=None)"
+    shown = repr(ImbalNoisedTopK(5, 0.1, 0.5, [3, 4, 5, 6, 7, 8, 9]))
+    assert shown.startswith("ImbalNoisedTopK(k=5, epsilon=0.1, max_m=0.5, cls_num_list=<tensor (7,)>, scale=50"), shown
+

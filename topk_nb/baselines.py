@@ -407,8 +407,6 @@ class CE(LossModule):
         return check_loss_finite(loss, scores, type(self).__name__, self.check_finite, out_dtype,
                                  count if self.reduction == "mean" else None)
 
-    def extra_repr(self):
-        return f"label_smoothing={self.label_smoothing}, reduction={self.reduction!r}"
 
 # %% ../nbs/06_baselines.ipynb #a38bfecb
 class Focal(_NativeSoft):
@@ -428,9 +426,6 @@ class Focal(_NativeSoft):
         "The row kernels' plan (chapter 06a), or None where they do not take these scores."
         from topk_nb.row_kernels import row_plan
         return row_plan(self, scores, "focal", gamma=self.gamma)
-
-    def extra_repr(self):
-        return f"gamma={self.gamma}, reduction={self.reduction!r}"
 
 
 CrossEntropy = CE    # the earlier name, kept
@@ -482,8 +477,6 @@ class LDAM(_NativeSoft):
             kept = self.__dict__["_device_margins"] = (key, margins_from_counts(counts, self.max_m).to(like.device))
         return kept[1]
 
-    def extra_repr(self):
-        return f"n_classes={self.class_counts.numel()}, max_m={self.max_m}, scale={self.scale}"
 
 # %% ../nbs/06_baselines.ipynb #a4465c14
 class CvxHinge(_NativeSoft):
@@ -505,9 +498,6 @@ class CvxHinge(_NativeSoft):
         from topk_nb.row_kernels import row_plan
         return row_plan(self, scores, "cvx_hinge", check_k(self.k, scores.shape[1]), alpha=self.alpha)
 
-    def extra_repr(self):
-        return f"k={self.k}, alpha={self.alpha}, reduction={self.reduction!r}"
-
 
 # %% ../nbs/06_baselines.ipynb #75e32e92
 class TopkGrouping(_NativeSoft):
@@ -527,9 +517,6 @@ class TopkGrouping(_NativeSoft):
         "The row kernels' plan (chapter 06a), or None where they do not take these scores."
         from topk_nb.row_kernels import row_plan
         return row_plan(self, scores, "topk_grouping", check_k(self.k, scores.shape[1]))
-
-    def extra_repr(self):
-        return f"k={self.k}, reduction={self.reduction!r}"
 
 
 # %% ../nbs/06_baselines.ipynb #18823448
@@ -551,9 +538,6 @@ class TopkTransition(_NativeSoft):
         "The row kernels' plan (chapter 06a), or None where they do not take these scores."
         from topk_nb.row_kernels import row_plan
         return row_plan(self, scores, "topk_transition", check_k(self.k, scores.shape[1]), detach_weight=self.detach_weight)
-
-    def extra_repr(self):
-        return f"k={self.k}, detach_weight={self.detach_weight}, reduction={self.reduction!r}"
 
 
 CvxTopkHinge = CvxHinge    # the earlier name, kept

@@ -27,8 +27,8 @@ __all__ = ['FLOAT_DTYPES', 'REDUCTIONS', 'CONVENTIONS', 'ARGUMENTS', 'PEER_SPELL
            'check_reduction', 'reduce_loss', 'scores_without_target', 'target_rank', 'topk_correct', 'topk_accuracy',
            'macro_topk_accuracy', 'brute_esp', 'brute_log_esp', 'log_binom', 'workspace', 'time_fn', 'median_time',
            'fwd_bwd', 'twice_differentiable', 'selected_hinge', 'flatten_classes', 'device_copy', 'check_weight',
-           'LossModule', 'loss_dtype', 'check_loss_finite', 'all_kept', 'check_labels', 'conventions_loss', 'plan_key',
-           'planned', 'fused_plan']
+           'settings_repr', 'LossModule', 'loss_dtype', 'check_loss_finite', 'all_kept', 'check_labels',
+           'conventions_loss', 'plan_key', 'planned', 'fused_plan']
 
 # %% ../nbs/00_core.ipynb #576df6fa
 _SYNC_FREE = threading.local()
@@ -499,6 +499,25 @@ def check_weight(weight: torch.Tensor | None, # the class weights, or None
         raise ValueError(f"weight must have one entry per class: the scores have {n} classes, weight has {weight.numel()}")
     return weight
 
+# %% ../nbs/00_core.ipynb #82d4872a
+def _shown(value) -> str:
+    "A setting as a repr shows it: a tensor by its shape, a generator by its device, anything else by its repr."
+    if isinstance(value, torch.Tensor): return f"<tensor {tuple(value.shape)}>"
+    if isinstance(value, torch.Generator): return f"<generator {value.device}>"
+    return repr(value)
+
+
+def settings_repr(module: nn.Module, # a loss module: its settings are attributes named as its keywords
+                  ) -> str:
+    "What `extra_repr` shows: every argument the module's class takes with the value the module holds, the conventions (CONVENTIONS) only where they differ from their defaults."
+    parts = []
+    for p in inspect.signature(type(module).__init__).parameters.values():
+        if p.name == "self" or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD): continue
+        value = getattr(module, p.name)
+        if p.name in CONVENTIONS and not isinstance(value, torch.Tensor) and value == p.default: continue
+        parts.append(f"{p.name}={_shown(value)}")
+    return ", ".join(parts)
+
 # %% ../nbs/00_core.ipynb #6e7eee35
 CONVENTIONS = {      # the keywords every loss module takes, as nn.CrossEntropyLoss takes them, and what they mean
     "weight": "a weight per class, a 1-D tensor (n,), as in nn.CrossEntropyLoss (None: every class weighs 1)",
@@ -611,6 +630,10 @@ class LossModule(nn.Module):
         self.register_buffer("weight", _class_weights(weight))
         self.ignore_index, self.reduction, self.max_support = ignore_index, reduction, max_support     # checked as set
         self.label_smoothing, self.check_finite = label_smoothing, check_finite
+
+    def extra_repr(self) -> str:
+        "Its settings (`settings_repr`): what `print(module)` shows."
+        return settings_repr(self)
 
     def __setattr__(self, name, value):
         "Check a hyper-parameter as it is set (`ATTRIBUTE_CHECKS`): `m.reduction = 'avg'` stops here, naming the allowed values. Any setting drops the kept plans (`plan`)."

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.special import log_ndtr, ndtri
 
 from .core import (ATTRIBUTE_CHECKS, FLOAT_DTYPES, _class_weights, check_finite, check_int, check_k, check_real,
-                          check_reduction, check_target, log_binom, loss_dtype, sync_free)
+                          check_reduction, check_target, log_binom, loss_dtype, settings_repr, sync_free)
 from .esp import log_zero
 from .fused_kernels import head_svm_partials, head_svm_tail_grad, head_triton_ok
 from .noised import margins_from_counts
@@ -770,6 +770,10 @@ class _FusedHeadLoss(nn.Module):
         check = ATTRIBUTE_CHECKS.get(name) or _OWN_CHECKS.get(name)
         super().__setattr__(name, value if check is None else check(value))
 
+    def extra_repr(self) -> str:
+        "Its settings, as chapter 00's loss modules show theirs (`settings_repr`)."
+        return settings_repr(self)
+
     def _conventions(self, weight, ignore_index, reduction, chunk, check_finite):
         self.register_buffer("weight", _class_weights(weight))         # float32 (n,), as LossModule keeps it
         self.ignore_index, self.reduction, self.chunk, self.check_finite = ignore_index, reduction, chunk, check_finite
@@ -801,9 +805,6 @@ class FusedLinearSmoothSVM(_FusedHeadLoss):
         "The loss of the scores F.linear(features, head_weight, head_bias) (B, n) for class indices `target` (B,)."
         return fused_linear_smooth_svm(features, head_weight, target, head_bias, self.k, self.tau, self.alpha, **self._kw())
 
-    def extra_repr(self) -> str:
-        return f"k={self.k}, tau={self.tau}, alpha={self.alpha}, reduction={self.reduction!r}, chunk={self.chunk}"
-
 # %% ../nbs/05b_fused_head.ipynb #df1461aa
 class FusedLinearNoisedBal(_FusedHeadLoss):
     "The noised balanced top-K hinge (Garcin 2022, eq. 10) of a linear classifier: `NoisedBal(...)(F.linear(features, head_weight, head_bias), target)` on the same draws, without the (B, n) scores."
@@ -829,9 +830,6 @@ class FusedLinearNoisedBal(_FusedHeadLoss):
         "The loss of the scores F.linear(features, head_weight, head_bias) (B, n) for class indices `target` (B,)."
         return fused_linear_noised_bal(features, head_weight, target, head_bias, self.k, self.epsilon, self.n_samples,
                                        self.alpha, generator=self.generator, **self._kw())
-
-    def extra_repr(self) -> str:
-        return f"k={self.k}, epsilon={self.epsilon}, n_samples={self.n_samples}, alpha={self.alpha}, chunk={self.chunk}"
 
 
 class FusedLinearNoisedImbal(_FusedHeadLoss):
@@ -863,10 +861,6 @@ class FusedLinearNoisedImbal(_FusedHeadLoss):
         "The loss of the scores F.linear(features, head_weight, head_bias) (B, n) for class indices `target` (B,)."
         return fused_linear_noised_imbal(features, head_weight, target, self.class_counts, head_bias, self.k, self.epsilon,
                                          self.n_samples, self.max_m, self.scale, generator=self.generator, **self._kw())
-
-    def extra_repr(self) -> str:
-        return (f"n_classes={self.class_counts.numel()}, k={self.k}, epsilon={self.epsilon}, n_samples={self.n_samples}, "
-                f"max_m={self.max_m}, scale={self.scale}, chunk={self.chunk}")
 
 # %% ../nbs/05b_fused_head.ipynb #df561d80
 def head_memory_bound(batch: int,          # B, the rows

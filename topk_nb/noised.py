@@ -125,9 +125,6 @@ class CalHinge(LossModule):
         from topk_nb.row_kernels import row_plan
         return row_plan(self, scores, "cal_hinge", check_k(self.k, scores.shape[1]), alpha=self.alpha)
 
-    def extra_repr(self):
-        return f"k={self.k}, alpha={self.alpha}, reduction={self.reduction!r}"
-
 
 # %% ../nbs/05_noised.ipynb #b6662fc8
 class _NoisedModule(LossModule):
@@ -177,9 +174,6 @@ class NoisedBal(_NoisedModule):
         if not self.kernels_take(scores): return None
         run = noised_hinge_plan(self.k + 1, self.epsilon, self.n_samples, self.alpha, 1.0, self.ignore_index, self.reduction)
         return lambda s, target, weight: run(s, target, weight, None, self.generator)
-
-    def extra_repr(self):
-        return f"k={self.k}, epsilon={self.epsilon}, n_samples={self.n_samples}, alpha={self.alpha}"
 
 # %% ../nbs/05_noised.ipynb #f4bb2543
 class NoisedImbal(_NoisedModule):
@@ -238,10 +232,6 @@ class NoisedImbal(_NoisedModule):
         run = noised_hinge_plan(self.k + 1, self.epsilon, self.n_samples, 0.0, self.scale, self.ignore_index, self.reduction)
         return lambda s, target, weight: run(s, target, weight, device_copy(self, "margins", self.margins, s), self.generator)
 
-    def extra_repr(self):
-        return (f"n_classes={self.class_counts.numel()}, k={self.k}, epsilon={self.epsilon}, "
-                f"n_samples={self.n_samples}, max_m={self.max_m}, scale={self.scale}")
-
 
 NoisedBalTopK = NoisedBal    # the earlier name, kept
 
@@ -293,6 +283,7 @@ class ImbalNoisedTopK(NoisedImbal):
                          generator=generator, **conventions)
 
     n_sample = property(lambda self: self.n_samples, lambda self, value: setattr(self, "n_samples", value))
+    cls_num_list = property(lambda self: self.class_counts, doc="pytopk's name of the class counts (n,)")
 
     def _load_from_state_dict(self, state_dict, prefix, *args):
         "pytopk's state (its margins `m_list`, no counts) loads too: counts in the ratio the margins imply, max_m their largest."
@@ -327,4 +318,4 @@ class NoisedTopK(nn.Module):
         return smooth_topk(x.movedim(self.dim, -1), self.k, self.epsilon, noise=noise.movedim(self.dim % x.ndim + 1, -1))
 
     def extra_repr(self):
-        return f"k={self.k}, epsilon={self.epsilon}, n_sample={self.n_samples}, dim={self.dim}"
+        return f"k={self.k}, epsilon={self.epsilon}, n_samples={self.n_samples}, dim={self.dim}"

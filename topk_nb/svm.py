@@ -279,9 +279,6 @@ class SmoothSVM(LossModule):
             return None
         return smooth_svm_plan(scores, self.k, self.tau, self.alpha, self.ignore_index, self.reduction)
 
-    def extra_repr(self) -> str:
-        return f"k={self.k}, tau={self.tau}, alpha={self.alpha}, reduction={self.reduction!r}"
-
 
 class SmoothTopkSVM(SmoothSVM):
     "smooth-topk's SmoothTopkSVM(n_classes, alpha=None, tau=1.0, k=5): the smooth top-k SVM (Berrada 2018, eq. 10) with the authors' arguments, in their order; keyword-only calls as SmoothSVM's work too."
@@ -314,9 +311,6 @@ class SmoothTopkSVM(SmoothSVM):
             raise ValueError(f"scores have {n} classes, but this loss was built with n_classes={self.n_classes}")
         return super().forward(scores, target)
 
-    def extra_repr(self) -> str:
-        return f"n_classes={self.n_classes}, {super().extra_repr()}"
-
 # %% ../nbs/03_smooth_svm.ipynb #ae044957
 class TopkHinge(LossModule):
     "Top-k hinge loss (non-smooth, Berrada 2018 eq. 8) as a module."
@@ -336,7 +330,4 @@ class TopkHinge(LossModule):
         "The row kernels' plan (chapter 06a), or None where they do not take these scores."
         from topk_nb.row_kernels import row_plan
         return row_plan(self, scores, "topk_hinge", check_k(self.k, scores.shape[1]), alpha=self.alpha)
-
-    def extra_repr(self) -> str:
-        return f"k={self.k}, alpha={self.alpha}, reduction={self.reduction!r}"
 
