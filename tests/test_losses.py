@@ -158,10 +158,10 @@ def test_a_module_shows_every_setting_it_was_given(name):
 
 def test_the_authors_signatures_show_their_own_names():
     "The classes that take an authors' package's arguments show them under the authors' names."
-    from topk_nb.noised import BalNoisedTopK, ImbalNoisedTopK
+    from topk_nb.noised import BalNoisedTopK, ImbalNoisedTopK, NoisedTopK
     from topk_nb.svm import SmoothTopkSVM
     assert repr(SmoothTopkSVM(10)) == "SmoothTopkSVM(n_classes=10, alpha=1.0, tau=1.0, k=5, hard_switch=True)"
     assert repr(BalNoisedTopK(5, 0.1)) == "BalNoisedTopK(k=5, epsilon=0.1, n_sample=5, generator=None)"
     shown = repr(ImbalNoisedTopK(5, 0.1, 0.5, [3, 4, 5, 6, 7, 8, 9]))
     assert shown.startswith("ImbalNoisedTopK(k=5, epsilon=0.1, max_m=0.5, cls_num_list=<tensor (7,)>, scale=50"), shown
-
+    assert repr(NoisedTopK(3)) == "NoisedTopK(k=3, epsilon=1.0, n_sample=5, dim=-1, generator=None)"

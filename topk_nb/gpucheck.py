@@ -13,7 +13,9 @@ import json
 import logging
 import os
 import re
+import signal
 import sys
+import threading
 import time
 import traceback
 import warnings
@@ -886,7 +888,7 @@ def gpu_check(device="cuda",          # cuda, cuda:N; cpu is a dry run of every 
               log: Callable[[str], object] = print,  # progress lines
               sections: Sequence[str] | None = None, # the sections to run, in this order, after environment; all by default
               ) -> tuple[dict, Path, Path]:
-    "Run the sections on `device`, writing the JSON record and the markdown tables after each section; SIGTERM (a time limit) records the running section as stopped, with its seconds, and ends the check. A record of some sections is named after them, so it never overwrites a whole one."
+    "Run the sections on `device`, writing the JSON record and the markdown tables after each section; SIGTERM (a time limit) records the running section as stopped, with its seconds and what it had measured, and ends the check. A record of some sections is named after them, so it never overwrites a whole one."
     device = torch.device(device)
     chosen = check_sections(sections)
     if device.type not in ("cuda", "cpu"):
@@ -900,7 +902,6 @@ def gpu_check(device="cuda",          # cuda, cuda:N; cpu is a dry run of every 
     stem.parent.mkdir(parents=True, exist_ok=True)
     report = {"device": name, "preset": preset, "date": today, "tolerance": TOLERANCE, "failed": [], "sections": {}}
     calls = section_calls(device, PRESETS[preset])
-    import signal, threading
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _stop) if main_thread else None
     try:

@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .core import (LossModule, check_int, check_k, conventions_loss, planned, device_copy, check_loss_input, check_real, check_reduction, loss_dtype, reduce_loss,
-                          selected_hinge, sync_free)
+                          selected_hinge, settings_repr, sync_free)
 from .perturbed import draw_noise, sampled_topk_value, smooth_topk, topk_value
 
 # %% auto #0
@@ -318,4 +318,5 @@ class NoisedTopK(nn.Module):
         return smooth_topk(x.movedim(self.dim, -1), self.k, self.epsilon, noise=noise.movedim(self.dim % x.ndim + 1, -1))
 
     def extra_repr(self):
-        return f"k={self.k}, epsilon={self.epsilon}, n_samples={self.n_samples}, dim={self.dim}"
+        "Its settings under pytopk's names, as the loss modules show theirs (`settings_repr`)."
+        return settings_repr(self)
