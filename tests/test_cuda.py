@@ -125,3 +125,31 @@ def test_reduce_overhead_compiles_and_replays(name):
     compiled = torch.compile(crit, mode="reduce-overhead", fullgraph=True)
     for _ in range(3): out = compiled(s, y)                             # recorded, then replayed
     torch.testing.assert_close(out.clone(), crit(s, y), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["smooth_svm", "noised_bal", "topk_hinge", "focal"])
+@pytest.mark.parametrize("misaligned", [False, True])
+def test_bound_launches_give_the_float64_values(name, misaligned):
+    "Launches bound to their compiled kernels (`kernels._bound_launch`: the second call of a signature on) give the loss and gradient of float64 on the CPU, on scores at an address 16 bytes divide and at one they do not (another specialisation, bound apart); the bindings were made and used."
+    from topk_nb.losses import LOSSES, get_loss
+    torch.manual_seed(0)
+    B, n = 64, 1000
+    s64 = torch.randn(B, n, dtype=torch.float64)
+    y = torch.randint(0, n, (B,))
+    extra = {"epsilon": 0.0} if name.startswith("noised") else {}         # no draws to match across devices
+    ref_in = s64.clone().requires_grad_()
+    ref = get_loss(name, **extra)(ref_in, y)
+    ref.backward()
+    crit = get_loss(name, **extra)
+    for call in range(3):                                                   # the first through Triton, then bound
+        store = torch.empty(B * n + 1, device="cuda")
+        x = (store[1:] if misaligned else store[:-1]).view(B, n)             # 4 bytes past an aligned address, or on it
+        x.copy_(s64.float()).requires_grad_()
+        before = len(kernels._BIND.table)
+        loss = crit(x, y.cuda())
+        loss.backward()
+        assert abs(loss.item() - ref.item()) <= 1e-5 * abs(ref.item()), (call, loss.item(), ref.item())
+        err = (x.grad.double().cpu() - ref_in.grad).abs().max() / ref_in.grad.abs().max()
+        assert err <= 1e-4, (call, err.item())
+        if call > 0: assert len(kernels._BIND.table) == before              # nothing new to bind: every launch bound
+    assert any(k[0] is not None and v is not None for k, v in kernels._BIND.table.items()), "no launch was bound"

@@ -5,6 +5,7 @@
 # %% ../nbs/02a_kernels.ipynb #78937b33
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
@@ -31,8 +32,8 @@ except ImportError:                            # pragma: no cover - CPU-only tor
 _OPS = "topk_nb" if __name__.startswith("topk_nb") else "topk_nb_chapter"
 
 # %% auto #0
-__all__ = ['MAX_ROW', 'MAX_KTH', 'ROWS', 'REDUCTION_CODES', 'kth_max_row', 'force_triton', 'triton_ok', 'count_launches',
-           'lean_op', 'loss_op', 'call_op', 'cdiv', 'next_pow2', 'f64_bits']
+__all__ = ['MAX_ROW', 'MAX_KTH', 'MAX_BOUND', 'ROWS', 'REDUCTION_CODES', 'kth_max_row', 'force_triton', 'triton_ok',
+           'count_launches', 'bound_launches', 'lean_op', 'loss_op', 'call_op', 'cdiv', 'next_pow2', 'f64_bits']
 
 # %% ../nbs/02a_kernels.ipynb #c63387a8
 _FORCE = threading.local()
@@ -85,13 +86,17 @@ def _compile_options(kernel, # a Triton kernel
 def _launch(kernel,          # a Triton kernel
             grid: tuple,     # its launch grid
             *args, **kwargs):
-    "Launch `kernel[grid](*args, **kwargs)` as one unit: counted for `count_launches` (and skipped where it stubs them), and outside any dispatch mode (Triton's interpreter works through aten operators of its own, which a GPU launch does not make). The compile options of `_compile_options` are added."
+    "Launch `kernel[grid](*args, **kwargs)` as one unit: counted for `count_launches` (and skipped where it stubs them), and outside any dispatch mode (Triton's interpreter works through aten operators of its own, which a GPU launch does not make). The compile options of `_compile_options` are added. On CUDA a launch whose signature (`_bind_key`) was launched before goes to its compiled kernel directly (`_bound_launch`)."
     if _LAUNCHES.on:                           # counting: the lock only then
         _LAUNCHES.add()
         if _LAUNCHES.stub: return
     if _LAUNCHES.record is not None:           # recorded instead of run (the GPU check's `recorded_launches`)
         return _LAUNCHES.record(kernel, grid, *args, **kwargs)
     if torch.utils._python_dispatch._get_current_dispatch_mode() is None:   # the common case: no mode to leave
+        first = args[0] if args else None
+        if type(first) is torch.Tensor and first.is_cuda and _BIND.on and _hooks_idle():
+            _bound_launch(kernel, grid, args, kwargs, first.get_device())
+            return
         kernel[grid](*args, **kwargs, **_compile_options(kernel))
         return
     with torch.utils._python_dispatch._disable_current_modes():
@@ -114,6 +119,82 @@ def count_launches(fn: Callable[[], object], # called once, with no arguments
         return _LAUNCHES.count
     finally:
         with _LAUNCHES.lock: _LAUNCHES.on = _LAUNCHES.stub = False
+
+# %% ../nbs/02a_kernels.ipynb #6e59b59f
+class _BindSwitch:
+    "Whether `_launch` binds CUDA launches (`bound_launches(False)` turns it off, as a check of what binding changes)."
+    def __init__(self): self.on, self.table = True, {}
+
+
+_BIND = _BindSwitch()
+MAX_BOUND = 4096                      # signatures kept; beyond, all are forgotten and bound again
+_UNSEEN = object()
+
+
+def bound_launches(enabled: bool = True # bind CUDA launches to their compiled kernels after the first
+                   ):
+    "Context manager: CUDA launches bound once (the default) or each through Triton's own launch path."
+    @contextlib.contextmanager
+    def switch():
+        was, _BIND.on = _BIND.on, bool(enabled)
+        try:
+            yield
+        finally:
+            _BIND.on = was
+    return switch()
+
+
+def _spec(a) -> object:
+    "What Triton specialises a compiled kernel on for one argument, or finer: a tensor's dtype and whether its address is a multiple of 16 bytes; an integer's width (32 or 64 bits), whether it is 1 and whether a multiple of 16; a float's type (floats pass unspecialised); anything else its type and itself."
+    t = type(a)
+    if t is torch.Tensor: return a.dtype, a.data_ptr() % 16 == 0
+    if t is int: return int, -0x80000000 <= a <= 0x7FFFFFFF, a == 1, a % 16 == 0
+    if t is float: return float
+    return t, a
+
+
+def _bind_key(kernel, grid: tuple, args: tuple, kwargs: dict, device: int) -> tuple:
+    "The signature of a launch that decides its compiled kernel: the kernel, the grid, the device, each positional argument's `_spec` and the keyword arguments as given."
+    return (kernel, grid, device, *map(_spec, args), *kwargs.items())
+
+
+def _bind(kernel, compiled, grid: tuple, args: tuple, kwargs: dict) -> tuple | None:
+    "How to launch `compiled` (what `kernel[grid](*args, **kwargs)` returned) again: (its launcher, CUDA function, metadata, the grid in three dimensions, the arguments after the positional ones in the kernel's order); None where the compiled kernel lacks any of them or a parameter has no value."
+    try:
+        compiled = compiled.result() if hasattr(compiled, "result") else compiled   # a compilation still under way
+        compiled._init_handles()                                                   # loads the CUDA function once
+        params = list(inspect.signature(kernel.fn).parameters.values())[len(args):]
+        tail = tuple(kwargs.get(p.name, p.default) for p in params)
+        if any(v is inspect.Parameter.empty for v in tail): return None
+        return compiled.run, compiled.function, compiled.packed_metadata, tuple(grid) + (1,) * (3 - len(grid)), tail
+    except Exception:
+        return None
+
+
+def _hooks_idle() -> bool:
+    "Whether Triton's launch hooks do nothing (None, or chains of no hook): a bound launch calls none."
+    rt = triton.knobs.runtime
+    return all(h is None or getattr(h, "calls", True) == [] for h in (rt.launch_enter_hook, rt.launch_exit_hook))
+
+
+def _bound_launch(kernel, grid: tuple, args: tuple, kwargs: dict, device: int) -> None:
+    "Launch on CUDA `device`: through the kept binding of the launch's signature, else through Triton, keeping the binding of the compiled kernel it returns."
+    table = _BIND.table
+    try:
+        key = _bind_key(kernel, grid, args, kwargs, device)
+        bound = table.get(key, _UNSEEN)
+    except TypeError:                                         # an argument that cannot be hashed: Triton's path
+        key, bound = None, None
+    if bound is _UNSEEN or bound is None:
+        compiled = kernel[grid](*args, **kwargs, **_compile_options(kernel))
+        if bound is _UNSEEN:
+            if len(table) >= MAX_BOUND: table.clear()
+            rt = triton.knobs.runtime
+            bound = _bind(kernel, compiled, grid, args, kwargs)
+            table[key] = None if bound is None else (*bound, rt.launch_enter_hook, rt.launch_exit_hook)
+        return
+    run, function, metadata, g, tail, enter, leave = bound
+    run(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(device), function, metadata, None, enter, leave, *args, *tail)
 
 # %% ../nbs/02a_kernels.ipynb #c09d6a67
 _LEAN: dict = {}                                   # custom operator -> what eager code calls instead
