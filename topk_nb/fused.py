@@ -342,7 +342,7 @@ class _FusedSVM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, features, weight, bias, target, k, tau, alpha, chunk):
         head = LinearHead(features, weight, bias, chunk)
-        ctx.kernels = head_triton_ok(features, k)                        # CUDA: chapter 05c's kernels, kept for the backward
+        ctx.kernels = head_triton_ok(features, k)                        # chapter 05c's kernels, kept for the backward
         poly, s_y, xmax = (_svm_forward_kernels if ctx.kernels else _svm_forward)(head, target, k, tau)
         z = alpha / tau + poly[:, k] - poly[:, k - 1] - s_y / (k * tau)   # (B,): b - a of eq. (10)
         ctx.save_for_backward(features, weight, bias, target, poly, xmax, z)

@@ -6,9 +6,11 @@
 from __future__ import annotations
 
 import os
+import threading
 
 import torch
 
+from .core import thread_flag
 from .kernels import HAS_TRITON, _FORCE, _launch, cdiv, f64_bits, next_pow2
 
 if HAS_TRITON:
@@ -18,8 +20,8 @@ if HAS_TRITON:
     from topk_nb.svm_kernels import _excl_combine, _lae
 
 # %% auto #0
-__all__ = ['HEAD_MAX_K', 'HEAD_DTYPES', 'HEAD_BLOCKS', 'head_triton_ok', 'head_svm_partials', 'head_svm_tail_grad',
-           'head_list_size']
+__all__ = ['HEAD_MAX_K', 'HEAD_DTYPES', 'HEAD_BLOCKS', 'head_triton_ok', 'head_kernels_on_cuda', 'head_svm_partials',
+           'head_svm_tail_grad', 'head_list_size']
 
 # %% ../nbs/05c_fused_kernels.ipynb #128b2f33
 HEAD_MAX_K = 32          # the largest k the kernels take: the polynomial's k + 1 degrees are lanes of a register block
@@ -29,11 +31,20 @@ HEAD_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def head_triton_ok(features: torch.Tensor, # (B, d) the classifier's inputs
                    k: int,                 # the loss's k
                    ) -> bool:
-    "Whether the fused head's kernels take this call: Triton present, CUDA tensors (or `force_triton()` with the interpreter), half or float32 inputs, 1 <= k <= HEAD_MAX_K, a batch."
+    "Whether the fused head's kernels take this call: Triton present, CUDA tensors under `head_kernels_on_cuda()` (or `force_triton()` with the interpreter), half or float32 inputs, 1 <= k <= HEAD_MAX_K, a batch."
     if not HAS_TRITON or features.dtype not in HEAD_DTYPES or not 1 <= k <= HEAD_MAX_K or not len(features):
         return False
     forced = getattr(_FORCE, "on", False) and os.environ.get("TRITON_INTERPRET") == "1"
-    return features.is_cuda or forced
+    return (features.is_cuda and getattr(_CUDA_HEAD, "on", False)) or forced
+
+
+_CUDA_HEAD = threading.local()
+
+
+def head_kernels_on_cuda(enabled: bool = True # CUDA calls of the fused smooth SVM take the kernels
+                         ):
+    "Context manager: the fused head's kernels take CUDA calls (off by default: compiled for a GPU they have not yet passed the float64 check; the chunked path takes them)."
+    return thread_flag(_CUDA_HEAD, enabled)
 
 # %% ../nbs/05c_fused_kernels.ipynb #1818e811
 if HAS_TRITON:
