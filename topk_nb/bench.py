@@ -1400,7 +1400,7 @@ GPU_RECORDS = _records_folder()
 
 def recorded_launch_ops(folder: Path | str = GPU_RECORDS, # the GPU records (`make gpu-check`'s JSON files)
                         ) -> tuple[float, str]:
-    "(a Triton launch's host time in small PyTorch operators', where it comes from): the newest record whose host section measured it, else `LAUNCH_OPS`."
+    "(a Triton launch's host time in small PyTorch operators', where it comes from): the newest record (by date and time, then file name; a record without a time first on its date) whose host section measured it, else `LAUNCH_OPS`."
     import json
     found = []
     for path in Path(folder).glob("*.json") if Path(folder).is_dir() else ():
@@ -1410,10 +1410,10 @@ def recorded_launch_ops(folder: Path | str = GPU_RECORDS, # the GPU records (`ma
         except (ValueError, KeyError, TypeError):
             continue
         if isinstance(value, (int, float)) and value > 0:
-            found.append((str(record.get("date", "")), path.name, float(value)))
+            found.append((str(record.get("date", "")), str(record.get("time", "")), path.name, float(value)))
     if not found:
         return LAUNCH_OPS
-    date, name, value = max(found)
+    date, time_of_day, name, value = max(found)
     return value, f"measured on {record_device(name)} ({name})"
 
 

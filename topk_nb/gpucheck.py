@@ -809,7 +809,7 @@ def render_markdown(report: dict) -> str:
 def newest_record(folder=None,            # the GPU records (`make gpu-check`'s JSON files); the repository's by default
                   section: str = "speed", # a section the record must hold, with status ok
                   ) -> tuple[dict, str] | None:
-    "The newest GPU record (by its date, then its file name) whose `section` ran, and its file name; None if there is none."
+    "The newest GPU record (by its date and time, then its file name; a record without a time first on its date) whose `section` ran, and its file name; None if there is none."
     from topk_nb.bench import GPU_RECORDS
     found = []
     for path in sorted(Path(folder or GPU_RECORDS).glob("*.json")):
@@ -818,10 +818,10 @@ def newest_record(folder=None,            # the GPU records (`make gpu-check`'s 
             ok = record["sections"][section]["status"] == "ok" and record["device"] != "cpu"
         except (ValueError, KeyError, TypeError):
             continue
-        if ok: found.append((str(record.get("date", "")), path.name, record))
+        if ok: found.append((str(record.get("date", "")), str(record.get("time", "")), path.name, record))
     if not found:
         return None
-    date, name, record = max(found, key=lambda f: f[:2])
+    *_, name, record = max(found, key=lambda f: f[:3])
     return record, name
 
 
@@ -917,7 +917,8 @@ def gpu_check(device="cuda",          # cuda, cuda:N; cpu is a dry run of every 
     today = datetime.date.today().isoformat()
     stem = Path(out) / "-".join([device_slug(name), today, *((chosen[1:] or chosen) if sections is not None else ())])
     stem.parent.mkdir(parents=True, exist_ok=True)
-    report = {"device": name, "preset": preset, "date": today, "tolerance": TOLERANCE, "failed": [], "sections": {}}
+    report = {"device": name, "preset": preset, "date": today, "time": datetime.datetime.now().strftime("%H:%M:%S"),
+              "tolerance": TOLERANCE, "failed": [], "sections": {}}
     running = {}                                       # the section under way: its name, function and start
 
     def write(result: dict | None = None):             # the record, the running section as `result` where given
