@@ -221,8 +221,9 @@ def _svm_backward(head: LinearHead, target: torch.Tensor, k: int, tau: float,
     tail = torch.full((len(hr), k + 1), neg, dtype=f64, device=head.device)   # (H, k+1): their tail's polynomial
     tail[:, 0] = 0.0
     heads = []
-    dx = torch.zeros_like(x_in) if needs[0] else None                   # (B, d)
-    dW = torch.zeros_like(W) if needs[1] else None                      # (n, d)
+    acc = torch.float32 if x_in.dtype in (torch.float16, torch.bfloat16) else x_in.dtype   # dx's sums over the chunks
+    dx = torch.zeros(x_in.shape, dtype=acc, device=x_in.device) if needs[0] else None       # (B, d), as F.linear's backward:
+    dW = torch.zeros_like(W) if needs[1] else None                      # (n, d)           # one rounding to half, at the end
     db = torch.zeros_like(b) if b is not None and needs[2] else None    # (n,)
     for c0, c1 in head.bounds():
         s = head.scores(c0, c1)                                         # (B, C), made again
@@ -246,12 +247,12 @@ def _svm_backward(head: LinearHead, target: torch.Tensor, k: int, tau: float,
         G[rows, col] = -g[rows]                                         # the label: dL/ds_y = -rho / k
         G = G.to(x_in.dtype)
         if dW is not None: torch.mm(G.T, x_in, out=dW[c0:c1])
-        if dx is not None: dx.addmm_(G, W[c0:c1])
+        if dx is not None: dx.addmm_(G.to(acc), W[c0:c1].to(acc))        # half products are exact in float32
         if db is not None: torch.sum(G, 0, out=db[c0:c1])
     if heads:
         hb, hc, hx = (torch.cat(p) for p in zip(*heads))
         _head_gradient(head, hb, hc, hx, hr, tail, poly, g, k, neg, dx, dW, db)
-    return dx, dW, db
+    return (None if dx is None else dx.to(x_in.dtype)), dW, db
 
 
 def _head_gradient(head, hb, hc, hx,    # (E,) each head class's row, class and x
@@ -285,7 +286,7 @@ def _head_gradient(head, hb, hc, hx,    # (E,) each head class's row, class and 
     if k >= 2: pi = pi - (hx + ent[:, 0] - p[:, k - 1]).exp()           # minus pi_{k-1,i}
     G = (g[hb] * pi).to(head.x.dtype)                                   # (E,)
     if dW is not None: dW.index_add_(0, hc, G[:, None] * head.x[hb])
-    if dx is not None: dx.index_add_(0, hb, G[:, None] * head.W[hc])
+    if dx is not None: dx.index_add_(0, hb, G.to(dx.dtype)[:, None] * head.W[hc].to(dx.dtype))
     if db is not None: db.index_add_(0, hc, G)
 
 # %% ../nbs/05b_fused_head.ipynb #3f1f65a8
