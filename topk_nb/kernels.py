@@ -154,7 +154,9 @@ def _spec(a) -> object:
 
 
 def _bind_key(kernel, grid: tuple, args: tuple, kwargs: dict, device: int) -> tuple:
-    "The signature of a launch that decides its compiled kernel: the kernel, the grid, the device, each positional argument's `_spec` and the keyword arguments as given."
+    "The signature of a launch that decides its compiled kernel: the kernel, the grid, the device, each positional argument's `_spec` and the keyword arguments as given (constexprs and options); a tensor among those is a TypeError (no key: the key would hold the tensor and match no later launch)."
+    if any(type(v) is torch.Tensor for v in kwargs.values()):
+        raise TypeError("a tensor passed by keyword: no signature")
     return (kernel, grid, device, *map(_spec, args), *kwargs.items())
 
 
