@@ -70,10 +70,18 @@ class _PickedScores(torch.autograd.Function):
     def backward(ctx, grad):                                            # differentiable ops: create_graph=True works
         features, weight, rows, cls = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        g = grad[:, None]                                               # (P, 1)
-        dx = torch.zeros_like(features).index_add_(0, rows, g * weight[cls]) if need_x else None   # (B, d)
-        dW = torch.zeros_like(weight).index_add_(0, cls, g * features[rows]) if need_w else None   # (n, d): P rows touched
-        db = (torch.zeros(weight.shape[0], dtype=grad.dtype, device=grad.device).index_add_(0, cls, grad)
+        half = features.dtype in (torch.float16, torch.bfloat16)         # sums in float32, rounded once, as F.linear's
+        acc = torch.float32 if half else features.dtype                 # backward sums them
+        g = grad.to(acc)[:, None]                                       # (P, 1)
+        dx = (torch.zeros(features.shape, dtype=acc, device=grad.device).index_add_(0, rows, g * weight[cls].to(acc))
+              .to(features.dtype) if need_x else None)                  # (B, d)
+        if need_w and half:                                             # float32 sums over the classes touched only
+            touched, at = torch.unique(cls, return_inverse=True)         # (T,), (P,)
+            sums = torch.zeros(len(touched), weight.shape[1], dtype=acc, device=grad.device).index_add_(0, at, g * features[rows].to(acc))
+            dW = torch.zeros_like(weight).index_copy_(0, touched, sums.to(weight.dtype))   # (n, d): P rows touched
+        else:
+            dW = torch.zeros_like(weight).index_add_(0, cls, g * features[rows]) if need_w else None
+        db = (torch.zeros(weight.shape[0], dtype=acc, device=grad.device).index_add_(0, cls, g[:, 0]).to(grad.dtype)
               if ctx.has_bias and need_b else None)
         return dx, dW, db, None, None
 
