@@ -468,7 +468,7 @@ def test_the_kernels_compile_for_sm_90():
 
 
 def test_half_inputs_give_gradients_as_accurate_as_the_unfused_loss_whatever_the_chunk():
-    "bf16 features, weight and bias: the fused smooth SVM's gradients against float64 on the same rounded inputs are as close as F.linear + SmoothSVM's (dx summed over the chunks in float32, rounded once, as F.linear's backward sums it); a bf16 sum over 250 chunks was 7 times further."
+    "bf16 features, weight and bias: the fused smooth SVM's gradients against float64 on the same rounded inputs are as close as F.linear + SmoothSVM's (dx summed over the chunks in float32, rounded once, as F.linear's backward sums it)."
     g = torch.Generator().manual_seed(0)
     B, d, n = 16, 32, 4000
     leaves = (torch.randn(B, d, generator=g), torch.randn(n, d, generator=g) / 6, torch.randn(n, generator=g) / 10)
@@ -488,7 +488,7 @@ def test_half_inputs_give_gradients_as_accurate_as_the_unfused_loss_whatever_the
 
 
 def test_the_noised_head_sums_half_gradients_in_float32():
-    "bf16 inputs whose scores are exact and distinct (the same picks in bf16 and float64): the fused noised loss's gradients for x, W and b are as close to float64 as F.linear + NoisedBal's; db summed in bf16 over the picks was 35 times further."
+    "bf16 inputs whose scores are exact and distinct (the same picks in bf16 and float64): the fused noised loss's gradients for x, W and b are as close to float64 as F.linear + NoisedBal's (their sums in float32, rounded once)."
     g = torch.Generator().manual_seed(0)
     B, n = 32, 200
     x = torch.zeros(B, 2)

@@ -1413,7 +1413,7 @@ def recorded_launch_ops(folder: Path | str = GPU_RECORDS, # the GPU records (`ma
             found.append((str(record.get("date", "")), str(record.get("time", "")), path.name, float(value)))
     if not found:
         return LAUNCH_OPS
-    date, time_of_day, name, value = max(found)
+    *_, name, value = max(found)
     return value, f"measured on {record_device(name)} ({name})"
 
 

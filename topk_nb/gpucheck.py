@@ -37,10 +37,10 @@ from .results import markdown_table
 # %% auto #0
 __all__ = ['PRESETS', 'SECTIONS', 'TOLERANCE', 'TRAINING_STEPS', 'NO_CUDA', 'GPU_HOST_COMPILE', 'INDUCTOR_SECONDS', 'one_line',
            'loss_and_grad', 'compare_to_reference', 'loss_variants', 'check_correctness', 'check_syncs', 'speed_table',
-           'host_times', 'launch_cost', 'epoch_overhead', 'step_times', 'training_overheads', 'fused_head_times',
-           'kernel_times', 'check_compile', 'capture_step', 'check_cuda_graphs', 'device_slug', 'run_section',
-           'section_calls', 'render_markdown', 'newest_record', 'speed_summary', 'Stopped', 'check_sections',
-           'gpu_check', 'main', 'recorded_launches', 'triton_variants', 'compile_estimate']
+           'host_times', 'launch_cost', 'epoch_overhead', 'step_times', 'training_overheads', 'fused_head_errors',
+           'fused_head_times', 'kernel_times', 'check_compile', 'capture_step', 'check_cuda_graphs', 'device_slug',
+           'run_section', 'section_calls', 'render_markdown', 'newest_record', 'speed_summary', 'Stopped',
+           'check_sections', 'gpu_check', 'main', 'recorded_launches', 'triton_variants', 'compile_estimate']
 
 # %% ../nbs/15_gpucheck.ipynb #fbf51fd0
 PRESETS = {
@@ -355,6 +355,22 @@ def _fused_modules(k: int) -> dict[str, Callable[[], nn.Module]]:
     return {"smooth_svm": lambda **kw: FusedLinearSmoothSVM(k=k, **kw), "noised_bal": lambda **kw: FusedLinearNoisedBal(k=k, **kw)}
 
 
+def fused_head_errors(name: str,                          # smooth_svm or noised_bal
+                      shape: tuple[int, int, int] = (32, 64, 3000),   # (B, d, n)
+                      k: int = 5, device="cuda", seed: int = 1) -> dict:
+    "The fused head's loss and its gradients for x, W and b in float32 on `device`, against the unfused loss in float64 on the CPU on the same rounded inputs: the loss's relative error and each gradient's largest error over its largest entry. The noised loss without noise (epsilon = 0): no draws to match across devices."
+    extra = {"epsilon": 0.0} if name != "smooth_svm" else {}
+    x, W, b, y = _fused_leaves(*shape, torch.float32, torch.device(device), seed=seed)
+    loss = _fused_modules(k)[name](**extra)(x, W, y, b)
+    grads = torch.autograd.grad(loss, (x, W, b))
+    ref_in = [t.detach().double().cpu().requires_grad_() for t in (x, W, b)]
+    ref = get_loss(name, k=k, **extra)(F.linear(*ref_in), y.cpu())
+    ref_grads = torch.autograd.grad(ref, ref_in)
+    return {"loss_err": abs(loss.item() - ref.item()) / max(abs(ref.item()), 1e-12),
+            "grad_err": {leaf: ((a.double().cpu() - r).abs().max() / r.abs().max().clamp_min(1e-12)).item()
+                         for leaf, a, r in zip("xWb", grads, ref_grads)}}
+
+
 def _step_peak(fn: Callable[[], object], leaves: Sequence[torch.Tensor], device: torch.device) -> tuple[int, float]:
     "(bytes `fn()` holds at its peak beyond what was allocated before it, the seconds it took, the device waited for): one call, the leaves' gradients cleared first."
     for t in leaves: t.grad = None
@@ -384,19 +400,11 @@ def fused_head_times(device="cuda",
     device = torch.device(device)
     make, checks, rows = _fused_modules(k), {}, []
     if partial is not None: partial.update(checks=checks, rows=rows)      # the same objects, filled below
-    x, W, b, y = _fused_leaves(*check, torch.float32, device, seed=1)
-    for name, module in make.items():
+    for name in make:
         log(f"{name}: float32 against float64, (B, d, n) = {check}")
         try:
-            extra = {"epsilon": 0.0} if name != "smooth_svm" else {}       # the noised loss without noise: no draws to match
-            crit = module(**extra)
-            loss = crit(x, W, y, b)
-            grads = torch.autograd.grad(loss, (x, W, b))
-            ref_in = [t.detach().double().cpu().requires_grad_() for t in (x, W, b)]
-            ref = get_loss(name, k=k, **extra)(F.linear(*ref_in), y.cpu())
-            ref_grads = torch.autograd.grad(ref, ref_in)
-            loss_err = abs(loss.item() - ref.item()) / max(abs(ref.item()), 1e-12)
-            grad_err = max(((a.double().cpu() - r).abs().max() / r.abs().max().clamp_min(1e-12)).item() for a, r in zip(grads, ref_grads))
+            errs = fused_head_errors(name, check, k, device)
+            loss_err, grad_err = errs["loss_err"], max(errs["grad_err"].values())
             checks[name] = {"loss_err": loss_err, "grad_err": grad_err, "ok": loss_err <= tol and grad_err <= tol}
         except Exception as e:
             checks[name] = {"ok": False, "error": one_line(e)}

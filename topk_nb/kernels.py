@@ -131,17 +131,15 @@ MAX_BOUND = 4096                      # signatures kept; beyond, all are forgott
 _UNSEEN = object()
 
 
+@contextlib.contextmanager
 def bound_launches(enabled: bool = True # bind CUDA launches to their compiled kernels after the first
                    ):
     "Context manager: CUDA launches bound once (the default) or each through Triton's own launch path."
-    @contextlib.contextmanager
-    def switch():
-        was, _BIND.on = _BIND.on, bool(enabled)
-        try:
-            yield
-        finally:
-            _BIND.on = was
-    return switch()
+    was, _BIND.on = _BIND.on, bool(enabled)
+    try:
+        yield
+    finally:
+        _BIND.on = was
 
 
 def _spec(a) -> object:
