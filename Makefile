@@ -12,8 +12,14 @@ test: sync
 sync:     ## fail if nbdev_export / nbdev_clean would change files, or README.md is stale
 	$(PYTHON) tools/check_sync.py
 
+# One CPU thread a process for the test command: its processes already share the cores, and PyTorch's OpenMP threads,
+# two a process where five processes share two cores, spin waiting for one another (chapter 05b's million-class memory
+# check took 81 s so, 23 s with one thread). TEST_THREADS=0 keeps PyTorch's default.
+TEST_THREADS ?= 1
+THREADS = $(if $(filter 0,$(TEST_THREADS)),,OMP_NUM_THREADS=$(TEST_THREADS))
+
 nbtest:   ## execute every notebook (cells flagged slow or gpu are skipped), then list each one's seconds, slowest first
-	nbdev_test --n_workers 2 --timing
+	$(THREADS) nbdev_test --n_workers 2 --timing
 
 # pytest-xdist (part of the dev install): the tests on every core, PYTEST_WORKERS processes (auto: one a core), in the
 # groups tests/conftest.py names; without it, in one process. The 20 slowest tests are listed at the end.
@@ -21,7 +27,7 @@ PYTEST_WORKERS ?= auto
 XDIST = $(shell $(PYTHON) -c "import xdist" 2>/dev/null && echo yes)
 
 pytest:
-	$(PYTHON) -m pytest tests $(if $(XDIST),-n $(PYTEST_WORKERS) --dist loadgroup) --durations=20
+	$(THREADS) $(PYTHON) -m pytest tests $(if $(XDIST),-n $(PYTEST_WORKERS) --dist loadgroup) --durations=20
 
 export:
 	nbdev_export
