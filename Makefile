@@ -50,7 +50,7 @@ gpu-test: ## on a CUDA machine, from a source checkout with torch and pytest: th
 	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) -m pytest tests/test_kernels.py tests/test_cuda.py $(if $(XDIST),-n 8) -v -rf -p no:cacheprovider --deselect tests/test_kernels.py::test_svm_kernels_compile_for_a_gpu --deselect tests/test_kernels.py::test_row_kernels_compile_for_a_gpu
 
 gpu-check: ## on a CUDA machine: every loss's float32 correctness, host syncs, speed vs cross-entropy, epoch overhead, torch.compile, CUDA graphs; writes results/gpu/<device>-<date>.json and .md (GPU_CHECK_FLAGS=--quick for a short run)
-	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) -m topk_nb.gpucheck --out results/gpu $(GPU_CHECK_FLAGS)
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) -m topk_nb.perf.gpucheck --out results/gpu $(GPU_CHECK_FLAGS)
 
 MATHJAX_VERSION = 3.2.2
 MATHJAX = _proc/static/mathjax

@@ -1,7 +1,7 @@
 """The `topk-nb` console script. It installs its SIGINT and SIGTERM handlers before it imports `topk_nb`, whose
 first import (torch) takes seconds: an interrupt then ends the command with one line and 128 + the signal
-(130, 143), never a traceback. A run installs its own handlers once it starts (`topk_nb.batch.run_plan`,
-`topk_nb.slurm.run_plan_on_slurm`) and gives these back when it ends."""
+(130, 143), never a traceback. A run installs its own handlers once it starts (`topk_nb.runner.batch.run_plan`,
+`topk_nb.runner.slurm.run_plan_on_slurm`) and gives these back when it ends."""
 import signal
 import sys
 
@@ -14,9 +14,9 @@ def _interrupted(signum, frame):
 
 
 def main() -> int:
-    "Install the handlers, then run `topk_nb.cli.main`."
+    "Install the handlers, then run `topk_nb.runner.cli.main`."
     for s in (signal.SIGINT, signal.SIGTERM): signal.signal(s, _interrupted)
-    from topk_nb.cli import main as cli_main
+    from topk_nb.runner.cli import main as cli_main
     return cli_main()
 
 

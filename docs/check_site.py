@@ -34,7 +34,7 @@ PAGES = [                      # (page, what it is, must it show equations, must
     ("noised.html", "chapter with equations and a figure", True, True),
     ("svm_kernels.html", "chapter with displays inside paragraphs", True, False),
     ("core.html", "chapter with equations in a table", True, False),
-    ("reference/topk_nb.svm.html", "API page", False, False),
+    ("reference/topk_nb.loss.svm.html", "API page", False, False),
     ("experiments/index.html", "experiment catalogue", False, False),
 ]
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

@@ -8,7 +8,7 @@ At the start of the build (`builder-inited`) it fills the empty source folder wi
   each exported function and class an anchor named as in nbdev's `_modidx.py` (`baselines.html#ldamloss`):
   on the heading of its `show_doc` output, else before the cell that defines it;
 * one API page per module (`reference/<module>.rst`: a summary table, then autodoc of each name of `__all__`);
-* the experiment catalogue (`experiments/index.md`), made from `topk_nb.grid.EXPERIMENTS`.
+* the experiment catalogue (`experiments/index.md`), made from `topk_nb.runner.grid.EXPERIMENTS`.
 
 `autodoc-process-docstring` adds to each docstring a link to the chapter that defines the object (the
 page and anchor of `_modidx.py`) and turns nbdev's docments (a comment after each parameter of the
@@ -358,7 +358,7 @@ def _fmt_value(value) -> str:
 
 
 def _preset_line(name: str, grid, data_presets) -> str:
-    from topk_nb.grid import expand_grid
+    from topk_nb.runner.grid import expand_grid
     grids = grid if isinstance(grid, list) else [grid]
     runs = len(expand_grid(grid))
     params = " + ".join("`" + ", ".join(f"{k}={_fmt_value(v)}" for k, v in g.items()) + "`" for g in grids)
@@ -367,10 +367,10 @@ def _preset_line(name: str, grid, data_presets) -> str:
 
 
 def catalogue_page() -> str:
-    from topk_nb.grid import EXPERIMENTS
+    from topk_nb.runner.grid import EXPERIMENTS
     parts = ["""# Experiments
 
-The experiment catalogue (`EXPERIMENTS` in `topk_nb.grid`): each entry is a parameterised notebook of
+The experiment catalogue (`EXPERIMENTS` in `topk_nb.runner.grid`): each entry is a parameterised notebook of
 `nbs/experiments/`, run over the grid of one of its presets by
 
 ```sh

@@ -43,3 +43,23 @@ if LoadScopeScheduling is not None:
     def pytest_xdist_make_scheduler(config, log):
         if config.getvalue("dist") == "loadgroup":
             return ModuleGroups(config, log)
+
+
+# Kernel cases that a chapter's own checks run under Triton's interpreter (nbdev_test, beside these tests in `make test`)
+# are marked `@pytest.mark.chapter("03a")`: without a CUDA device they are skipped here, so that the interpreter does
+# not run them twice; on a GPU (`make gpu-test`) they run compiled.
+import pytest  # noqa: E402
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "chapter(name): the chapter whose checks run these cases under Triton's "
+                                       "interpreter; here they run on a CUDA device only")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    for item in items:
+        if (mark := item.get_closest_marker("chapter")) is not None:
+            item.add_marker(pytest.mark.skip(reason=f"interpreted in chapter {mark.args[0]}'s checks (nbdev_test); "
+                                                    "compiled here on a CUDA device"))

@@ -7,11 +7,11 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
-from topk_nb.baselines import (CE, CvxHinge, Focal, LDAM, TopkGrouping, TopkTransition,
+from topk_nb.loss.baselines import (CE, CvxHinge, Focal, LDAM, TopkGrouping, TopkTransition,
                                ce, cvx_hinge, expected_loss, focal, ldam, split_target,
                                topk_group_mask, topk_grouping, topk_transition)
-from topk_nb.core import target_rank
-from topk_nb.svm import topk_hinge
+from topk_nb.base.core import target_rank
+from topk_nb.loss.svm import topk_hinge
 
 
 def problem(seed, batch, n, scale=3.0):

@@ -1,4 +1,4 @@
-"Tests of topk_nb.batch and topk_nb.report: grid expansion, resume after kill -9, failure isolation, GPU assignment, the report."
+"Tests of topk_nb.runner.batch and topk_nb.runner.report: grid expansion, resume after kill -9, failure isolation, GPU assignment, the report."
 import importlib
 import json
 import os
@@ -11,13 +11,13 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from topk_nb import batch
-from topk_nb import report as reports
-from topk_nb.batch import (RECORD, Experiment, Figure, Finding, PaperValue, cell_dir, cell_id,
+from topk_nb.runner import batch
+from topk_nb.runner import report as reports
+from topk_nb.runner.batch import (RECORD, Experiment, Figure, Finding, PaperValue, cell_dir, cell_id,
                            expand_grid, load_records, parse_grid, read_record, run_grid, write_record)
-from topk_nb.cli import main
-from topk_nb.report import report
-from topk_nb.data import fake_image_folder
+from topk_nb.runner.cli import main
+from topk_nb.runner.report import report
+from topk_nb.training.data import fake_image_folder
 
 CIRCLES_TRADEOFFS = batch.EXPERIMENTS["circles_tradeoffs"]
 
@@ -33,7 +33,7 @@ def fake_notebook(path, body: str, tagged: bool = True) -> Path:
     return Path(path)
 
 
-WRITE = ("import os\nfrom topk_nb.records import write_record\n"
+WRITE = ("import os\nfrom topk_nb.runner.records import write_record\n"
          "write_record(record_path, {'x': x, 'seed': seed}, {'final': [{'y': 10 * x + seed, "
          "'gpu': os.environ.get('CUDA_VISIBLE_DEVICES')}]}, seed=seed)")
 
@@ -118,7 +118,7 @@ def test_a_fine_tuning_preset_refuses_to_start_without_its_weights(tmp_path, cap
 
 
 def test_training_runs_in_float32_unless_asked():
-    from topk_nb.train import TrainConfig    # none of the papers trains in reduced precision
+    from topk_nb.training.loop import TrainConfig    # none of the papers trains in reduced precision
     assert TrainConfig().amp is False and TrainConfig(amp=True).amp is True
 
 
@@ -157,7 +157,7 @@ def test_write_record_is_complete_and_atomic(tmp_path):
 def test_resume_after_kill(tmp_path):
     nb = fake_notebook(tmp_path / "slow.ipynb", "import time\ntime.sleep(0.5)\n" + WRITE)
     out = tmp_path / "runs"
-    cmd = [sys.executable, "-m", "topk_nb.cli", "run", str(nb), "--grid", "x=1,2,3", "--out", str(out),
+    cmd = [sys.executable, "-m", "topk_nb.runner.cli", "run", str(nb), "--grid", "x=1,2,3", "--out", str(out),
            "--no-progress"]
     proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
@@ -199,7 +199,7 @@ def test_failure_is_recorded_and_the_grid_goes_on(tmp_path, monkeypatch):
 
 
 # the notebook writes its record with `write_record`, counting in a file how many times its kernel sealed a record
-SEAL_COUNTING = ("import topk_nb.records as R\n"
+SEAL_COUNTING = ("import topk_nb.runner.records as R\n"
                  "sealed, seal = [], R.seal_record\n"
                  "R.seal_record = lambda record: (sealed.append(1), seal(record))[1]\n"
                  "R.write_record(record_path, {{'x': x, 'seed': seed}}, {{'final': [{{'y': x}}]}}, seed=seed)\n"
@@ -215,7 +215,7 @@ def _counted(calls, name, function):
 
 def test_a_run_checks_its_request_makes_its_folder_and_seals_each_record_once(tmp_path, monkeypatch):
     from collections import Counter
-    from topk_nb import cli, grid, records
+    from topk_nb.runner import cli, grid, records
     count = tmp_path / "kernel_seals.txt"
     nb = fake_notebook(tmp_path / "nb.ipynb", SEAL_COUNTING.format(count=str(count)))
     calls = Counter()
@@ -235,7 +235,7 @@ def test_a_run_checks_its_request_makes_its_folder_and_seals_each_record_once(tm
 
 def test_a_record_is_sealed_once_by_the_runner_or_once_by_a_notebook_run_alone(tmp_path, monkeypatch):
     import papermill
-    from topk_nb.records import record_checksum
+    from topk_nb.runner.records import record_checksum
     count = tmp_path / "kernel_seals.txt"
     nb = fake_notebook(tmp_path / "nb.ipynb", SEAL_COUNTING.format(count=str(count)))
     runner, seal = [], batch.seal_record
@@ -335,9 +335,9 @@ def _table_rows(md: str) -> list[list[str]]:
 
 
 def test_a_pipe_or_a_line_break_in_a_cell_stays_in_its_table_row(tmp_path):
-    # the report and the GPU check write their tables with one function (`topk_nb.results.markdown_table`): a `|` in a
+    # the report and the GPU check write their tables with one function (`topk_nb.base.results.markdown_table`): a `|` in a
     # GPU check's error no longer splits its row, nor does a line break in a report's claim
-    from topk_nb.gpucheck import render_markdown
+    from topk_nb.perf.gpucheck import render_markdown
     error = "RuntimeError: shapes (2 | 3) differ\nin the second line"
     gpu = {"device": "cpu", "preset": "dry", "date": "2026-01-01", "sections": {
         "environment": {"status": "ok", "seconds": 0.0}, "compile": {"status": "error", "error": error, "seconds": 1.5}}}
@@ -458,7 +458,7 @@ def test_speed_paper_values_are_the_tables():
 
 
 def test_speed_paper_values_name_rows_the_bench_writes():
-    from topk_nb.bench import epoch_times, esp_speed
+    from topk_nb.perf.bench import epoch_times, esp_speed
     rows = esp_speed(ns=(100,), k=5, batch=256, repeats=1)
     assert {r["part"] for r in rows} == {"forward", "backward", "forward_backward"}
     for pv in batch.EXPERIMENTS["speed"].paper:
@@ -570,14 +570,14 @@ def test_a_new_experiment_module_is_discovered(tmp_path, monkeypatch):
     pkg = tmp_path / "more_experiments"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
-    (pkg / "tiny.py").write_text("from topk_nb.catalogue import Experiment, Finding\n"
+    (pkg / "tiny.py").write_text("from topk_nb.base.catalogue import Experiment, Finding\n"
                                  "ENTRY = Experiment('tiny', 'tiny.ipynb', 'a tiny experiment', presets={'smoke': {'x': 2}},\n"
                                  "                   findings=(Finding('Some 2020, Fig. 1', 'a claim', {}, 'x', (2,), 'y', 'best'),))\n")
     (pkg / "helpers.py").write_text("SHARED = 1\n")               # a module without an entry is left out
     monkeypatch.syspath_prepend(str(tmp_path))
     found = batch.discover_experiments("more_experiments")
     assert list(found) == ["tiny"] and found["tiny"].presets == {"smoke": {"x": 2}}
-    (pkg / "misnamed.py").write_text("from topk_nb.catalogue import Experiment\nENTRY = Experiment('other', 'o.ipynb', 'o')\n")
+    (pkg / "misnamed.py").write_text("from topk_nb.base.catalogue import Experiment\nENTRY = Experiment('other', 'o.ipynb', 'o')\n")
     with pytest.raises(ValueError, match="must be an Experiment named 'misnamed'"):
         batch.discover_experiments("more_experiments")
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from topk_nb import bench
-from topk_nb.bench import aten_ops, bench_loss, bench_scores, op_table, syncing_ops
+from topk_nb.perf import bench
+from topk_nb.perf.bench import aten_ops, bench_loss, bench_scores, op_table, syncing_ops
 
 
 def test_aten_ops_counts_a_known_function():
@@ -41,7 +41,7 @@ def test_syncing_ops_where():
     scores, target = bench_scores(4, 10)
     hinge = bench_loss("topk_hinge", 10, 3, check_finite=False)
     assert syncing_ops(aten_ops(lambda: hinge(scores, target), where=True)) == \
-        Counter({"_local_scalar_dense @ core.all_kept": 2})
+        Counter({"_local_scalar_dense @ base.core.all_kept": 2})
 
 
 def test_op_table():
@@ -51,7 +51,7 @@ def test_op_table():
     assert ce["syncing"] == {} and ce["float64_ops"] == 0 and ce["ops"] > 0
     assert rows[1]["syncing"] == {}                             # the sync-free path: the label check runs on the device
     host = op_table(["topk_hinge"], batch=4, n=10, k=3, path="host")
-    assert host[1]["syncing"] == {"_local_scalar_dense @ core.all_kept": 2}   # the labels' range, read once
+    assert host[1]["syncing"] == {"_local_scalar_dense @ base.core.all_kept": 2}   # the labels' range, read once
     with pytest.raises(ValueError, match="path must be"):
         op_table(["topk_hinge"], path="gpu")
     assert rows[2]["float64_ops"] > 0                           # the power path works in float64
@@ -91,8 +91,8 @@ def test_cuda_path_launches_near_cross_entropy(conventions):
 def test_eager_kernels_skip_the_dispatcher_and_compile_keeps_the_operators():
     # eager: the kernels' Python functions under their autograd formulas (no custom operator dispatched), the same
     # launches as through the registered operators; the same value and gradient either way
-    from topk_nb.core import force_sync_free
-    from topk_nb.kernels import _LEAN, _LEAN_LOSS, HAS_TRITON, force_triton
+    from topk_nb.base.core import force_sync_free
+    from topk_nb.ops.launch import _LEAN, _LEAN_LOSS, HAS_TRITON, force_triton
     if not HAS_TRITON:
         pytest.skip("triton is not installed")
     rows = {r["loss"]: r for r in bench.host_table(["smooth_svm", "noised_bal", "noised_imbal"])}

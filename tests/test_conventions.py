@@ -7,7 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import topk_nb
-from topk_nb.losses import LOSSES, get_loss
+from topk_nb.loss.registry import LOSSES, get_loss
 
 N_CLASSES = 8
 COUNTS = torch.arange(1, N_CLASSES + 1) * 10
@@ -506,7 +506,7 @@ def test_masked_classes_at_minus_inf_as_in_cross_entropy(name):
 def test_torch_func_grad_matches_autograd(name):
     # torch.func.grad of every registry loss is autograd's gradient (stochastic losses: the same draws, which the
     # sync-free path makes dense, as it does under a transform)
-    from topk_nb.core import force_sync_free
+    from topk_nb.base.core import force_sync_free
     s, y = problem(12)
     y[2] = -100
     kw = {**extra(name), "weight": torch.linspace(0.5, 2.0, N_CLASSES)}
@@ -561,7 +561,7 @@ def test_noised_losses_under_vmap_draw_as_vmap_says():
 def test_help_explains_every_argument_on_its_first_screen(module):
     import inspect
     import pydoc
-    from topk_nb.core import ARGUMENTS, CONVENTIONS
+    from topk_nb.base.core import ARGUMENTS, CONVENTIONS
     first_screen = "\n".join(pydoc.render_doc(module, renderer=pydoc.plaintext).splitlines()[:40])
     for name in inspect.signature(module).parameters:
         meanings = [m for m in (ARGUMENTS.get(name), CONVENTIONS.get(name)) if m]

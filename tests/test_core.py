@@ -1,11 +1,11 @@
-"""Validation helpers and accuracy metrics of topk_nb.core against direct readings of their definitions."""
+"""Validation helpers and accuracy metrics of topk_nb.base.core against direct readings of their definitions."""
 from fractions import Fraction
 
 import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from topk_nb.core import (brute_esp, brute_log_esp, check_int, check_real, check_scores, check_target,
+from topk_nb.base.core import (brute_esp, brute_log_esp, check_int, check_real, check_scores, check_target,
                           macro_topk_accuracy, target_rank, topk_accuracy, topk_correct)
 
 

@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-bench = pytest.importorskip("topk_nb.bench")
+bench = pytest.importorskip("topk_nb.perf.bench")
 if not bench.HAS_TRITON:
     pytest.skip("triton is not installed", allow_module_level=True)
 
@@ -77,7 +77,7 @@ def test_dynamic_count_follows_the_declared_trips(toy):
 
 
 def test_svm_forward_count_is_linear_in_k():
-    from topk_nb import svm_kernels
+    from topk_nb.ops import svm as svm_kernels
     km = bench.KERNEL_MODELS["smooth_svm_forward"]
     sass = bench.kernel_sass(km.fn, km.signature, dict(K=5, BLOCK_N=1024, BLOCK_K=8, FAST=True))
     loops = bench.source_loops(svm_kernels._svm_forward_kernel)

@@ -14,8 +14,8 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device: these checks run on a GPU (make gpu-test)", allow_module_level=True)
 
-from topk_nb import gpucheck, kernels, svm_kernels  # noqa: E402
-from topk_nb.svm import svm_route  # noqa: E402
+from topk_nb.perf import gpucheck; from topk_nb.ops import launch as kernels, svm as svm_kernels  # noqa: E402
+from topk_nb.loss.svm import svm_route  # noqa: E402
 
 
 def test_every_loss_within_the_targets_of_float64():
@@ -43,7 +43,7 @@ def test_the_kernels_run_compiled_on_the_losses_route():
 @pytest.mark.parametrize("name", ["smooth_svm", "noised_bal"])
 def test_a_label_that_is_no_class_stops_at_the_device_assert(name):
     "The finishing kernel asserts the labels on the device (no separate assert launched): a label out of range stops the step with its message, as F.cross_entropy's device assert does. In a process of its own: a device assert leaves the CUDA context unusable."
-    code = (f"import torch; from topk_nb.losses import get_loss; crit = get_loss({name!r}, k=3)\n"
+    code = (f"import torch; from topk_nb.loss.registry import get_loss; crit = get_loss({name!r}, k=3)\n"
             "s, y = torch.randn(4, 20, device='cuda'), torch.tensor([0, 20, 3, -100], device='cuda')\n"
             "loss = crit(s, y); torch.cuda.synchronize(); print('no assert:', loss.item())")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
@@ -59,13 +59,13 @@ def test_a_training_step_compiles_whole(name):
     assert out["status"] == "ok", out["losses"][name]
 
 
-from topk_nb.losses import LOSSES  # noqa: E402
+from topk_nb.loss.registry import LOSSES  # noqa: E402
 
 
 @pytest.mark.parametrize("name", list(LOSSES))
 def test_every_loss_is_captured_in_a_cuda_graph_with_its_module_on_the_cpu(name):
     "A loss module left on the CPU (class counts, margins and weights there) with scores on the GPU: after one warm-up call nothing is copied from the host, so a CUDA graph captures the step and its replay gives the eager value."
-    from topk_nb.losses import LOSSES, get_loss
+    from topk_nb.loss.registry import LOSSES, get_loss
     kw = {"weight": torch.linspace(0.5, 2.0, 100)}
     if LOSSES[name].needs_class_counts: kw["class_counts"] = torch.arange(1, 101)
     if LOSSES[name].stochastic: kw["epsilon"] = 0.0 if name == "noised_imbal" else 0.2
@@ -88,7 +88,7 @@ def test_every_loss_is_captured_in_a_cuda_graph_with_its_module_on_the_cpu(name)
 @pytest.mark.parametrize("name", list(LOSSES))
 def test_every_loss_forward_and_backward_replays_from_a_cuda_graph(name):
     "The eager step through the module's kept plan, forward and backward, captured whole: its replay gives the eager gradient."
-    from topk_nb.losses import get_loss
+    from topk_nb.loss.registry import get_loss
     kw = {"class_counts": torch.arange(1, 101)} if LOSSES[name].needs_class_counts else {}
     if LOSSES[name].stochastic: kw["epsilon"] = 0.0 if name == "noised_imbal" else 0.2
     crit = get_loss(name, **kw)
@@ -117,7 +117,7 @@ def test_every_loss_forward_and_backward_replays_from_a_cuda_graph(name):
 @pytest.mark.parametrize("name", ["smooth_svm", "noised_imbal", "ldam"])
 def test_reduce_overhead_compiles_and_replays(name):
     "torch.compile(mode='reduce-overhead'): the loss's graph captured by CUDA graphs (class counts and margins on the device once), the same value as eager."
-    from topk_nb.losses import get_loss
+    from topk_nb.loss.registry import get_loss
     kw = {"class_counts": torch.arange(1, 101)} if LOSSES[name].needs_class_counts else {}
     if name == "noised_imbal": kw["epsilon"] = 0.0
     crit = get_loss(name, **kw).cuda()
@@ -131,7 +131,7 @@ def test_reduce_overhead_compiles_and_replays(name):
 @pytest.mark.parametrize("misaligned", [False, True])
 def test_bound_launches_give_the_float64_values(name, misaligned):
     "Launches bound to their compiled kernels (`kernels._bound_launch`: the second call of a signature on) give the loss and gradient of float64 on the CPU, on scores at an address 16 bytes divide and at one they do not (another specialisation, bound apart); the bindings were made and used."
-    from topk_nb.losses import LOSSES, get_loss
+    from topk_nb.loss.registry import LOSSES, get_loss
     torch.manual_seed(0)
     B, n = 64, 1000
     s64 = torch.randn(B, n, dtype=torch.float64)
@@ -157,7 +157,7 @@ def test_bound_launches_give_the_float64_values(name, misaligned):
 
 def _fused_svm_errors(kernels: bool, n: int) -> tuple[float, float]:
     "The fused smooth SVM head's loss error and largest gradient error against float64 (`gpucheck.fused_head_errors`), (B, d) = (32, 64), n classes, through chapter 05c's kernels or the chunked path."
-    from topk_nb.fused_kernels import head_kernels_on_cuda
+    from topk_nb.ops.fused import head_kernels_on_cuda
     with head_kernels_on_cuda(kernels):
         errs = gpucheck.fused_head_errors("smooth_svm", (32, 64, n), k=5, device="cuda")
     return errs["loss_err"], max(errs["grad_err"].values())

@@ -1,4 +1,4 @@
-"""Data sets (topk_nb.data): fabricated trees in the real on-disk formats, loaded through the real code paths."""
+"""Data sets (topk_nb.training.data): fabricated trees in the real on-disk formats, loaded through the real code paths."""
 import math
 import pickle
 
@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, strategies as st
 from torchvision.datasets import CIFAR100, ImageFolder
 
-from topk_nb.core import topk_accuracy
-from topk_nb.data import (DATA_ENV, DATASETS, Cutout, DataBundle, DataError, cifar100, cifar100_label_maps, cifar100_lt,
+from topk_nb.base.core import topk_accuracy
+from topk_nb.training.data import (DATA_ENV, DATASETS, Cutout, DataBundle, DataError, cifar100, cifar100_label_maps, cifar100_lt,
                           cifar_transforms, circles, circles_posterior, class_counts, fake_cifar100,
                           fake_image_folder, fake_imagenet_lt, get_dataset, imagenet_lt, imagenet_subset,
                           long_tail_counts, make_loader, mixup, per_class_indices, plantnet300k, sample_circles,

@@ -26,7 +26,7 @@ def test_page_names_are_nbdevs():
 
 def test_every_exported_function_and_class_has_a_chapter_anchor():
     site = topk_docs.Site()
-    assert site.link("topk_nb.svm.smooth_svm") == ("smooth_svm", "smooth_svm")
+    assert site.link("topk_nb.loss.svm.smooth_svm") == ("smooth_svm", "smooth_svm")
     assert site.link("topk_nb.experiments.level_sets.ENTRY") is None            # constants: no chapter link
     missing = [name for name in site.links if site.link(name) is None]
     assert not missing, missing
@@ -70,10 +70,10 @@ def test_front_page_gets_the_site_toctree():
 
 
 def test_docments_become_param_fields_after_the_chapter_link():
-    from topk_nb.svm import SmoothSVM
+    from topk_nb.loss.svm import SmoothSVM
     app = SimpleNamespace(topk_site=topk_docs.Site())
     lines = ["Smooth top-k SVM loss."]
-    topk_docs.on_process_docstring(app, "class", "topk_nb.svm.SmoothSVM", SmoothSVM, {}, lines)
+    topk_docs.on_process_docstring(app, "class", "topk_nb.loss.svm.SmoothSVM", SmoothSVM, {}, lines)
     assert lines[2].startswith("Defined in the chapter `") and "<../smooth_svm.html#smoothsvm>`__" in lines[2]
     assert ":param k: the k of top-k" in lines and ":type k: int" in lines
     assert ("smooth_svm", "smoothsvm") in app.topk_site.linked
@@ -85,7 +85,7 @@ def test_markdown_docstrings_are_escaped_for_rst():
 
 
 def test_catalogue_lists_every_experiment_and_preset():
-    from topk_nb.batch import EXPERIMENTS
+    from topk_nb.runner.batch import EXPERIMENTS
     page = topk_docs.catalogue_page()
     for exp in EXPERIMENTS.values():
         assert f"## `{exp.name}`" in page and f"{{doc}}`{Path(exp.notebook).stem}`" in page

@@ -1,4 +1,4 @@
-"""The forward algorithms of topk_nb.esp against exact references: subset enumeration (small n) and an
+"""The forward algorithms of topk_nb.math.esp against exact references: subset enumeration (small n) and an
 independent float64 algorithm (large n), over random sizes, k, batch shapes, scales and dtypes."""
 import math
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from topk_nb.core import brute_esp, brute_log_esp
-from topk_nb.esp import dc_schedule, dc_term_count, esp_summation, log_esp, log_esp_error, log_esp_summation
+from topk_nb.base.core import brute_esp, brute_log_esp
+from topk_nb.math.esp import dc_schedule, dc_term_count, esp_summation, log_esp, log_esp_error, log_esp_summation
 
 
 def random_x(seed, shape, scale, dtype=torch.float64):

@@ -1,4 +1,4 @@
-"""Gradients of topk_nb.esp_backward.log_sigma against exact references: autograd through the subset
+"""Gradients of topk_nb.math.esp_backward.log_sigma against exact references: autograd through the subset
 definition (float64) and float64 autograd through the independent summation algorithm (float32 targets)."""
 import itertools
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from topk_nb.core import brute_log_esp
-from topk_nb.esp import log_esp_summation
-from topk_nb.esp_backward import (LOG_SIGMA_METHODS, default_order, esp_grad_stabilised, grad_error, grad_target,
+from topk_nb.base.core import brute_log_esp
+from topk_nb.math.esp import log_esp_summation
+from topk_nb.math.esp_backward import (LOG_SIGMA_METHODS, default_order, esp_grad_stabilised, grad_error, grad_target,
                                   log_sigma)
 
 

@@ -1,13 +1,13 @@
-"Tests specific to the stability and level_sets experiments: the level-set functions of topk_nb.losses against direct formulas, the overflow rule the stability notebook checks, and the catalogue entries against the notebooks' parameters."
+"Tests specific to the stability and level_sets experiments: the level-set functions of topk_nb.loss.registry against direct formulas, the overflow rule the stability notebook checks, and the catalogue entries against the notebooks' parameters."
 import math
 from pathlib import Path
 
 import pytest
 import torch
 
-from topk_nb import batch
-from topk_nb.esp import esp_summation, imagenet_like_scores, log_esp_summation
-from topk_nb.losses import (
+from topk_nb.runner import batch
+from topk_nb.math.esp import esp_summation, imagenet_like_scores, log_esp_summation
+from topk_nb.loss.registry import (
     TOPK_ERROR,
     level_set_atlas,
     level_set_params,

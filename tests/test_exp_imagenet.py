@@ -4,8 +4,8 @@ import json
 import nbformat
 import pytest
 
-from topk_nb import batch
-from topk_nb.train import PRESETS
+from topk_nb.runner import batch
+from topk_nb.training.loop import PRESETS
 
 NAMES = ["imagenet_subsets", "plantnet_imbalanced", "imagenet_lt", "cifar100_transition"]
 

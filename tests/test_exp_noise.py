@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from topk_nb import batch
-from topk_nb.batch import expand_grid
-from topk_nb.losses import LOSSES, get_loss
-from topk_nb.svm import smooth_topk_svm_bruteforce
-from topk_nb.train import PRESETS
+from topk_nb.runner import batch
+from topk_nb.runner.batch import expand_grid
+from topk_nb.loss.registry import LOSSES, get_loss
+from topk_nb.loss.svm import smooth_topk_svm_bruteforce
+from topk_nb.training.loop import PRESETS
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "nbs" / "experiments"
 
@@ -28,7 +28,7 @@ def definitions(name: str, **extra) -> dict:
     "A namespace with the notebook's parameters, its imports and its definition cells (cells starting with def/class)."
     ns = dict(parameters(name))
     cells = _cells(name)
-    imports = next(c.source for c in cells if "from topk_nb.notebook import start" in c.source)   # the cell that starts
+    imports = next(c.source for c in cells if "from topk_nb.runner.notebook import start" in c.source)   # the cell that starts
     exec("\n".join(line for line in imports.splitlines() if line.startswith(("import ", "from "))), ns)
     for c in cells:
         if c.source.startswith(("def ", "class ")):

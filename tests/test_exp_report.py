@@ -2,10 +2,10 @@
 import os
 from pathlib import Path
 
-from topk_nb import batch
-from topk_nb.batch import cell_dir, cell_id
-from topk_nb.records import RECORD, write_record
-from topk_nb.report import SINGLE_RUN, draws, report, undrawn_paper_values
+from topk_nb.runner import batch
+from topk_nb.runner.batch import cell_dir, cell_id
+from topk_nb.runner.records import RECORD, write_record
+from topk_nb.runner.report import SINGLE_RUN, draws, report, undrawn_paper_values
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "nbs" / "experiments"
 

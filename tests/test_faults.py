@@ -19,10 +19,10 @@ import torch
 import torch.nn as nn
 from torch.utils.data import TensorDataset
 
-from topk_nb import batch, cli, train
-from topk_nb.batch import EXECUTED, RECORD, cell_done, load_records, read_record
-from topk_nb.data import fake_cifar100
-from topk_nb.train import CheckpointError, atomic_write, fit, load_checkpoint, previous_checkpoint, save_checkpoint
+from topk_nb.runner import batch, cli; from topk_nb.training import loop as train
+from topk_nb.runner.batch import EXECUTED, RECORD, cell_done, load_records, read_record
+from topk_nb.training.data import fake_cifar100
+from topk_nb.training.loop import CheckpointError, atomic_write, fit, load_checkpoint, previous_checkpoint, save_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -47,7 +47,7 @@ def counting_notebook(folder: Path) -> Path:
 
 
 def runner(nb: Path, out: Path, xs, sleep: float, *extra) -> list[str]:
-    return [sys.executable, "-m", "topk_nb.cli", "run", str(nb), "--grid", "x=" + ",".join(map(str, xs)),
+    return [sys.executable, "-m", "topk_nb.runner.cli", "run", str(nb), "--grid", "x=" + ",".join(map(str, xs)),
             f"sleep={sleep}", "--out", str(out), "--no-progress", *extra]
 
 
@@ -84,11 +84,11 @@ def processes_in(folder: Path) -> list[int]:
 
 
 def job_processes(folder: Path) -> list[int]:
-    "The live job processes (`python -c <launcher importing topk_nb.batch> job SPEC`) started for `folder`."
+    "The live job processes (`python -c <launcher importing topk_nb.runner.batch> job SPEC`) started for `folder`."
     def is_job(pid):
         try: cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError: return False
-        return b"topk_nb.batch" in cmdline and b"\0job\0" in cmdline
+        return b"topk_nb.runner.batch" in cmdline and b"\0job\0" in cmdline
     return [pid for pid in processes_in(folder) if is_job(pid)]
 
 
@@ -161,6 +161,27 @@ def test_a_job_killed_alone_gets_a_failed_record_and_the_summary_says_so(tmp_pat
     rec, = load_records(out, status=None)
     assert rec["status"] == "failed" and "the job process was killed by SIGKILL without a record" in rec["error"]
     assert "not done: " in stderr and wait_gone(tmp_path) == []
+
+
+def test_a_job_stopped_alone_by_a_signal_leaves_its_cell_to_run_again(tmp_path):
+    # scancel and Ctrl-C signal every process at once, and the job process may end on its signal before the runner has
+    # seen its own: as here, where only the job gets SIGTERM. It cleaned up (128 + the signal): no failed record, the
+    # cell is missing, and the next run does it
+    nb, out = counting_notebook(tmp_path), tmp_path / "runs"
+    proc = subprocess.Popen(runner(nb, out, [1], 30), env=ENV, cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not executions(tmp_path) and time.monotonic() < deadline: time.sleep(0.1)   # the kernel is in the cell
+    jobs = job_processes(tmp_path)
+    assert len(jobs) == 1
+    os.kill(jobs[0], signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert json.loads(stdout.splitlines()[-1]) == {"total": 1, "skipped": 0, "ok": 0, "failed": 0, "missing": 1}, stderr
+    assert proc.returncode != 0 and load_records(out, status=None) == [] and wait_gone(tmp_path) == []
+    assert [p for pattern in LEFTOVERS for p in out.rglob(pattern)] == []
+    done = subprocess.run(runner(nb, out, [1], 0), env=ENV, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    check_all_done(out, [1])
 
 
 def test_a_kill_between_notebook_and_record_is_not_done(tmp_path):
@@ -265,7 +286,7 @@ def test_atomic_files_follow_the_umask(tmp_path):
 def test_one_fsync_makes_both_a_file_and_a_folder_durable(tmp_path, monkeypatch):
     # the atomic writes and the runner's renames of a cell's results share `fsync_path`: the file's data and the
     # folder's entries are each flushed, seen by the inode each fsync gets
-    from topk_nb.files import fsync_path
+    from topk_nb.base.files import fsync_path
     synced, real_fsync = [], os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.fstat(fd).st_ino), real_fsync(fd))[1])
     data = tmp_path / "data.bin"
@@ -287,7 +308,7 @@ def test_one_fsync_makes_both_a_file_and_a_folder_durable(tmp_path, monkeypatch)
 
 # --- the report -------------------------------------------------------------------------------------------------------
 def _report(*words):
-    return subprocess.run([sys.executable, "-m", "topk_nb.cli", "report", *words], env=ENV, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "topk_nb.runner.cli", "report", *words], env=ENV, capture_output=True,
                           text=True, timeout=120)
 
 
@@ -327,7 +348,7 @@ def test_report_names_unreadable_records_and_refuses_a_missing_out(tmp_path):
     (["--grid", "epochs=2.5"], "--grid epochs=2.5: epochs takes an integer"),
 ])
 def test_runner_mistakes_stop_before_anything_runs(tmp_path, words, expected):
-    res = subprocess.run([sys.executable, "-m", "topk_nb.cli", "run", "circles_tradeoffs", "--out",
+    res = subprocess.run([sys.executable, "-m", "topk_nb.runner.cli", "run", "circles_tradeoffs", "--out",
                           str(tmp_path / "runs"), *words], env=ENV, capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and res.stdout == "", res
     assert res.stderr.count("\n") == 1 and res.stderr.startswith(("topk-nb run: error: ", "topk-nb: error: ")) and expected in res.stderr, res.stderr
@@ -337,7 +358,7 @@ def test_runner_mistakes_stop_before_anything_runs(tmp_path, words, expected):
 def test_a_data_root_without_the_data_set_stops_before_anything_runs(tmp_path):
     empty = tmp_path / "data"
     empty.mkdir()
-    res = subprocess.run([sys.executable, "-m", "topk_nb.cli", "run", "cifar100_noise", "--preset", "paper",
+    res = subprocess.run([sys.executable, "-m", "topk_nb.runner.cli", "run", "cifar100_noise", "--preset", "paper",
                           "--data-root", str(empty), "--out", str(tmp_path / "runs")],
                          env=ENV, capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and res.stdout == "" and res.stderr.count("\n") == 1, res
@@ -349,7 +370,7 @@ def test_a_missing_weights_file_stops_the_paper_preset_before_anything_runs(tmp_
     data = tmp_path / "data"
     data.mkdir()
     missing = tmp_path / "resnet50_imagenet.pt"
-    res = subprocess.run([sys.executable, "-m", "topk_nb.cli", "run", "plantnet_imbalanced", "--preset", "paper",
+    res = subprocess.run([sys.executable, "-m", "topk_nb.runner.cli", "run", "plantnet_imbalanced", "--preset", "paper",
                           "--data-root", str(data), "--grid", f"weights={missing}", "--out", str(tmp_path / "runs")],
                          env=ENV, capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and res.stdout == "" and res.stderr.count("\n") == 1, res
@@ -360,26 +381,26 @@ def test_a_missing_weights_file_stops_the_paper_preset_before_anything_runs(tmp_
 
 def test_an_out_that_cannot_be_written_stops_before_anything_runs(tmp_path):
     (tmp_path / "file").write_text("")
-    res = subprocess.run([sys.executable, "-m", "topk_nb.cli", "run", "circles_tradeoffs", "--out",
+    res = subprocess.run([sys.executable, "-m", "topk_nb.runner.cli", "run", "circles_tradeoffs", "--out",
                           str(tmp_path / "file" / "runs")], env=ENV, capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and res.stdout == "" and res.stderr.count("\n") == 1, res
     assert "is not a folder this process can write to" in res.stderr, res.stderr
 
 
 def test_list_name_shows_the_parameters_and_the_presets_values():
-    res = subprocess.run([sys.executable, "-m", "topk_nb.cli", "list", "imagenet_lt"], env=ENV, capture_output=True,
+    res = subprocess.run([sys.executable, "-m", "topk_nb.runner.cli", "list", "imagenet_lt"], env=ENV, capture_output=True,
                          text=True, timeout=120)
     assert res.returncode == 0, res
     assert "parameters (their defaults are a CPU smoke run): " in res.stdout and "milestones=[60, 80]" in res.stdout
     assert "preset paper: 60 cells (needs --data-root)" in res.stdout and "milestones=[60, 80]" in res.stdout.split("preset paper")[1]
-    bad = subprocess.run([sys.executable, "-m", "topk_nb.cli", "list", "nope"], env=ENV, capture_output=True, text=True,
+    bad = subprocess.run([sys.executable, "-m", "topk_nb.runner.cli", "list", "nope"], env=ENV, capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "unknown experiment 'nope'" in bad.stderr, bad
 
 
 def test_help_describes_every_option():
     for command in ("run", "status", "report", "list"):
-        res = subprocess.run([sys.executable, "-m", "topk_nb.cli", command, "--help"], env=ENV, capture_output=True,
+        res = subprocess.run([sys.executable, "-m", "topk_nb.runner.cli", command, "--help"], env=ENV, capture_output=True,
                              text=True, timeout=120)
         assert res.returncode == 0, res
         parser = cli._parser()._subparsers._group_actions[0].choices[command]
@@ -427,14 +448,14 @@ def test_training_mistakes_are_one_line_and_status_2(tmp_path, broken_cifar, wor
     words = [subst.get(w, w) for w in words]
     keys = {w.split("=", 1)[0] for w in words}
     code, err = _train_cli(*[w for w in TRAIN_OK if w.split("=", 1)[0] not in keys], *words)
-    assert code == 2 and err.count("\n") == 1 and err.startswith("topk_nb.train: error: ") and expected in err, err
+    assert code == 2 and err.count("\n") == 1 and err.startswith("topk_nb.training.loop: error: ") and expected in err, err
 
 
 def test_training_command_exit_status(tmp_path):
-    res = subprocess.run([sys.executable, "-m", "topk_nb.train", *TRAIN_OK, "epochs=0"], env=ENV, capture_output=True,
+    res = subprocess.run([sys.executable, "-m", "topk_nb.training.loop", *TRAIN_OK, "epochs=0"], env=ENV, capture_output=True,
                          text=True, timeout=300)
     assert (res.returncode, res.stdout) == (2, "") and res.stderr == \
-        "topk_nb.train: error: epochs must be an integer in [1, inf], got 0\n"
+        "topk_nb.training.loop: error: epochs must be an integer in [1, inf], got 0\n"
 
 
 def test_list_into_a_closed_pipe_is_quiet():
@@ -442,7 +463,7 @@ def test_list_into_a_closed_pipe_is_quiet():
     read, write = os.pipe()
     os.close(read)
     try:
-        res = subprocess.run([sys.executable, "-m", "topk_nb.cli", "list"], stdout=write, stderr=subprocess.PIPE,
+        res = subprocess.run([sys.executable, "-m", "topk_nb.runner.cli", "list"], stdout=write, stderr=subprocess.PIPE,
                              env=ENV, text=True, timeout=120)
     finally:
         os.close(write)
@@ -493,11 +514,11 @@ def _catches(pid: int, signum: int) -> bool:
     return bool(caught >> (signum - 1) & 1)
 
 
-# the package's import made slow (as a cold disk or a loaded machine makes it): it stalls at the import of topk_nb.cli
+# the package's import made slow (as a cold disk or a loaded machine makes it): it stalls at the import of topk_nb.runner.cli
 SLOW_IMPORT = """import sys, time
 class _SlowImport:
     def find_spec(self, name, path=None, target=None):
-        if name == "topk_nb.cli": time.sleep(60)
+        if name == "topk_nb.runner.cli": time.sleep(60)
         return None
 sys.meta_path.insert(0, _SlowImport())
 """
@@ -627,7 +648,7 @@ def test_hard_links_in_a_cell_folder_are_never_written_through(short_tmp):
 
 
 def test_a_link_at_the_slurm_ledger_lock_is_refused_and_nothing_is_made_through_it(tmp_path, monkeypatch):
-    from topk_nb import slurm
+    from topk_nb.runner import slurm
     monkeypatch.setattr(slurm, "slurm_available", lambda: None)             # as if a cluster answered
     out = tmp_path / "runs"
     folder = slurm.slurm_folder(out, "circles_tradeoffs")
@@ -645,7 +666,7 @@ def test_slurm_installed_without_a_controller_is_no_cluster(tmp_path):
     conf = tmp_path / "slurm.conf"                                          # a controller nobody runs
     conf.write_text("ClusterName=none\nSlurmctldHost=localhost\nSlurmctldPort=9\n")
     env = {k: v for k, v in ENV.items() if k != "CI"} | {"SLURM_CONF": str(conf)}
-    res = subprocess.run([sys.executable, "-m", "topk_nb.cli", "run", "circles_tradeoffs", "--executor", "slurm",
+    res = subprocess.run([sys.executable, "-m", "topk_nb.runner.cli", "run", "circles_tradeoffs", "--executor", "slurm",
                           "--grid", "epochs=1", "--out", str(tmp_path / "runs")], env=env, capture_output=True, text=True,
                          timeout=120)
     assert (res.returncode, res.stdout, res.stderr.count("\n")) == (2, "", 1), res
@@ -674,7 +695,7 @@ def test_status_during_a_local_run_shows_the_running_cells(tmp_path):
     try:
         deadline = time.monotonic() + 120
         while sum(executions(tmp_path).values()) < 2 and time.monotonic() < deadline: time.sleep(0.05)
-        status = subprocess.run([sys.executable, "-m", "topk_nb.cli", "status", "--out", str(out)], env=ENV,
+        status = subprocess.run([sys.executable, "-m", "topk_nb.runner.cli", "status", "--out", str(out)], env=ENV,
                                 capture_output=True, text=True, timeout=120)
     finally:
         stdout, stderr = proc.communicate(timeout=120)
@@ -789,7 +810,7 @@ def test_records_that_are_no_plain_json_file_are_named_by_report_and_status(tmp_
     for name, why in (("deep", "not a record: its JSON is nested too deeply to be read"),
                       ("fifo", "is not a regular file but a FIFO"), ("huge", "is 104857600 bytes, more than the")):
         assert f"{paths[name]}: {why}" in done.stderr, (name, done.stderr)
-    status = subprocess.run([sys.executable, "-m", "topk_nb.cli", "status", "--out", str(out)], env=ENV,
+    status = subprocess.run([sys.executable, "-m", "topk_nb.runner.cli", "status", "--out", str(out)], env=ENV,
                             capture_output=True, text=True, timeout=120)
     assert status.returncode == 0 and "Traceback" not in status.stderr, status.stderr
     assert set(json.loads(status.stdout.splitlines()[-1])) == {"ok", "queued", "running", "failed", "missing"}, status.stdout
@@ -843,7 +864,7 @@ def test_a_record_without_its_checksum_is_refused_until_sealed(tmp_path):
     md = (out / "circles_tradeoffs" / "report" / "report.md").read_text()
     assert "0 successful records, 0 failed, 1 unreadable" in md and "12.30" not in md, md
     assert not cell_done(path.parent) and read_record(path) is None
-    sealed = subprocess.run([sys.executable, "-m", "topk_nb.cli", "seal", "circles_tradeoffs", "--out", str(out)],
+    sealed = subprocess.run([sys.executable, "-m", "topk_nb.runner.cli", "seal", "circles_tradeoffs", "--out", str(out)],
                             env=ENV, capture_output=True, text=True, timeout=120)
     assert sealed.returncode == 0 and sealed.stdout == f"sealed {path}\n", sealed
     assert read_record(path)["metrics"]["final"][0]["top1"] == 0.123              # the user's statement: now it reads

@@ -8,16 +8,16 @@ import torch
 import torch.nn.functional as F
 
 import topk_nb
-from topk_nb.bench import largest_tensor, peak_memory
-from topk_nb.core import brute_log_esp, force_sync_free
-from topk_nb.esp import log_zero
-from topk_nb.esp_backward import tree_svm_loss
-from topk_nb.fused import (FusedLinearNoisedBal, FusedLinearNoisedImbal, FusedLinearSmoothSVM, LinearHead,
+from topk_nb.perf.bench import largest_tensor, peak_memory
+from topk_nb.base.core import brute_log_esp, force_sync_free
+from topk_nb.math.esp import log_zero
+from topk_nb.math.esp_backward import tree_svm_loss
+from topk_nb.loss.fused import (FusedLinearNoisedBal, FusedLinearNoisedImbal, FusedLinearSmoothSVM, LinearHead,
                            chunk_log_poly, chunked_top, fused_linear_noised_bal, fused_linear_noised_imbal,
                            fused_linear_smooth_svm, head_memory_bound, sample_topk, sample_topk_dense)
-from topk_nb.noised import NoisedBal, NoisedImbal
-from topk_nb.perturbed import dense_topk_draws, sample_perturbed_topk
-from topk_nb.svm import SmoothSVM, smooth_topk_svm_bruteforce
+from topk_nb.loss.noised import NoisedBal, NoisedImbal
+from topk_nb.loss.perturbed import dense_topk_draws, sample_perturbed_topk
+from topk_nb.loss.svm import SmoothSVM, smooth_topk_svm_bruteforce
 
 
 def normal(B, d, n, dtype=torch.float64, seed=0):
@@ -288,7 +288,7 @@ def test_the_unfused_loss_makes_the_scores_the_fused_does_not():
 def test_top_level_names():
     for name in ("FusedLinearSmoothSVM", "FusedLinearNoisedBal", "FusedLinearNoisedImbal", "fused_linear_smooth_svm",
                  "fused_linear_noised_bal", "fused_linear_noised_imbal"):
-        assert getattr(topk_nb, name) is getattr(topk_nb.fused, name) and name in topk_nb.__all__
+        assert getattr(topk_nb, name) is getattr(topk_nb.loss.fused, name) and name in topk_nb.__all__
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
@@ -369,9 +369,9 @@ def test_bad_inputs_name_the_argument_and_the_allowed_values(call, message):
 
 # ---------------------------------------------------------------- the kernels (chapter 05c), in Triton's interpreter
 
-from topk_nb.fused import _head_rows, _log_poly_product, _svm_backward, _svm_forward   # noqa: E402
-from topk_nb.fused_kernels import HEAD_BLOCKS, head_svm_partials, head_svm_tail_grad, head_triton_ok   # noqa: E402
-from topk_nb.kernels import HAS_TRITON, count_launches, force_triton   # noqa: E402
+from topk_nb.loss.fused import _head_rows, _log_poly_product, _svm_backward, _svm_forward   # noqa: E402
+from topk_nb.ops.fused import HEAD_BLOCKS, head_svm_partials, head_svm_tail_grad, head_triton_ok   # noqa: E402
+from topk_nb.ops.launch import HAS_TRITON, count_launches, force_triton   # noqa: E402
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
 
@@ -435,7 +435,7 @@ _COMPILE = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-import topk_nb.fused_kernels as K
+import topk_nb.ops.fused as K
 for dt in ("fp32", "fp16", "bf16"):
     for k, bias in ((1, False), (32, True)):
         if True:

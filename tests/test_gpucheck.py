@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from topk_nb import gpucheck
-from topk_nb.gpucheck import SECTIONS, TOLERANCE, check_correctness, gpu_check, main, render_markdown
-from topk_nb.losses import LOSSES
-from topk_nb.svm import TopkHinge
+from topk_nb.perf import gpucheck
+from topk_nb.perf.gpucheck import SECTIONS, TOLERANCE, check_correctness, gpu_check, main, render_markdown
+from topk_nb.loss.registry import LOSSES
+from topk_nb.loss.svm import TopkHinge
 
 ROOT = Path(__file__).resolve().parent.parent
 NOT_ON_A_BARE_GPU_MACHINE = ("nbdev", "fastcore", "papermill", "nbformat", "nbclient", "execnb", "IPython", "ipykernel",
@@ -22,7 +22,7 @@ RUN_WITHOUT_DEV_TOOLS = f"""
 import runpy, sys
 sys.modules.update(dict.fromkeys({NOT_ON_A_BARE_GPU_MACHINE!r}))
 sys.argv[0] = "gpucheck"
-runpy.run_module("topk_nb.gpucheck", run_name="__main__", alter_sys=True)
+runpy.run_module("topk_nb.perf.gpucheck", run_name="__main__", alter_sys=True)
 """
 
 
@@ -44,12 +44,12 @@ def test_without_cuda_one_line_and_exit_1():
 
 def test_bad_flags_exit_2(capsys):
     res = run_command("--quik")
-    assert res.returncode == 2 and res.stderr.startswith("usage: python -m topk_nb.gpucheck"), res.stderr
+    assert res.returncode == 2 and res.stderr.startswith("usage: python -m topk_nb.perf.gpucheck"), res.stderr
     for args in (["--device", "tpu"], ["--device", "cuda:x"], ["--out"], ["--sections", "host,sped"], ["--sections", ","]):
         with pytest.raises(SystemExit) as exit_:
             main(args)
         assert exit_.value.code == 2, args
-        assert "usage: python -m topk_nb.gpucheck" in capsys.readouterr().err
+        assert "usage: python -m topk_nb.perf.gpucheck" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--device", "cpu", "--sections", "host,sped"])      # a typo stops the command before any section runs
     assert "must be among environment, correctness" in capsys.readouterr().err
@@ -80,7 +80,7 @@ def test_the_environment_section_is_the_records_description_of_the_device(dry_ru
     # one description of a process for the runner's records and the GPU check: the device's kind, name and capability,
     # torch's threads and the commit with its +dirty mark, as well as the versions, in both
     import platform
-    from topk_nb.records import git_commit
+    from topk_nb.runner.records import git_commit
     env = dry_run[1]["sections"]["environment"]
     assert (env["status"], env["device"], env["capability"]) == ("ok", "cpu", None)
     assert env["device_name"] == (platform.processor() or platform.machine())
@@ -104,8 +104,8 @@ def test_dry_run_syncs_speed_epoch_compile(dry_run):
     for name, v in syncs.items():
         assert set(v) == {"check_finite=False", "default"} and all("aten" in e for e in v.values()), name
     # on the CPU the default checks finiteness on the host; check_finite=False does not
-    assert "_local_scalar_dense @ core.check_finite" in syncs["smooth_svm"]["default"]["aten"]
-    assert "_local_scalar_dense @ core.check_finite" not in syncs["smooth_svm"]["check_finite=False"]["aten"]
+    assert "_local_scalar_dense @ base.core.check_finite" in syncs["smooth_svm"]["default"]["aten"]
+    assert "_local_scalar_dense @ base.core.check_finite" not in syncs["smooth_svm"]["check_finite=False"]["aten"]
     speed = secs["speed"]["rows"]
     assert sorted({r["loss"] for r in speed}) == sorted(LOSSES)
     assert all(r["ratio"] > 0 and (r["k"] is None) == ("k" not in LOSSES[r["loss"]].defaults) for r in speed)
@@ -152,7 +152,7 @@ def test_compile_section_fails_a_loss_that_does_not_compile_whole(monkeypatch):
 
 
 def test_compile_section_counts_the_kernels_a_compiled_step_runs():
-    kernels = pytest.importorskip("topk_nb.kernels")
+    kernels = pytest.importorskip("topk_nb.ops.launch")
     if not kernels.HAS_TRITON:
         pytest.skip("triton is not installed")
     with kernels.force_triton():                      # as on CUDA: the fused kernels, here in Triton's interpreter
@@ -164,7 +164,7 @@ def test_compile_section_counts_the_kernels_a_compiled_step_runs():
 
 def test_triton_variants_are_the_launches_each_section_needs():
     "The dry preset's launches, recorded and not run: the float32 smooth SVM's kernels at the preset's k, the noised losses' kernels, the row losses' kernels (modules that import the launch function by name record too), each first needed by a section of the check."
-    kernels = pytest.importorskip("topk_nb.kernels")
+    kernels = pytest.importorskip("topk_nb.ops.launch")
     if not kernels.HAS_TRITON:
         pytest.skip("triton is not installed")
     variants = gpucheck.triton_variants(gpucheck.PRESETS["dry"])
@@ -177,7 +177,7 @@ def test_triton_variants_are_the_launches_each_section_needs():
 
 
 def test_compile_estimate_times_each_variant_for_sm90():
-    kernels = pytest.importorskip("topk_nb.kernels")
+    kernels = pytest.importorskip("topk_nb.ops.launch")
     if not kernels.HAS_TRITON:
         pytest.skip("triton is not installed")
     est = gpucheck.compile_estimate(gpucheck.PRESETS["dry"], names=["smooth_svm"])

@@ -1,17 +1,17 @@
-"""The fused Triton kernels (topk_nb.kernels, svm_kernels, noised_kernels) on small shapes against PyTorch references. On a CUDA machine they run
+"""The fused Triton kernels (topk_nb.ops: launch, svm, noised) on small shapes against PyTorch references. On a CUDA machine they run
 compiled, on tensors on the GPU; without one, in Triton's interpreter on CPU tensors (tests/conftest.py sets
 TRITON_INTERPRET=1). The references are computed on the CPU either way."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-kernels = pytest.importorskip("topk_nb.kernels")
+kernels = pytest.importorskip("topk_nb.ops.launch")
 if not kernels.HAS_TRITON:
     pytest.skip("triton is not installed", allow_module_level=True)
 
-from topk_nb import noised_kernels, svm_kernels  # noqa: E402
+from topk_nb.ops import noised as noised_kernels, svm as svm_kernels  # noqa: E402
 
-from topk_nb.noised import noised_bal, noised_imbal, margins_from_counts  # noqa: E402
+from topk_nb.loss.noised import noised_bal, noised_imbal, margins_from_counts  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")   # where the kernels run: compiled, or interpreted
 
@@ -202,7 +202,7 @@ def test_noised_hinge_kernel_loss_and_gradient(dtype, n):
     s[[0, 1], y[:2]] += 5
     margin = torch.rand(5, generator=g, dtype=dtype)
     x = s.to(DEV).requires_grad_()
-    loss = noised_kernels.triton_noised_hinge(x, y.to(DEV), 4, 0.5, 6, margin.to(DEV), 2.5, generator=torch.Generator().manual_seed(2))
+    loss = noised_kernels.noised_hinge_triton(x, y.to(DEV), 4, 0.5, 6, margin.to(DEV), 2.5, generator=torch.Generator().manual_seed(2))
     (grad,) = torch.autograd.grad(loss.sum(), x)
     mean, idx = (t.cpu() for t in noised_kernels.perturbed_kth_triton(s.to(DEV), 4, 0.5, 6, generator=torch.Generator().manual_seed(2)))
     hinge = margin.double() + mean.double() - s.double().gather(1, y[:, None])[:, 0]
@@ -211,9 +211,9 @@ def test_noised_hinge_kernel_loss_and_gradient(dtype, n):
     torch.testing.assert_close(grad.cpu().double(), expected, rtol=1e-6, atol=1e-7)
     assert (loss[:2] == 0).all() and (loss[2:] > 0).all()
     with pytest.raises(ValueError, match="epsilon"):
-        noised_kernels.triton_noised_hinge(x, y.to(DEV), 4, 0.0, 6)
+        noised_kernels.noised_hinge_triton(x, y.to(DEV), 4, 0.0, 6)
     with pytest.raises(ValueError, match="margin must be"):
-        noised_kernels.triton_noised_hinge(x, y.to(DEV), 4, 0.5, 6, torch.ones(3, device=DEV))
+        noised_kernels.noised_hinge_triton(x, y.to(DEV), 4, 0.5, 6, torch.ones(3, device=DEV))
 
 
 @pytest.mark.parametrize("imbalanced", [False, True])
@@ -250,10 +250,10 @@ def test_rows_too_long_or_k_too_large_take_the_pytorch_path():
 
 # --- the smooth top-k SVM kernels ---------------------------------------------------------------------------
 
-from topk_nb.bench import aten_ops, syncing_ops  # noqa: E402
-from topk_nb.core import force_sync_free  # noqa: E402
-from topk_nb.svm import smooth_svm, smooth_topk_svm_bruteforce, svm_route  # noqa: E402
-from topk_nb.esp_backward import tree_svm_loss  # noqa: E402
+from topk_nb.perf.bench import aten_ops, syncing_ops  # noqa: E402
+from topk_nb.base.core import force_sync_free  # noqa: E402
+from topk_nb.loss.svm import smooth_svm, smooth_topk_svm_bruteforce, svm_route  # noqa: E402
+from topk_nb.math.esp_backward import tree_svm_loss  # noqa: E402
 
 
 @pytest.mark.parametrize("n, k, tau, block", [(5, 1, 1.0, None), (8, 3, 0.2, 4), (11, 4, 5.0, 4), (9, 8, 1.0, 4),
@@ -272,6 +272,7 @@ def test_svm_kernels_equal_subset_enumeration(n, k, tau, block):
     torch.testing.assert_close(grad, grad_ref, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.chapter("03a")
 @pytest.mark.parametrize("n, k, tau, scale", [(120, 5, 1.0, 3.0), (100, 10, 1e-4, 1.0), (41, 40, 1.0, 1.0),
                                               (90, 20, 100.0, 1.0), (150, 3, 0.05, 100.0)])
 def test_svm_kernels_float32_within_targets_of_float64(n, k, tau, scale):
@@ -290,6 +291,7 @@ def test_svm_kernels_float32_within_targets_of_float64(n, k, tau, scale):
     assert (grad.double() - ref_grad).abs().max() <= 1e-4 * ref_grad.abs().max()
 
 
+@pytest.mark.chapter("03a")
 @pytest.mark.parametrize("n, k, tau, scale, tile, equal", [
     (60, 1, 1.0, 3.0, None, False), (700, 5, 0.5, 3.0, 256, False), (300, 3, 1e-4, 1.0, None, False),
     (80, 5, 100.0, 1.0, None, False), (7, 5, 1.0, 3.0, None, False), (12, 5, 1.0, 0.0, None, True),
@@ -327,6 +329,7 @@ def test_svm32_kernels_give_nan_past_their_range():
     assert torch.isnan(x.grad[1]).all() and torch.isfinite(x.grad[[0, 2]]).all()
 
 
+@pytest.mark.chapter("03a")
 def test_large_k_backward_takes_the_scans_on_rows_with_a_head_only():
     "One row with a class far above the rest (t_i > 1/2) among rows without: the grad kernel marks that row alone, the scans give its gradient, Horner the others'; all match float64. Rows of 126 classes: the forward's tile checks two chunks pass by pass and two once, the scans take one block (their cost in the interpreter grows with the blocks)."
     s = torch.randn(3, 126, generator=torch.Generator().manual_seed(3))
@@ -360,6 +363,7 @@ def test_forward_stores_the_backward_constants(k, tile):
     torch.testing.assert_close(rr[:, 1:].double(), torch.exp2(log2_rho - log2_rho[:, -1:]), rtol=1e-5, atol=0)
 
 
+@pytest.mark.chapter("03a")
 def test_large_k_kernels_give_nan_past_their_range():
     s = torch.randn(2, 60)
     s[1, 7] = 1e9
@@ -400,7 +404,7 @@ def test_smooth_svm_takes_the_kernels_without_syncs(reduction):
         ops = aten_ops(step)
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-7)
     assert launches == 3 and not syncing_ops(ops)                 # float32, a row of one tile: one kernel forward, two backward
-    from topk_nb.bench import _METADATA, _NO_LAUNCH
+    from topk_nb.perf.bench import _METADATA, _NO_LAUNCH
     kernels_run = sum(v for op, v in ops.items() if op not in _NO_LAUNCH | _METADATA)   # allocations and views launch nothing
     assert kernels_run + launches <= 30                           # the CUDA path's launch budget per forward+backward
 
@@ -421,7 +425,7 @@ import sys
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import triton
-from topk_nb import kernels as K, noised_kernels, svm_kernels
+from topk_nb.ops import launch as K, noised as noised_kernels, svm as svm_kernels
 ptrs = lambda names, kinds: dict(zip(names, kinds))
 fwd = ptrs(["s_ptr", "y_ptr", "loss_ptr", "lsig_ptr", "rho_ptr", "ckpt_ptr"], ["*fp32", "*i64"] + ["*fp64"] * 4)
 fwd.update(n="i32", n_blocks="i32", inv_ktau_bits="i64", alpha_tau_bits="i64", tau_bits="i64")
@@ -539,7 +543,7 @@ import itertools, sys
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import triton
-from topk_nb import kernels as K, row_kernels as R
+from topk_nb.ops import launch as K, rows as R
 ptrs = lambda names, kinds: dict(zip(names, kinds))
 fwd = ptrs(["s_ptr", "y_ptr", "m_ptr", "state_ptr"], ["*fp32", "*i64", "*fp32", "*fp32"])
 fwd.update(n_rows="i32", n="i32", alpha="fp32", gamma="fp32", scale="fp32")
@@ -583,7 +587,7 @@ def test_a_trace_keeps_the_operators(name, dtype):
     trace with torch.compiler.is_compiling() false): each kernel call is its registered operator, whose fake
     implementation the tracer reads; the eager shortcut would launch a kernel on tensors that have no data."""
     from torch.fx.experimental.proxy_tensor import make_fx
-    from topk_nb.core import force_sync_free
+    from topk_nb.base.core import force_sync_free
     n = 20
     kw = {"class_counts": torch.arange(1, n + 1)} if name == "noised_imbal" else {}
     crit = get_loss(name, k=3, **kw)
@@ -603,7 +607,7 @@ def test_a_trace_keeps_the_operators(name, dtype):
 
 # --- the loss modules' conventions inside the kernels ------------------------------------------------------------
 
-from topk_nb.losses import get_loss  # noqa: E402
+from topk_nb.loss.registry import get_loss  # noqa: E402
 
 
 def _by_hand(rows, y, weight, ignore_index, reduction):
@@ -703,6 +707,7 @@ def test_module_kernels_refuse_labels_that_are_no_class(name):
                 crit(s, y)
 
 
+@pytest.mark.chapter("03a")
 @pytest.mark.parametrize("k, tau, late", [(5, 1.0, None), (12, 1.0, None), (5, 1.0, 40.0), (5, 1e-2, None)])
 def test_svm32_fast_passes_within_targets_of_float64(k, tau, late):
     "Rows of 8 passes of 8 classes per thread, on fixed exponents or class by class: typical rows (all passes fixed), a class far above the rest in a late pass (that pass exact), rows of small tau whose spread refuses most passes; the loss and gradient against the float64 tree either way."
@@ -735,7 +740,7 @@ def test_svm32_fast_passes_within_targets_of_float64(k, tau, late):
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from topk_nb.svm_kernels import _load_poly, _poly_fixed_ok, _poly_mul, _poly_mul_fixed   # noqa: E402
+from topk_nb.ops.svm import _load_poly, _poly_fixed_ok, _poly_mul, _poly_mul_fixed   # noqa: E402
 
 
 @triton.jit
@@ -789,20 +794,23 @@ def test_plain_polynomial_product_matches_float64_or_refuses(far):
                                                ("noised_bal", torch.float32, 30, 3), ("noised_imbal", torch.float64, 30, 2)])
 def test_kernels_take_masked_classes_at_minus_inf(name, dtype, n, k):
     "-inf scores (masked classes) through the kernels: the value and gradient with those scores far below the rest (no NaN)."
-    from topk_nb.core import force_sync_free
-    from topk_nb.losses import get_loss
+    from topk_nb.base.core import force_sync_free
+    from topk_nb.loss.registry import get_loss
     g = torch.Generator().manual_seed(n + k)
-    s = 2 * torch.randn(3, n, generator=g, dtype=dtype)
-    y = torch.randint(0, n // 2, (3,), generator=g)
+    rows = 2 if k > svm_kernels.SVM32_MAX_K else 3                     # the interpreter runs a warp's lanes one by one
+    s = 2 * torch.randn(rows, n, generator=g, dtype=dtype)
+    y = torch.randint(0, n // 2, (rows,), generator=g)
     mask = torch.zeros_like(s, dtype=torch.bool); mask[:, n // 2:] = True; mask[0, 0] = y[0] != 0
     extra = {"class_counts": torch.arange(1, n + 1)} if name == "noised_imbal" else {}
     outs = []
+    build = lambda: get_loss(name, k=k, check_finite=False, **extra,
+                             **({"generator": torch.Generator().manual_seed(2)} if name.startswith("noised") else {}))
+    with force_sync_free(), kernels.force_triton():                    # the kernels' path, asked once
+        assert build().kernel_loss(s.masked_fill(mask, float("-inf")).to(DEV), y.to(DEV), None) is not None
     for fill in (float("-inf"), -1e4):
-        kw = {"generator": torch.Generator().manual_seed(2)} if name.startswith("noised") else {}
-        crit = get_loss(name, k=k, check_finite=False, **kw, **extra)
+        crit = build()                                                 # the same noise draws for both
         x = s.masked_fill(mask, fill).to(DEV).requires_grad_()
         with force_sync_free(), kernels.force_triton():
-            assert crit.kernel_loss(x.detach(), y.to(DEV), None) is not None          # the kernels' path
             loss = crit(x, y.to(DEV))
             loss.backward()
         outs.append((loss.detach().cpu(), x.grad.cpu()))

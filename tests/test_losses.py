@@ -2,11 +2,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from topk_nb.baselines import ce
-from topk_nb.core import target_rank
-from topk_nb.losses import LOSSES, TopkMixture, get_loss, loss_table
-from topk_nb.noised import noised_bal
-from topk_nb.svm import smooth_svm, topk_hinge
+from topk_nb.loss.baselines import ce
+from topk_nb.base.core import target_rank
+from topk_nb.loss.registry import LOSSES, TopkMixture, get_loss, loss_table
+from topk_nb.loss.noised import noised_bal
+from topk_nb.loss.svm import smooth_svm, topk_hinge
 
 NAMES = ["ce", "focal", "ldam", "topk_hinge", "cvx_hinge", "cal_hinge", "smooth_svm", "noised_bal", "noised_imbal",
          "topk_grouping", "topk_transition"]
@@ -141,8 +141,8 @@ def test_mixture_averages_as_its_losses_do(name, conventions):
 def test_a_module_shows_every_setting_it_was_given(name):
     "print(module) shows each argument of its own with the value it holds, and the conventions only where they differ from nn.CrossEntropyLoss's defaults: one function for every loss and fused head, so no module leaves a setting out."
     import inspect, re
-    from topk_nb.core import CONVENTIONS
-    from topk_nb.fused import FusedLinearNoisedBal, FusedLinearNoisedImbal, FusedLinearSmoothSVM
+    from topk_nb.base.core import CONVENTIONS
+    from topk_nb.loss.fused import FusedLinearNoisedBal, FusedLinearNoisedImbal, FusedLinearSmoothSVM
     kw = {"class_counts": torch.arange(1, 9)} if LOSSES[name].needs_class_counts else {}
     fused = {"smooth_svm": FusedLinearSmoothSVM, "noised_bal": FusedLinearNoisedBal, "noised_imbal": FusedLinearNoisedImbal}
     given = dict(reduction="sum", ignore_index=3, weight=torch.ones(8))
@@ -158,8 +158,8 @@ def test_a_module_shows_every_setting_it_was_given(name):
 
 def test_the_authors_signatures_show_their_own_names():
     "The classes that take an authors' package's arguments show them under the authors' names."
-    from topk_nb.noised import BalNoisedTopK, ImbalNoisedTopK, NoisedTopK
-    from topk_nb.svm import SmoothTopkSVM
+    from topk_nb.loss.noised import BalNoisedTopK, ImbalNoisedTopK, NoisedTopK
+    from topk_nb.loss.svm import SmoothTopkSVM
     assert repr(SmoothTopkSVM(10)) == "SmoothTopkSVM(n_classes=10, alpha=1.0, tau=1.0, k=5, hard_switch=True)"
     assert repr(BalNoisedTopK(5, 0.1)) == "BalNoisedTopK(k=5, epsilon=0.1, n_sample=5, generator=None)"
     shown = repr(ImbalNoisedTopK(5, 0.1, 0.5, [3, 4, 5, 6, 7, 8, 9]))

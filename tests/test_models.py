@@ -1,4 +1,4 @@
-"""Networks and the model registry (topk_nb.models): shapes, published parameter counts, heads, local weights."""
+"""Networks and the model registry (topk_nb.training.models): shapes, published parameter counts, heads, local weights."""
 import math
 
 import pytest
@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
-from topk_nb.models import (INPUT_SHAPES, MODELS, CifarResNet, DenseNet, NormalisedLinear, circle_linear, circle_mlp,
+from topk_nb.training.models import (INPUT_SHAPES, MODELS, CifarResNet, DenseNet, NormalisedLinear, circle_linear, circle_mlp,
                             count_parameters, densenet, densenet_bc, get_model, load_weights, set_head)
 
 
@@ -254,7 +254,7 @@ def garcin_citations(text: str) -> list[tuple[str, str]]:
 def test_the_model_chapter_cites_sections_of_the_garcin_paper_that_exist():
     from pathlib import Path
     root = Path(__file__).resolve().parent.parent
-    texts = {p: p.read_text(encoding="utf-8") for p in (root / "nbs" / "11_models.ipynb", root / "topk_nb" / "models.py")}
+    texts = {p: p.read_text(encoding="utf-8") for p in (root / "nbs" / "11_models.ipynb", root / "topk_nb" / "training" / "models.py")}
     cited = [(p.name, s, line) for p, text in texts.items() for s, line in garcin_citations(text)]
     assert {s for _, s, _ in cited} >= {"4.5", "4.5.2", "4.1"}, cited      # the set-ups of Tab. 5, Tab. 6 and Tab. 2-4
     wrong = [c for c in cited if c[1] not in GARCIN_SECTIONS or c[1] == "5"]

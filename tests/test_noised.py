@@ -1,12 +1,12 @@
-"""Perturbed top-K (topk_nb.perturbed) and the noised top-K hinge losses (topk_nb.noised) of Garcin 2022."""
+"""Perturbed top-K (topk_nb.loss.perturbed) and the noised top-K hinge losses (topk_nb.loss.noised) of Garcin 2022."""
 import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, strategies as st
 
-from topk_nb.noised import (CalHinge, NoisedBal, NoisedImbal, cal_hinge, margins_from_counts,
+from topk_nb.loss.noised import (CalHinge, NoisedBal, NoisedImbal, cal_hinge, margins_from_counts,
                             noised_bal, noised_imbal)
-from topk_nb.perturbed import (arg_top_sum, draw_noise, perturbed_argmax, perturbed_topk_law, sample_perturbed_topk,
+from topk_nb.loss.perturbed import (arg_top_sum, draw_noise, perturbed_argmax, perturbed_topk_law, sample_perturbed_topk,
                                smooth_topk, top_sum, topk_value)
 
 

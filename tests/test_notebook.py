@@ -1,14 +1,14 @@
-"An experiment notebook's frame (`topk_nb.notebook`): each parameter declared once, in the notebook's parameters cell, checked the same way by the runner and by the notebook, and a new notebook that needs only its parameters and its body."
+"An experiment notebook's frame (`topk_nb.runner.notebook`): each parameter declared once, in the notebook's parameters cell, checked the same way by the runner and by the notebook, and a new notebook that needs only its parameters and its body."
 import re
 from pathlib import Path
 
 import nbformat
 import pytest
 
-from topk_nb import batch
-from topk_nb.batch import load_records, run_grid
-from topk_nb.cli import main
-from topk_nb.grid import notebook_parameters, parameter_choices
+from topk_nb.runner import batch
+from topk_nb.runner.batch import load_records, run_grid
+from topk_nb.runner.cli import main
+from topk_nb.runner.grid import notebook_parameters, parameter_choices
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "nbs" / "experiments"
 
@@ -16,7 +16,7 @@ NOTEBOOKS = Path(__file__).resolve().parent.parent / "nbs" / "experiments"
 def new_notebook(path: Path, parameters: str, *body: str) -> Path:
     "A new experiment notebook as its author writes it: the parameters cell, `start`, the body, `finish`."
     cells = [nbformat.v4.new_code_cell(parameters),
-             nbformat.v4.new_code_cell("from topk_nb.notebook import start\njob = start(globals())"),
+             nbformat.v4.new_code_cell("from topk_nb.runner.notebook import start\njob = start(globals())"),
              *(nbformat.v4.new_code_cell(b) for b in body),
              nbformat.v4.new_code_cell('job.finish({"final": final})')]
     cells[0].metadata["tags"] = ["parameters"]
@@ -32,7 +32,7 @@ PARAMETERS = ("from typing import Literal\n\n"
               "sizes = [3, 5]\n"
               "seed = 0\n"
               "record_path = None")
-BODY = ("import torch\nfrom topk_nb.losses import get_loss\n"
+BODY = ("import torch\nfrom topk_nb.loss.registry import get_loss\n"
         "g = torch.Generator().manual_seed(seed)\n"
         "fn = get_loss(loss, **({'k': k} if loss != 'ce' else {}))\n"
         "final = [{'loss': loss, 'seed': seed, 'n': n, 'value': fn(torch.randn(4, n, generator=g), torch.arange(4) % n).item()}"
@@ -108,7 +108,7 @@ def test_zero_temperature_runs_the_hard_hinge_through_the_registry(tmp_path):
 
 def test_start_refuses_an_experiment_the_catalogue_does_not_know():
     "A misspelt experiment name would go into the record unknown to the report: it stops at start, with the near name."
-    from topk_nb.notebook import start
+    from topk_nb.runner.notebook import start
     with pytest.raises(ValueError, match="did you mean 'circles_tradeoffs'"):
         start({"sigma": 20.0}, "circles_tradeoff")
     assert start({"loss": "mine", "k": 2}).experiment is None          # no name: an ad-hoc notebook, as before
@@ -117,8 +117,8 @@ def test_start_refuses_an_experiment_the_catalogue_does_not_know():
 def test_a_value_that_strict_json_cannot_hold_is_refused_at_start():
     "The record holds the parameters as strict JSON (`records.plain`: NaN would become the string 'nan'): NaN and infinities stop the notebook, even inside a list or for a string parameter, instead of being recorded as what they are not."
     import json
-    from topk_nb.notebook import start
-    from topk_nb.records import plain
+    from topk_nb.runner.notebook import start
+    from topk_nb.runner.records import plain
     nan_list = [3, float("nan")]
     assert json.loads(json.dumps(plain(nan_list), allow_nan=False)) != nan_list     # what a record would have said
     for namespace in ({"sizes": nan_list}, {"name": float("inf")}, {"grid": {"a": (1.0, float("-inf"))}}):

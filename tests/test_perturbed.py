@@ -1,12 +1,12 @@
-"""The exact sparse sampler of top_K(s + eps Z) (topk_nb.perturbed, section 5) against an exact quadrature reference."""
+"""The exact sparse sampler of top_K(s + eps Z) (topk_nb.loss.perturbed, section 5) against an exact quadrature reference."""
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from topk_nb.core import force_sync_free
-from topk_nb.perturbed import (DENSE_RATIO, perturbed_topk_law, sample_perturbed_topk, sampled_topk_value, smooth_topk,
+from topk_nb.base.core import force_sync_free
+from topk_nb.loss.perturbed import (DENSE_RATIO, perturbed_topk_law, sample_perturbed_topk, sampled_topk_value, smooth_topk,
                                topk_value)
 
 FLAT = torch.tensor([1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3], dtype=torch.float64)

@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from topk_nb import LOSSES, get_loss
-from topk_nb.core import MAX_PLANS, conventions_loss, force_sync_free
-from topk_nb.kernels import HAS_TRITON, force_triton
-from topk_nb.row_kernels import ROW_LOSSES
+from topk_nb.base.core import MAX_PLANS, conventions_loss, force_sync_free
+from topk_nb.ops.launch import HAS_TRITON, force_triton
+from topk_nb.ops.rows import ROW_LOSSES
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON or os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="the kernels run on the CPU in Triton's interpreter only")
@@ -156,7 +156,7 @@ def test_weights_and_class_counts_changed_in_place_take_effect():
 
 
 def test_the_host_asks_little_of_a_planned_call():
-    from topk_nb import bench
+    from topk_nb.perf import bench
     rows = {r["loss"]: r for r in bench.host_table()}
     ce = rows["F.cross_entropy"]
     for name in LOSSES:
@@ -169,6 +169,9 @@ def test_the_host_asks_little_of_a_planned_call():
             assert r["launches"] <= 4 and r["kernels"] + r["launches"] <= ce["kernels"] + seed, r
         if name in ROW_LOSSES:                                           # the state, the finishing kernel's four, the gradient
             assert r["allocations"] <= 6, r
+        if name == "smooth_svm":                                         # rows of one tile: the row's six outputs, the
+            assert r["allocations"] <= 16, r                             # finishing kernel's four, the gradient and its
+                                                                         # head lists; no tile buffer
 
 
 def test_a_copy_keeps_no_plan_of_its_original_and_a_module_pickles():

@@ -1,4 +1,4 @@
-"""Top-k marginals and multi-crop prediction (topk_nb.predict) against enumeration of the k-sets in float64."""
+"""Top-k marginals and multi-crop prediction (topk_nb.math.predict) against enumeration of the k-sets in float64."""
 import itertools
 import math
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from topk_nb.predict import PREDICT_METHODS, _tree_marginals, multicrop_marginals, predict_topk, topk_marginals
+from topk_nb.math.predict import PREDICT_METHODS, _tree_marginals, multicrop_marginals, predict_topk, topk_marginals
 
 
 def random_scores(seed, shape, scale=1.0, dtype=torch.float64):

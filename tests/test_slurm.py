@@ -12,8 +12,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from topk_nb.batch import JOB_LOG, RECORD, cell_dir, get_experiment, record_stamp
-from topk_nb.slurm import slurm_available, slurm_folder, task_log
+from topk_nb.runner.batch import JOB_LOG, RECORD, cell_dir, get_experiment, record_stamp
+from topk_nb.runner.slurm import slurm_available, slurm_folder, task_log
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONF = Path(os.environ.get("TOPK_NB_SLURM_DIR", "/tmp/topk-nb-slurm")) / "slurm.conf"
@@ -60,7 +60,7 @@ def cancel_leftovers(tmp_path):
 
 def topk_nb(*words, timeout=300):
     "Exit status, stdout, stderr of the `topk-nb` command in a fresh process (as a user runs it)."
-    p = subprocess.run([sys.executable, "-m", "topk_nb.cli", *words], capture_output=True, text=True, timeout=timeout)
+    p = subprocess.run([sys.executable, "-m", "topk_nb.runner.cli", *words], capture_output=True, text=True, timeout=timeout)
     return p.returncode, p.stdout, p.stderr
 
 
@@ -91,11 +91,11 @@ def wait_until(predicate, limit=120.0, what="the condition"):
 
 
 # A notebook whose cells write, in their folder, a line per start and per finish, and stall while a `hold` file is in
-# the experiment's folder (hold-X for the cell x=X); it checkpoints its steps (progress.json) and resumes from them, like topk_nb.train.
+# the experiment's folder (hold-X for the cell x=X); it checkpoints its steps (progress.json) and resumes from them, like topk_nb.training.loop.
 BODY = """\
 import json, time
 from pathlib import Path
-from topk_nb.records import atomic_write_json, write_record
+from topk_nb.runner.records import atomic_write_json, write_record
 cell = Path(record_path).parent
 hold = cell.parent / f"hold-{x}"
 with open(cell / "runs.log", "a") as f: f.write("start\\n")
@@ -240,7 +240,7 @@ def test_ctrl_c_of_the_runner_cancels_what_it_submitted_after_saying_so(tmp_path
     exp = get_experiment(str(nb))
     (out / exp.name).mkdir(parents=True)
     (out / exp.name / "hold-1").write_text("")
-    runner = subprocess.Popen([sys.executable, "-m", "topk_nb.cli", "run", str(nb), "--grid", "stall_at=2", "--out",
+    runner = subprocess.Popen([sys.executable, "-m", "topk_nb.runner.cli", "run", str(nb), "--grid", "stall_at=2", "--out",
                                str(out), "--executor", "slurm", "--slurm-config", fast_poll],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               preexec_fn=lambda: signal.signal(signal.SIGINT, INHERITED[inherited]))

@@ -6,10 +6,10 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, strategies as st
 
-from topk_nb.core import scores_without_target
-from topk_nb.esp_backward import log_sigma
-from topk_nb.losses import get_loss
-from topk_nb.svm import (SmoothSVM, TopkHinge, _SmoothTopkSVMFunction, hard_enough, smooth_svm,
+from topk_nb.base.core import scores_without_target
+from topk_nb.math.esp_backward import log_sigma
+from topk_nb.loss.registry import get_loss
+from topk_nb.loss.svm import (SmoothSVM, TopkHinge, _SmoothTopkSVMFunction, hard_enough, smooth_svm,
                          smooth_topk_svm_bruteforce, subset_sums_bruteforce, topk_hinge)
 
 

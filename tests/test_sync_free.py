@@ -6,8 +6,8 @@ import torch
 import torch._inductor.config
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from topk_nb.core import force_sync_free
-from topk_nb.losses import LOSSES, get_loss
+from topk_nb.base.core import force_sync_free
+from topk_nb.loss.registry import LOSSES, get_loss
 
 # aten operators that read device memory back to the host, or whose output shape depends on the data
 READ_BACK = {"nonzero", "_local_scalar_dense", "masked_select", "unique", "_unique", "_unique2", "unique_consecutive",

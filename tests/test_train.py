@@ -1,4 +1,4 @@
-"""Training and evaluation (topk_nb.train): configuration checks, metrics, multi-crop, checkpoints and exact
+"""Training and evaluation (topk_nb.training.loop): configuration checks, metrics, multi-crop, checkpoints and exact
 resume, DDP with two CPU processes, a smoke run of every registered loss, and the fused head (the same training as
 the unfused loss, its refusals, the experiments' parameter)."""
 import itertools
@@ -15,9 +15,9 @@ import torch.nn as nn
 from hypothesis import given, strategies as st
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from topk_nb.core import macro_topk_accuracy, topk_accuracy
-from topk_nb.losses import LOSSES, get_loss
-from topk_nb.train import (PRESETS, ShardSampler, TrainConfig, atomic_write, derive_seed, evaluate,
+from topk_nb.base.core import macro_topk_accuracy, topk_accuracy
+from topk_nb.loss.registry import LOSSES, get_loss
+from topk_nb.training.loop import (PRESETS, ShardSampler, TrainConfig, atomic_write, derive_seed, evaluate,
                            fit, get_rng_state, load_checkpoint, lr_at, make_optimizer, make_scheduler, parse_args, run,
                            save_checkpoint, seed_everything, set_rng_state)
 
@@ -370,7 +370,7 @@ def test_ddp_two_processes_match_one(tmp_path):
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           "-m", "topk_nb.train", str(tmp_path / "spec.json"), f"out_dir={tmp_path / 'two'}"],
+                           "-m", "topk_nb.training.loop", str(tmp_path / "spec.json"), f"out_dir={tmp_path / 'two'}"],
                           capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     one = run(spec, out_dir=str(tmp_path / "one"))
@@ -462,8 +462,8 @@ def test_fused_head_trains_as_the_unfused_loss(loss, model_params, tmp_path):
 @pytest.mark.parametrize("loss", ["smooth_svm", "noised_bal", "noised_imbal"])
 def test_fused_step_gives_the_unfused_loss_and_gradients(loss, head):
     import copy
-    from topk_nb.models import get_model
-    from topk_nb.train import FusedHeadStep, fused_loss
+    from topk_nb.training.models import get_model
+    from topk_nb.training.loop import FusedHeadStep, fused_loss
     params = {"smooth_svm": dict(k=5, tau=0.5), "noised_bal": dict(k=5, epsilon=0.2, n_samples=10),
               "noised_imbal": dict(k=5, class_counts=torch.arange(1.0, 11.0), scale=5.0)}[loss]
     g = torch.Generator().manual_seed(1)
@@ -498,9 +498,9 @@ def test_fused_step_gives_the_unfused_loss_and_gradients(loss, head):
 
 def test_fused_training_accuracy_is_topk_correct_of_the_scores_without_a_sync():
     "The training accuracy the fused step counts chunk by chunk equals `topk_correct` of the whole scores (ties as a tie-break's chance, a NaN row a miss), with labels in every chunk and none in some, and reads nothing back to the host."
-    from topk_nb.bench import aten_ops, syncing_ops
-    from topk_nb.core import topk_correct
-    from topk_nb.train import _head_topk_correct
+    from topk_nb.perf.bench import aten_ops, syncing_ops
+    from topk_nb.base.core import topk_correct
+    from topk_nb.training.loop import _head_topk_correct
     g = torch.Generator().manual_seed(0)
     B, d, n, chunk = 9, 6, 70, 16                                        # five chunks, the last one short
     x, W, b = torch.randn(B, d, generator=g), torch.randn(n, d, generator=g), torch.randn(n, generator=g)
@@ -589,7 +589,7 @@ def test_fused_head_refusals_are_one_line_errors(call, match):
 
 
 def test_a_registry_model_whose_last_layer_is_not_linear_is_named(monkeypatch):
-    import topk_nb.train as train
+    import topk_nb.training.loop as train
 
     class ReluHead(nn.Module):          # a network whose `fc` ends in a ReLU, in the registry's place
         def __init__(self, n_classes):
@@ -605,8 +605,8 @@ def test_a_registry_model_whose_last_layer_is_not_linear_is_named(monkeypatch):
 
 
 def test_last_layer_of_the_package_models():
-    from topk_nb.models import MODELS, NormalisedLinear, get_model
-    from topk_nb.train import last_layer
+    from topk_nb.training.models import MODELS, NormalisedLinear, get_model
+    from topk_nb.training.loop import last_layer
     for name in MODELS:
         if name.startswith("resnet"):
             pytest.importorskip("torchvision")
@@ -627,7 +627,7 @@ def test_ddp_two_processes_with_the_fused_head_match_one_without(tmp_path):
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           "-m", "topk_nb.train", str(tmp_path / "spec.json"), "fused_head=true", f"out_dir={tmp_path / 'two'}"],
+                           "-m", "topk_nb.training.loop", str(tmp_path / "spec.json"), "fused_head=true", f"out_dir={tmp_path / 'two'}"],
                           capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     one = run(spec, out_dir=str(tmp_path / "one"))
@@ -645,9 +645,9 @@ def test_ddp_two_processes_with_the_fused_head_match_one_without(tmp_path):
 # --- the fused head in the experiments ------------------------------------------------------------------------
 
 def test_experiments_declare_fused_head_and_the_runner_checks_it(tmp_path, capsys):
-    from topk_nb.cli import main as cli
-    from topk_nb.grid import EXPERIMENTS, notebook_parameters
-    from topk_nb.notebook import start
+    from topk_nb.runner.cli import main as cli
+    from topk_nb.runner.grid import EXPERIMENTS, notebook_parameters
+    from topk_nb.runner.notebook import start
     for name in FIVE:
         assert notebook_parameters(EXPERIMENTS[name].notebook_path())["fused_head"] is False, name
         for preset in EXPERIMENTS[name].presets.values():   # the presets keep their cells: the records stay theirs
@@ -666,7 +666,7 @@ def test_experiments_declare_fused_head_and_the_runner_checks_it(tmp_path, capsy
 
 
 def test_the_records_identity_does_not_change_with_the_fused_head():
-    from topk_nb.report import record_settings
+    from topk_nb.runner.report import record_settings
     old = {"experiment": "cifar100_noise", "params": {"loss": "smooth_svm", "seed": 0, "amp": False}}
     for value in (False, True):
         new = {**old, "params": {**old["params"], "fused_head": value}}
@@ -680,7 +680,7 @@ def test_the_records_identity_does_not_change_with_the_fused_head():
     ("cifar100_noise", {"loss": "noised_bal", "fused_head": True, "epochs": 1}, None),
 ])
 def test_the_flag_reaches_train_run_from_an_experiment(name, params, error, tmp_path):
-    from topk_nb import batch
+    from topk_nb.runner import batch
     rec = batch.run_cell(batch.EXPERIMENTS[name].notebook_path(), params, tmp_path / "cell", experiment=name)
     if error is None:
         assert rec["status"] == "ok", rec.get("error")

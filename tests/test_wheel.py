@@ -30,7 +30,7 @@ def installed(tmp_path_factory):
 def run_installed(site: Path, cwd: Path, *words: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(site)}              # the installed copy shadows the source tree
     env.pop("TOPK_NB_EXPERIMENTS", None)
-    code = "import sys; from topk_nb.cli import main; sys.exit(main(sys.argv[1:]))"
+    code = "import sys; from topk_nb.runner.cli import main; sys.exit(main(sys.argv[1:]))"
     return subprocess.run([sys.executable, "-c", code, *words], cwd=cwd, env=env, capture_output=True, text=True)
 
 

@@ -12,7 +12,7 @@ import nbformat
 from nbclient import NotebookClient
 from nbconvert import MarkdownExporter
 
-from topk_nb.batch import kernel_config
+from topk_nb.runner.batch import kernel_config
 
 ROOT = Path(__file__).resolve().parent.parent
 DIRECTIVE = re.compile(r"^\s*#\s*\|.*$\n?", re.MULTILINE)

@@ -1,8 +1,8 @@
 "Where an eager call's host time goes on a CUDA machine (run from the repository root with PYTHONPATH=.): host time per call, cProfile, torch.profiler's CPU operators, the host cost of allocations, views and autograd, and of each Triton launch of a smooth_svm step through the package's launcher against the compiled kernel called directly."
 import cProfile, gc, inspect, io, pstats, sys, time
 import torch, torch.nn.functional as F
-from topk_nb.losses import get_loss
-from topk_nb import kernels as K
+from topk_nb.loss.registry import get_loss
+from topk_nb.ops import launch as K
 
 dev = torch.device("cuda")
 B, n = 256, 1000

@@ -8,7 +8,7 @@ and n = 1000 and 10^5 (k = 100 takes the kernels of a polynomial a warp)."""
 import json
 import sys
 
-from topk_nb.gpucheck import kernel_times
+from topk_nb.perf.gpucheck import kernel_times
 
 if len(sys.argv) not in (2, 3):
     sys.exit("usage: python tools/kernel_times.py OUT.json [KS, comma-separated k]")

@@ -13,7 +13,7 @@ from pathlib import Path
 import nbformat
 from nbclient import NotebookClient
 
-from topk_nb.batch import kernel_config
+from topk_nb.runner.batch import kernel_config
 
 FLAG = re.compile(r"^\s*#\s*\|\s*(slow|gpu)\b", re.MULTILINE)
 

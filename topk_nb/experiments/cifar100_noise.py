@@ -6,7 +6,7 @@
 __all__ = ['ENTRY']
 
 # %% ../../nbs/experiments/cifar100_noise.ipynb #186753f2
-from ..catalogue import Experiment, Figure, Finding, PaperValue
+from ..base.catalogue import Experiment, Figure, Finding, PaperValue
 
 # %% ../../nbs/experiments/cifar100_noise.ipynb #d4acdb3a
 # Berrada 2018, §5.1: "we use the architecture DenseNet 40-40 from Huang et al. (2017), and we use the same

@@ -6,12 +6,12 @@
 __all__ = ['ENTRY']
 
 # %% ../../nbs/experiments/cifar100_transition.ipynb #d1ee127d
-from ..catalogue import Experiment, Figure, Finding, PaperValue
+from ..base.catalogue import Experiment, Figure, Finding, PaperValue
 
 # %% ../../nbs/experiments/cifar100_transition.ipynb #534a780c
 # Sawada §V-A: "we used SGD with Nesterov momentum of 0.9, and weight decay of 5×10^-4, and trained for 200 epochs
 # with 128 images per mini batch. The learning rate was initially set to 0.1 and scheduled to decrease by a factor
-# of 5x after each 60th, 120th, and 160th epoch" (topk_nb.train.PRESETS["sawada_cifar100"]; None = the preset's);
+# of 5x after each 60th, 120th, and 160th epoch" (topk_nb.training.loop.PRESETS["sawada_cifar100"]; None = the preset's);
 # "5,000 training samples were used as the validation set"; "either Cutout [11] (with size 8×8) or Mixup [12]".
 _TR_PAPER = dict(epochs=None, batch_size=None, lr=None, val_size=5000, cutout_size=8, k=5, max_k=40,
               mixup_alpha=1.0,            # not given: Zhang et al. 2018's CIFAR value (ours)

@@ -9,7 +9,7 @@ __all__ = ['ENTRY', 'sawada_fig5']
 import math
 from pathlib import Path
 
-from ..catalogue import Experiment, Figure, Finding, PaperValue
+from ..base.catalogue import Experiment, Figure, Finding, PaperValue
 
 # %% ../../nbs/experiments/circles_tradeoffs.ipynb #e297a801
 def _circle_density(deg: float, centre: float, sigma: float) -> float:
@@ -53,8 +53,8 @@ def sawada_fig5(records: list[dict],  # the successful records of circles_tradeo
                 ) -> list[str]:
     "Sawada Fig. 5 (a: exp. 2, d = 90°; b: exp. 3, m = 8): where each loss predicts class `target` along the circle; the report's lines (none without such records)."
     import matplotlib
-    from topk_nb.files import save_figure
-    from topk_nb.results import record_newness   # the newest record of a setting
+    from topk_nb.base.files import save_figure
+    from topk_nb.base.results import record_newness   # the newest record of a setting
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     found = []

@@ -6,7 +6,7 @@
 __all__ = ['ENTRY']
 
 # %% ../../nbs/experiments/imagenet_lt.ipynb #00a9fb1d
-from ..catalogue import Experiment, Figure, Finding, PaperValue
+from ..base.catalogue import Experiment, Figure, Finding, PaperValue
 
 # %% ../../nbs/experiments/imagenet_lt.ipynb #5d0d483f
 # Garcin 2022 (draft), §4.5.2: "We train a ResNet34 with several losses for [K] for 100 epochs with a learning rate

@@ -6,13 +6,13 @@
 __all__ = ['ENTRY']
 
 # %% ../../nbs/experiments/imagenet_subsets.ipynb #ac9588a8
-from ..catalogue import Experiment, Figure, Finding, PaperValue
+from ..base.catalogue import Experiment, Figure, Finding, PaperValue
 
 # %% ../../nbs/experiments/imagenet_subsets.ipynb #0255757e
 # Berrada 2018, §5.2: "we train a ResNet-18 (He et al., 2016), adapting the protocol of the ImageNet experiment in
 # Huang et al. (2017)"; "Images are resized so that their smaller dimension is 256 ... random crops of 224×224";
 # "always hold out a balanced validation set of 50,000 images" (50 per class). The optimiser settings are
-# topk_nb.train.PRESETS["berrada_imagenet"] (CE) and ["berrada_imagenet_svm"] (L_{5,0.1}), chosen by the notebook.
+# topk_nb.training.loop.PRESETS["berrada_imagenet"] (CE) and ["berrada_imagenet_svm"] (L_{5,0.1}), chosen by the notebook.
 _IS_BERRADA_IMAGENET = dict(model="resnet18", image_size=224, resize=256, val_per_class=50, epochs=None, batch_size=None,
                          lr=None, fake_classes=None)
 
@@ -29,7 +29,7 @@ _IS_L5 = dict(loss="smooth_svm", k=5, tau=0.1, alpha=1.0)
 # less Berrada's validation set; the loss names are lost in our copy, the values identify them: the smoothed hinge
 # ("the smoothing parameter is set to 0.1"), CE, and the noised balanced loss ("[epsilon] to 0.5", "[B] is set to 10").
 # "We optimize all losses for [lost] and [lost]": the table's rows, K = 1 and K = 5. The optimiser settings are
-# topk_nb.train.PRESETS "berrada_imagenet" (CE), "berrada_imagenet_svm" (smoothed hinge) and "garcin_imagenet_noised".
+# topk_nb.training.loop.PRESETS "berrada_imagenet" (CE), "berrada_imagenet_svm" (smoothed hinge) and "garcin_imagenet_noised".
 _IS_TAB9_KS = [1, 5]
 _IS_TAB9_LOSSES = ["ce", "smooth_svm", "noised_bal"]
 _IS_GARCIN_IMAGENET = dict(_IS_BERRADA_IMAGENET, study="tab9", fraction=1.0, tau=0.1, alpha=1.0, epsilon=0.5, n_samples=10)

@@ -6,7 +6,7 @@
 __all__ = ['ENTRY', 'level_set_drawings']
 
 # %% ../../nbs/experiments/level_sets.ipynb #fdc82019
-from ..catalogue import Experiment, Figure, Finding, PaperValue
+from ..base.catalogue import Experiment, Figure, Finding, PaperValue
 
 # %% ../../nbs/experiments/level_sets.ipynb #6086cd53
 # Garcin 2022, Fig. 1 caption: "for L = 3 classes, K = 2 and a true label y = 2 (corresponding to the upper corner of

@@ -6,7 +6,7 @@
 __all__ = ['ENTRY']
 
 # %% ../../nbs/experiments/noise_scale.ipynb #3c67d9b1
-from ..catalogue import Experiment, Figure, Finding, PaperValue
+from ..base.catalogue import Experiment, Figure, Finding, PaperValue
 
 # %% ../../nbs/experiments/noise_scale.ipynb #fbaefcaa
 _NS_EPS = [0.0, 1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0, 100.0]   # Garcin 2022, Tab. 2

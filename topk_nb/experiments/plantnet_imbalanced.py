@@ -6,13 +6,13 @@
 __all__ = ['ENTRY']
 
 # %% ../../nbs/experiments/plantnet_imbalanced.ipynb #2d034d63
-from ..catalogue import Experiment, Figure, Finding, PaperValue
+from ..base.catalogue import Experiment, Figure, Finding, PaperValue
 
 # %% ../../nbs/experiments/plantnet_imbalanced.ipynb #45b1c48f
 _PN_KS = [1, 3, 5, 10]   # Garcin 2022, §4.5: "for K in {1, 3, 5, 10}"
 
 # Garcin 2022, §4.5: "We train a ResNet-50 (He et al., 2016) pre-trained on ImageNet ... for 30 epochs ... learning
-# rate of 2·10^-3 ... batch size and weight decay are set to 32 and 1.10^-4" (topk_nb.train.PRESETS["garcin_plantnet"];
+# rate of 2·10^-3 ... batch size and weight decay are set to 32 and 1.10^-4" (topk_nb.training.loop.PRESETS["garcin_plantnet"];
 # epochs/batch_size/lr None = the preset's). The ImageNet weights are a local file: the paper preset refuses to run
 # without --grid weights=PATH (`requires`). Seeds: the final version does not say; the draft's Tab. 5 is "three seeds,
 # 95% confidence interval" (Garcin 2022 draft, §4.5.1).

@@ -6,7 +6,7 @@
 __all__ = ['ENTRY']
 
 # %% ../../nbs/experiments/speed.ipynb #ff283b64
-from ..catalogue import Experiment, Figure, Finding, PaperValue
+from ..base.catalogue import Experiment, Figure, Finding, PaperValue
 
 # %% ../../nbs/experiments/speed.ipynb #3e6ab662
 # Berrada 2018, App. B.3.2: "on a GPU (Nvidia Titan Xp) ... k = 5, a batch size of 256 and a varying value of n. The

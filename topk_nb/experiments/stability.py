@@ -6,7 +6,7 @@
 __all__ = ['ENTRY']
 
 # %% ../../nbs/experiments/stability.ipynb #3a2fcd3f
-from ..catalogue import Experiment, Figure, Finding, PaperValue
+from ..base.catalogue import Experiment, Figure, Finding, PaperValue
 
 # %% ../../nbs/experiments/stability.ipynb #961f40ea
 # Berrada 2018, App. B.3.3, Tab. 5: "for various values of the temperature parameter τ" -- the table's columns.

@@ -6,7 +6,7 @@
 __all__ = ['ENTRY', 'berrada_fig2a']
 
 # %% ../../nbs/experiments/temperature.ipynb #7240d979
-from ..catalogue import Experiment, Figure, Finding, PaperValue
+from ..base.catalogue import Experiment, Figure, Finding, PaperValue
 
 # %% ../../nbs/experiments/temperature.ipynb #ece0d7ec
 _TE_TAUS = [0.0, 0.001, 0.01, 0.1, 1.0, 10.0, 100.0]   # Berrada 2018, App. D.1.2, Tab. 6 (0: the hard hinge l_5)
@@ -51,8 +51,8 @@ def berrada_fig2a(records: list[dict],  # the successful records of temperature
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from topk_nb.files import save_figure
-    from topk_nb.results import record_newness, record_settings, series_colours
+    from topk_nb.base.files import save_figure
+    from topk_nb.base.results import record_newness, record_settings, series_colours
     newest = {}
     for r in records:
         history = (r.get("metrics") or {}).get("history") or []
