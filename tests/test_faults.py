@@ -146,7 +146,8 @@ def test_kill_at_a_random_instant_then_rerun(tmp_path, target, seed):
     assert set(executions(tmp_path)) == set(xs)
 
 
-def test_a_job_killed_alone_gets_a_failed_record_and_the_summary_says_so(tmp_path):
+def signal_the_job(tmp_path: Path, signum: int) -> tuple[Path, Path, subprocess.Popen, str, str]:
+    "Run one cell of 30 s, send `signum` to its job process alone once the kernel is in the cell; (notebook, out, the runner's process, stdout, stderr)."
     nb, out = counting_notebook(tmp_path), tmp_path / "runs"
     proc = subprocess.Popen(runner(nb, out, [1], 30), env=ENV, cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -154,8 +155,13 @@ def test_a_job_killed_alone_gets_a_failed_record_and_the_summary_says_so(tmp_pat
     while not executions(tmp_path) and time.monotonic() < deadline: time.sleep(0.1)   # the kernel is in the cell
     jobs = job_processes(tmp_path)
     assert len(jobs) == 1
-    os.kill(jobs[0], signal.SIGKILL)
+    os.kill(jobs[0], signum)
     stdout, stderr = proc.communicate(timeout=60)
+    return nb, out, proc, stdout, stderr
+
+
+def test_a_job_killed_alone_gets_a_failed_record_and_the_summary_says_so(tmp_path):
+    nb, out, proc, stdout, stderr = signal_the_job(tmp_path, signal.SIGKILL)
     assert proc.returncode == 1
     assert json.loads(stdout.splitlines()[-1]) == {"total": 1, "skipped": 0, "ok": 0, "failed": 1, "missing": 0}
     rec, = load_records(out, status=None)
@@ -167,15 +173,7 @@ def test_a_job_stopped_alone_by_a_signal_leaves_its_cell_to_run_again(tmp_path):
     # scancel and Ctrl-C signal every process at once, and the job process may end on its signal before the runner has
     # seen its own: as here, where only the job gets SIGTERM. It cleaned up (128 + the signal): no failed record, the
     # cell is missing, and the next run does it
-    nb, out = counting_notebook(tmp_path), tmp_path / "runs"
-    proc = subprocess.Popen(runner(nb, out, [1], 30), env=ENV, cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while not executions(tmp_path) and time.monotonic() < deadline: time.sleep(0.1)   # the kernel is in the cell
-    jobs = job_processes(tmp_path)
-    assert len(jobs) == 1
-    os.kill(jobs[0], signal.SIGTERM)
-    stdout, stderr = proc.communicate(timeout=60)
+    nb, out, proc, stdout, stderr = signal_the_job(tmp_path, signal.SIGTERM)
     assert json.loads(stdout.splitlines()[-1]) == {"total": 1, "skipped": 0, "ok": 0, "failed": 0, "missing": 1}, stderr
     assert proc.returncode != 0 and load_records(out, status=None) == [] and wait_gone(tmp_path) == []
     assert [p for pattern in LEFTOVERS for p in out.rglob(pattern)] == []
