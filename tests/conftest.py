@@ -1,5 +1,6 @@
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 # Deterministic, CPU-friendly property tests: the same examples on every machine and in CI.
@@ -48,9 +49,6 @@ if LoadScopeScheduling is not None:
 # Kernel cases that a chapter's own checks run under Triton's interpreter (nbdev_test, beside these tests in `make test`)
 # are marked `@pytest.mark.chapter("03a")`: without a CUDA device they are skipped here, so that the interpreter does
 # not run them twice; on a GPU (`make gpu-test`) they run compiled.
-import pytest  # noqa: E402
-
-
 def pytest_configure(config):
     config.addinivalue_line("markers", "chapter(name): the chapter whose checks run these cases under Triton's "
                                        "interpreter; here they run on a CUDA device only")

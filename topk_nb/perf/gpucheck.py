@@ -70,10 +70,10 @@ _USER_FRAME = re.compile(r'File "[^"]*[/\\]topk_nb[/\\]((?:\w+[/\\])*\w+\.py)", 
 def one_line(e: BaseException) -> str:
     "`Type: first line of the message (at file.py:line function)`, the next line too where the first ends in a colon (a compiler's `backend='inductor' raised:`); the innermost package frame named in the message (compile errors) or in the traceback."
     text = str(e)
-    places = [(m[1].replace("\\", "/"), m[2], m[3]) for m in _USER_FRAME.finditer(text)]
+    places = [(path, line, fn) for path, line, fn in ((m[1].replace("\\", "/"), m[2], m[3]) for m in _USER_FRAME.finditer(text))
+              if path != "perf/gpucheck.py"]                          # this chapter's own frames name no loss's code
     places = places or [(module.replace(".", "/") + ".py", f.lineno, f.name) for f in traceback.extract_tb(e.__traceback__)
-                        if (module := package_module(f.filename))]
-    places = [p for p in places if p[0] != "perf/gpucheck.py"]
+                        if (module := package_module(f.filename)) and module != "perf.gpucheck"]
     lines = [line.strip() for line in text.splitlines() if line.strip()] or [""]
     first = " ".join(lines[:2]) if lines[0].endswith(":") else lines[0]     # what was raised, not only that it was
     first = first.removeprefix("Consider annotating your code using torch._check*(). ")         # Dynamo's preamble
