@@ -345,7 +345,7 @@ def test_large_k_backward_takes_the_scans_on_rows_with_a_head_only():
     torch.testing.assert_close(loss.double(), ref, rtol=1e-5, atol=0)
     assert ((grad.double() - ref_grad).abs().amax(1) <= 1e-4 * ref_grad.abs().amax(1)).all()
     rho, sc, se, dm = (t.cpu() for t in svm_kernels._svm32_forward_op(s.to(DEV), y.to(DEV), None, 40, 1.0, 1.0, 0, -1,
-                                                                kernels.ROWS)[4:8])
+                                                                kernels.ROWS)[2:6])
     lrho = (se[:, 39] - se[:, 40]).double() + torch.log2(sc[:, 39].double() / sc[:, 40].double())
     assert (dm.double() + lrho > -1.0).tolist() == [False, True, False]
 
@@ -356,7 +356,7 @@ def test_forward_stores_the_backward_constants(k, tile):
     s = torch.randn(2, 300, generator=torch.Generator().manual_seed(k + tile))
     y = torch.tensor([3, 200])
     rho, sc, se, dm, rr = (t.cpu() for t in svm_kernels._svm32_forward_op(s.to(DEV), y.to(DEV), None, k, 1.0, 1.0, tile, -1,
-                                                                      kernels.ROWS)[4:])
+                                                                      kernels.ROWS)[2:])
     log2_sigma = torch.log2(sc.double()) + se.double()                # (2, k + 1)
     log2_rho = log2_sigma[:, :-1] - log2_sigma[:, 1:]                 # log2 sigma_{j-1} / sigma_j, j = 1..k
     torch.testing.assert_close(rr[:, 0].double(), log2_rho[:, -1], rtol=0, atol=1e-5)
@@ -486,8 +486,8 @@ merge.update(n_rows="i32", n="i32", n_cand="i32", alpha_bits="i64", scale_bits="
 grad = ptrs(["idx_ptr", "go_ptr", "loss_ptr", "y_ptr", "w_ptr", "den_ptr", "g_ptr"],
             ["*i64", "*fp64", "*fp64", "*i64", "*fp32", "*fp64", "*fp64"])
 grad.update(n_rows="i32", n="i32", scale_bits="i64", ignore_index="i32")
-finish = ptrs(["loss_ptr", "mean_ptr", "s_ptr", "margin_ptr", "y_ptr", "w_ptr", "wl_ptr", "out_ptr", "den_ptr", "ok_ptr"],
-              ["*fp32", "*fp32", "*fp32", "*fp64", "*i64", "*fp32", "*fp32", "*fp32", "*fp32", "*i1"])
+finish = ptrs(["loss_ptr", "mean_ptr", "s_ptr", "margin_ptr", "y_ptr", "w_ptr", "out_ptr", "aux_ptr"],
+              ["*fp32", "*fp32", "*fp32", "*fp64", "*i64", "*fp32", "*fp32", "*fp32"])
 finish.update(n_rows="i32", n="i32", ignore_index="i32", alpha_bits="i64", scale_bits="i64")
 kernels_and_constants = [(noised_kernels._perturbed_merge_kernel, merge, {"KTH": 5, "N_SAMPLES": 3, "S_PAD": 4, "SORTED": sorted_,
                                                              "HINGE": True, "HAS_MARGIN": True, "BLOCK": 1024})
@@ -510,7 +510,8 @@ kernels_and_constants += [(noised_kernels._perturbed_grad_kernel, grad, {"N_SAMP
                                                             "HAS_WEIGHT": reduction == 1, "BLOCK": 1024})
                           for hinge, reduction in ((False, -1), (True, -1), (True, 1))]
 kernels_and_constants += [(K._finish_kernel, finish, {"REDUCTION": reduction, "HAS_WEIGHT": reduction == 1, "HINGE": hinge,
-                                                      "HAS_MARGIN": hinge, "ASSERT": check, "BLOCK": 256})
+                                                      "HAS_MARGIN": hinge, "ASSERT": check, "WEIGHTED_ROWS": hinge,
+                                                      "BLOCK": 256})
                           for reduction in (0, 1, 2) for hinge in (False, True) for check in (False, True)]
 messages = {}
 for fn, sig, const in kernels_and_constants:

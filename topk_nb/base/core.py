@@ -28,7 +28,7 @@ __all__ = ['FLOAT_DTYPES', 'REDUCTIONS', 'CONVENTIONS', 'ARGUMENTS', 'PEER_SPELL
            'macro_topk_accuracy', 'brute_esp', 'brute_log_esp', 'log_binom', 'workspace', 'time_fn', 'median_time',
            'fwd_bwd', 'twice_differentiable', 'selected_hinge', 'flatten_classes', 'device_copy', 'check_weight',
            'settings_repr', 'LossModule', 'loss_dtype', 'check_loss_finite', 'all_kept', 'check_labels',
-           'conventions_loss', 'plan_key', 'planned', 'fused_plan']
+           'conventions_loss', 'route_flags', 'plan_key', 'planned', 'fused_plan']
 
 # %% ../../nbs/00_core.ipynb #576df6fa
 _SYNC_FREE = threading.local()
@@ -61,16 +61,27 @@ def sync_free(t: torch.Tensor) -> bool:
             or torch._C._functorch.is_functorch_wrapped_tensor(t))
 
 # %% ../../nbs/00_core.ipynb #9875e70f
+_ROUTE = threading.local()       # this thread's route flags as one tuple (`route_flags`), kept as they are set
+
+
+def _set_flag(store: threading.local, value: bool) -> None:
+    "Set `store.on`; where it is a route flag (`ROUTE_FLAGS`), keep this thread's tuple of them: () while all are off."
+    store.on = value
+    if any(f is store for f in ROUTE_FLAGS):
+        flags = tuple(getattr(f, "on", False) for f in ROUTE_FLAGS)
+        _ROUTE.flags = flags if any(flags) else ()
+
+
 @contextlib.contextmanager
 def thread_flag(store: threading.local, # holds the flag as its attribute `on`
                 enabled: bool = True):  # the value inside the block
     "Context manager: set the thread-local flag `store.on` for the block, then restore it."
     before = getattr(store, "on", False)
-    store.on = bool(enabled)
+    _set_flag(store, bool(enabled))
     try:
         yield
     finally:
-        store.on = before
+        _set_flag(store, before)
 
 # %% ../../nbs/00_core.ipynb #d634717a
 def force_sync_free(enabled: bool = True # run CPU tensors through the sync-free path too
@@ -641,6 +652,11 @@ class LossModule(nn.Module):
         super().__setattr__(name, value if check is None else check(value))
         self.__dict__.pop("_plans", None)
 
+    def __delattr__(self, name):
+        "Delete an attribute (a buffer: `del m.weight`); as a setting, it drops the kept plans."
+        super().__delattr__(name)
+        self.__dict__.pop("_plans", None)
+
     def __getstate__(self):
         "Pickled and deep-copied without its kept plans, which belong to this module (they are made again at the next call)."
         return {key: value for key, value in super().__getstate__().items() if key != "_plans"}
@@ -827,14 +843,24 @@ ROUTE_FLAGS = [_SYNC_FREE, _KEPT]           # thread-local flags a route depends
 MAX_PLANS = 64                               # plans a module keeps; beyond, it forgets them all and starts again
 
 
+_Tensor, _compiling = torch.Tensor, torch.compiler.is_compiling                # read once: the key is made at every call
+_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)     # one call where no autocast is on
+
+
+def route_flags() -> tuple:
+    "This thread's route flags (`ROUTE_FLAGS`) as `thread_flag` keeps them: () while all are off."
+    return getattr(_ROUTE, "flags", ())
+
+
 def plan_key(scores, target) -> tuple | None:
     "The signature a plan is kept for: shapes, dtypes and devices, autocast and the route flags; None where no plan is kept (torch.compile tracing, torch.func transforms, tensor subclasses)."
-    if (type(scores) is not torch.Tensor or type(target) is not torch.Tensor or torch.compiler.is_compiling()
-            or torch._C._functorch.is_functorch_wrapped_tensor(scores) or torch._C._functorch.is_functorch_wrapped_tensor(target)):
+    if (type(scores) is not _Tensor or type(target) is not _Tensor or _compiling() or _wrapped(scores) or _wrapped(target)):
         return None
     device = scores.device
-    return (scores.shape, scores.dtype, device, target.shape, target.dtype, target.device,
-            device.type != "meta" and torch.is_autocast_enabled(device.type), *(getattr(f, "on", False) for f in ROUTE_FLAGS))
+    autocast = _any_autocast() and device.type != "meta" and torch.is_autocast_enabled(device.type)
+    return (scores.shape, scores.dtype, device, target.shape, target.dtype, target.device, autocast,
+            getattr(_ROUTE, "flags", ()))
 
 
 def planned(self, scores, target):
@@ -862,6 +888,10 @@ def fused_plan(self: LossModule, scores: torch.Tensor, target: torch.Tensor):
     if kernel is None: return None
     check_weight(self.weight, scores.shape[1])
     out_dtype = loss_dtype(scores)
+    if work == scores.dtype == out_dtype:                  # float32 or float64 scores: the kernels' callable, nothing more
+        if self.weight is None:                            # a weight set later drops the plan (`__setattr__`)
+            return lambda scores, target: kernel(scores, target, None)
+        return lambda scores, target: kernel(scores, target, device_copy(self, "weight", self.weight, scores))
 
     def run(scores, target):
         s = scores if scores.dtype == work else scores.to(work)
@@ -872,8 +902,13 @@ def fused_plan(self: LossModule, scores: torch.Tensor, target: torch.Tensor):
 
 def _forward(self, scores: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     "The loss of `scores` (B, n) or (B, n, d_1, ...) for `target` class indices (B, d_1, ...) or probabilities (the scores' shape), or of one unbatched sample (n,), with nn.CrossEntropyLoss's conventions."
-    plan = planned(self, scores, target)
-    if plan is not None: return plan(scores, target)
+    key = plan_key(scores, target)
+    if key is not None:
+        try:
+            plan = self.__dict__["_plans"][key]              # the kept plan: every call of a signature but its first
+        except KeyError:
+            plan = planned(self, scores, target)
+        if plan is not None: return plan(scores, target)
     return conventions_loss(self, scores, target)
 
 

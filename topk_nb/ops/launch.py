@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import itertools
 import os
 import struct
 import threading
@@ -33,7 +34,8 @@ _OPS = "topk_nb" if __name__.startswith("topk_nb") else "topk_nb_chapter"
 
 # %% auto #0
 __all__ = ['MAX_ROW', 'MAX_KTH', 'MAX_BOUND', 'ROWS', 'REDUCTION_CODES', 'kth_max_row', 'force_triton', 'triton_ok',
-           'count_launches', 'bound_launches', 'lean_op', 'loss_op', 'call_op', 'cdiv', 'next_pow2', 'f64_bits']
+           'count_launches', 'bound_launches', 'lean_op', 'loss_op', 'call_op', 'cdiv', 'next_pow2', 'unused_arg',
+           'f64_bits']
 
 # %% ../../nbs/02a_kernels.ipynb #c63387a8
 _FORCE = threading.local()
@@ -66,12 +68,8 @@ def triton_ok(t: torch.Tensor, # the scores, classes along the last dimension
 
 # %% ../../nbs/02a_kernels.ipynb #a4641772
 class _LaunchCounter:
-    "Process-wide: on CUDA, autograd runs the backward on a device thread of its own, so a per-thread count would miss the backward's launches."
-    def __init__(self): self.lock, self.on, self.stub, self.count, self.record = threading.Lock(), False, False, 0, None
-
-    def add(self):
-        with self.lock:
-            if self.on: self.count += 1
+    "Process-wide: on CUDA, autograd runs the backward on a device thread of its own, so a per-thread count would miss the backward's launches. A launch counts by a step of `ticks`, an `itertools.count`, whose step is one call into C and so atomic: no lock a launch (a stubbed launch costs the host's model almost nothing of its own)."
+    def __init__(self): self.lock, self.on, self.stub, self.ticks, self.record = threading.Lock(), False, False, itertools.count(), None
 
 
 _LAUNCHES = _LaunchCounter()
@@ -87,8 +85,8 @@ def _launch(kernel,          # a Triton kernel
             grid: tuple,     # its launch grid
             *args, **kwargs):
     "Launch `kernel[grid](*args, **kwargs)` as one unit: counted for `count_launches` (and skipped where it stubs them), and outside any dispatch mode (Triton's interpreter works through aten operators of its own, which a GPU launch does not make). The compile options of `_compile_options` are added. On CUDA a launch whose signature (`_bind_key`) was launched before goes to its compiled kernel directly (`_bound_launch`)."
-    if _LAUNCHES.on:                           # counting: the lock only then
-        _LAUNCHES.add()
+    if _LAUNCHES.on:                           # counting
+        next(_LAUNCHES.ticks)
         if _LAUNCHES.stub: return
     if _LAUNCHES.record is not None:           # recorded instead of run (the GPU check's `recorded_launches`)
         return _LAUNCHES.record(kernel, grid, *args, **kwargs)
@@ -113,10 +111,12 @@ def count_launches(fn: Callable[[], object], # called once, with no arguments
                    stub: bool = False,        # count the launches without running them (the host's work alone)
                    ) -> int:
     "How many Triton kernels this module launches during `fn()`, on any thread (the CUDA backward runs on autograd's device thread)."
-    with _LAUNCHES.lock: _LAUNCHES.on, _LAUNCHES.stub, _LAUNCHES.count = True, stub, 0
+    with _LAUNCHES.lock:
+        _LAUNCHES.on, _LAUNCHES.stub = True, stub
+        start = next(_LAUNCHES.ticks)
     try:
         fn()
-        return _LAUNCHES.count
+        return next(_LAUNCHES.ticks) - start - 1           # the launches' ticks between the two of its own
     finally:
         with _LAUNCHES.lock: _LAUNCHES.on = _LAUNCHES.stub = False
 
@@ -275,6 +275,20 @@ def next_pow2(x: int # a positive integer
     return 1 << (x - 1).bit_length()
 
 # %% ../../nbs/02a_kernels.ipynb #d031169f
+_UNUSED: dict = {}                                  # (device index, dtype) -> a tensor of one element no kernel reads
+
+
+def unused_arg(like: torch.Tensor,  # a tensor on the device wanted
+               dtype: torch.dtype,  # the dtype of the pointer the kernel's signature has
+               ) -> torch.Tensor:
+    "A one-element tensor of `dtype` on `like`'s device, made once and kept: the pointer of an argument that a kernel variant never reads, without an allocation a call (nor a variant compiled for another dtype)."
+    key = (like.get_device(), dtype)
+    t = _UNUSED.get(key)
+    if t is None:
+        t = _UNUSED[key] = torch.empty(1, dtype=dtype, device=like.device)
+    return t
+
+
 @functools.lru_cache(maxsize=1024)                  # asked again at every call of a signature
 def f64_bits(value: float, # a Python float
              ) -> int:
@@ -318,10 +332,11 @@ if HAS_TRITON:
         return tl.where(keep, go, 0.0), yc
 
     @triton.jit(debug=True)                                              # compiled with its device assert (ASSERT)
-    def _finish_kernel(loss_ptr, mean_ptr, s_ptr, margin_ptr, y_ptr, w_ptr, wl_ptr, out_ptr, den_ptr, ok_ptr, n_rows, n,
+    def _finish_kernel(loss_ptr, mean_ptr, s_ptr, margin_ptr, y_ptr, w_ptr, out_ptr, aux_ptr, n_rows, n,
                        ignore_index, alpha_bits, scale_bits, REDUCTION: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-                       HINGE: tl.constexpr, HAS_MARGIN: tl.constexpr, ASSERT: tl.constexpr, BLOCK: tl.constexpr):
-        "One program: each row's loss weighted (0 where ignored, NaN where the label is no class), the mean or the sum, the sum of the weights, and whether every label is a class or ignored; with ASSERT it also asserts that on the device (compiled: Triton's interpreter skips device asserts). With HINGE the loss is scale (margin + mean - s_y)_+ of the merge kernel's mean, the margin per class (HAS_MARGIN) or alpha."
+                       HINGE: tl.constexpr, HAS_MARGIN: tl.constexpr, ASSERT: tl.constexpr, WEIGHTED_ROWS: tl.constexpr,
+                       BLOCK: tl.constexpr):
+        "One program: each row's loss weighted (0 where ignored, NaN where the label is no class) into out (REDUCTION 0) or aux[2:] (WEIGHTED_ROWS), the mean or the sum into out, the sum of the weights into aux[0], and whether every label is a class or ignored into aux[1] (1 or 0); with ASSERT it also asserts that on the device (compiled: Triton's interpreter skips device asserts). With HINGE the loss is scale (margin + mean - s_y)_+ of the merge kernel's mean, the margin per class (HAS_MARGIN) or alpha."
         lanes = tl.arange(0, BLOCK)
         num = tl.zeros([BLOCK], tl.float64)
         den = tl.zeros([BLOCK], tl.float64)
@@ -348,7 +363,10 @@ if HAS_TRITON:
             else:
                 w = tl.full([BLOCK], 1.0, loss.dtype)
             wl = tl.where(keep, tl.where(cls, loss * w, float("nan")), 0.0)   # ignored rows count 0, even NaN
-            tl.store(wl_ptr + rows, wl, mask=inside)
+            if REDUCTION == 0:                                           # the loss is the weighted rows
+                tl.store(out_ptr + rows, wl, mask=inside)
+            if WEIGHTED_ROWS:
+                tl.store(aux_ptr + 2 + rows, wl, mask=inside)
             num += wl.to(tl.float64)
             den += tl.where(keep & cls, w, 0.0).to(tl.float64)
             bad += (keep & ~cls).to(tl.int32)
@@ -357,8 +375,8 @@ if HAS_TRITON:
             tl.store(out_ptr, total.to(out_ptr.dtype.element_ty) / count.to(out_ptr.dtype.element_ty))   # 0 / 0: NaN
         if REDUCTION == 2:
             tl.store(out_ptr, total)
-        tl.store(den_ptr, count)
-        tl.store(ok_ptr, tl.sum(bad, 0) == 0)
+        tl.store(aux_ptr, count)
+        tl.store(aux_ptr + 1, tl.where(tl.sum(bad, 0) == 0, 1.0, 0.0))
         if ASSERT:                                                       # as torch._assert_async would, one launch fewer
             tl.device_assert(tl.sum(bad, 0) == 0, "target must hold class indices in [0, n - 1] (n classes) or ignore_index")
 
@@ -373,22 +391,31 @@ def _finish(loss: Optional[torch.Tensor],   # (B,) each row's loss, or None: the
             margin: Optional[torch.Tensor] = None,  # the hinge: (n,) a margin per class, or None: `alpha`
             alpha: float = 1.0, scale: float = 1.0,
             assert_labels: bool = False,            # assert on the device that every label is a class or ignored
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    "Launch `_finish_kernel`: the loss as the module returns it ((B,) for 'none', else ()), the weighted rows (B,) ((0,) for 'none': the loss is they), the denominator () and the labels' flag () bool; with `assert_labels`, the flag asserted on the device (by the kernel where it is compiled, by `torch._assert_async` where it is interpreted)."
+            weighted_rows: bool = False,            # also keep the weighted rows of a reduced loss, in aux[2:]
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    "Launch `_finish_kernel`: the loss as the module returns it ((B,) weighted rows for 'none', else ()), and `aux`: the mean's denominator, the labels' flag (1 where every label is a class or ignored, else 0), then with `weighted_rows` the weighted rows (B,), in the loss's dtype. With `assert_labels` the flag is asserted on the device (by the kernel where it is compiled, by `torch._assert_async` where it is interpreted)."
     B, dtype, dev = target.shape[0], (s if loss is None else loss).dtype, target.device
-    wl = torch.empty(B, dtype=dtype, device=dev)
-    out = wl if reduction == 0 else torch.empty((), dtype=dtype, device=dev)
-    den, ok = torch.empty((), dtype=dtype, device=dev), torch.empty((), dtype=torch.bool, device=dev)
-    block = min(1024, next_pow2(max(B, 1)))
+    out = torch.empty((B,) if reduction == 0 else (), dtype=dtype, device=dev)
+    aux = torch.empty(2 + B if weighted_rows else 2, dtype=dtype, device=dev)
     some = loss if loss is not None else mean                          # a pointer for the arguments a variant never reads
     _launch(_finish_kernel, (1,), some, some if mean is None else mean, some if s is None else s,
-            some if margin is None else margin, target, some if weight is None else weight, wl, out, den, ok, B, n,
+            some if margin is None else margin, target, some if weight is None else weight, out, aux, B, n,
             ignore_index, f64_bits(alpha), f64_bits(scale), REDUCTION=reduction, HAS_WEIGHT=weight is not None,
-            HINGE=loss is None, HAS_MARGIN=margin is not None, ASSERT=assert_labels, BLOCK=block, num_warps=4)
-    if assert_labels and isinstance(_finish_kernel, InterpretedFunction) and not _LAUNCHES.stub:   # the interpreter skips device asserts: this
-        with torch.utils._python_dispatch._disable_current_modes():         # stands in for the kernel's, outside any
-            torch._assert_async(ok, f"target must hold class indices in [0, {n - 1}]")   # mode, as its launch is
-    return out, (wl if reduction else wl.new_empty(0)), den, ok
+            HINGE=loss is None, HAS_MARGIN=margin is not None, ASSERT=assert_labels, WEIGHTED_ROWS=weighted_rows,
+            BLOCK=_finish_block(B), num_warps=4)
+    if assert_labels and _INTERPRETED_FINISH and not _LAUNCHES.stub:   # the interpreter skips device asserts: this
+        with torch.utils._python_dispatch._disable_current_modes():     # stands in for the kernel's, outside any
+            torch._assert_async(aux[1] != 0, f"target must hold class indices in [0, {n - 1}]")   # mode, as its launch is
+    return out, aux
+
+
+@functools.lru_cache(maxsize=1024)                  # asked again at every call of a signature
+def _finish_block(B: int) -> int:
+    "Rows `_finish_kernel` reads at a time: B rounded up to a power of two, at most 1024."
+    return min(1024, next_pow2(max(B, 1)))
+
+
+_INTERPRETED_FINISH = HAS_TRITON and isinstance(_finish_kernel, InterpretedFunction)   # TRITON_INTERPRET=1 at import
 
 
 def _conventions(loss: torch.Tensor,             # (B,) each row's loss
@@ -397,22 +424,22 @@ def _conventions(loss: torch.Tensor,             # (B,) each row's loss
                  n: int, ignore_index: int,
                  reduction: int,                 # ROWS or a value of REDUCTION_CODES
                  assert_labels: bool = False,    # `_finish` asserts the labels on the device
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    "What `_finish` returns for the rows' `loss`; with ROWS, the rows themselves (and placeholders: nothing launched)."
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    "What `_finish` returns for the rows' `loss`: (the loss, aux); with ROWS, the rows themselves and a placeholder aux (nothing launched)."
     if reduction == ROWS:
-        return loss, loss.new_empty(0), loss.new_empty(()), torch.empty((), dtype=torch.bool, device=loss.device)
+        return loss, loss.new_empty(2)
     return _finish(loss, target, weight, n, ignore_index, reduction, assert_labels=assert_labels)
 
 
-def _conventions_fake(s: torch.Tensor, reduction: int) -> tuple[torch.Tensor, ...]:
-    "The shapes and dtypes `_conventions` returns for scores `s`, for the operators' fake implementations."
+def _conventions_fake(s: torch.Tensor, reduction: int, weighted_rows: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    "The shapes and dtypes `_finish` (or `_conventions`) returns for scores `s`, for the operators' fake implementations."
     B = s.shape[0]
-    return (s.new_empty((B,) if reduction <= 0 else ()), s.new_empty((B,) if reduction > 0 else (0,)), s.new_empty(()),
-            s.new_empty((), dtype=torch.bool))
+    return s.new_empty((B,) if reduction <= 0 else ()), s.new_empty(2 + B if weighted_rows and reduction > 0 else 2)
 
 
 def _row_grads(grad: torch.Tensor,             # the gradient of the operator's loss: (B,) or ()
-               target: torch.Tensor, weight: Optional[torch.Tensor], den: torch.Tensor,
+               target: torch.Tensor, weight: Optional[torch.Tensor],
+               aux: torch.Tensor,              # `_finish`'s: the mean's denominator first
                n: int, ignore_index: int, reduction: int) -> torch.Tensor:
     "`_row_go` by PyTorch operators, differentiable in `grad`: dL / d(each row's loss) (B,), for a second derivative."
     keep = (target >= 0) & (target < n) & (target != ignore_index)
@@ -420,5 +447,5 @@ def _row_grads(grad: torch.Tensor,             # the gradient of the operator's 
     if weight is not None:
         go = go * weight.to(go)[torch.where(keep, target, 0)]
     if reduction == 1:
-        go = go / den
+        go = go / aux[0]
     return torch.where(keep, go, 0.0)

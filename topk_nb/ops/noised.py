@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 from ..base.core import check_int, check_real, sync_free
 from .launch import (HAS_TRITON, MAX_ROW, REDUCTION_CODES, ROWS, _conventions, _conventions_fake, _finish,
-                             _launch, _row_grads, call_op, cdiv, f64_bits, lean_op, loss_op, next_pow2)   # chapter 02a
+                             _launch, _row_grads, call_op, cdiv, f64_bits, lean_op, loss_op, next_pow2,
+                             unused_arg)                                                  # chapter 02a
 
 if HAS_TRITON:
     import triton
@@ -347,12 +348,15 @@ def _select(s: torch.Tensor,                # (B, n) scores, contiguous
             margin: Optional[torch.Tensor] = None,   # (B,) per-row margins, or None: `alpha`
             alpha: float = 1.0, scale: float = 1.0,
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    "Launch the kernels (for a long pruned row the chunks' top first), the candidates (pruned: then the chunks whose live classes overflowed their tile) and the merge: mean_b top_K(s + eps Z_b) (B,) float32, the indices (S, B), and the hinge loss (B,) when `target` is given."
+    "Launch the kernels (for a long pruned row the chunks' top first), the candidates (pruned: then the chunks whose live classes overflowed their tile) and the merge: mean_b top_K(s + eps Z_b) (B,) float32, the indices (S, B), and the hinge loss (B,) when `target` is given (else None)."
     (B, n), z = s.shape, s if noise is None else noise
     p = _selection_plan(B, n, n_samples, block, cap, k)
     kw = dict(device=s.device)
-    scratch = torch.empty(B * p["chunks"] * p["groups"] * p["CAP"] if p["CAP"] else 1, dtype=torch.int16, **kw)
-    count = torch.empty(B * p["chunks"] if p["CAP"] else 1, dtype=torch.int32, **kw)   # live classes of each chunk
+    if p["CAP"]:                                                          # pruning: each chunk's live classes and their count
+        scratch = torch.empty(B * p["chunks"] * p["groups"] * p["CAP"], dtype=torch.int16, **kw)
+        count = torch.empty(B * p["chunks"], dtype=torch.int32, **kw)
+    else:                                                                 # unread: no allocation
+        scratch, count = unused_arg(s, torch.int16), unused_arg(s, torch.int32)
     top = s                                                               # (read only when pruning)
     if p["CAP"]:                                                          # pruning: the row's K largest scores first,
         tops = torch.empty(B, p["chunks"], k, dtype=torch.float32, **kw)  # and the threshold: their least noised value
@@ -378,10 +382,10 @@ def _select(s: torch.Tensor,                # (B, n) scores, contiguous
         _launch(_perturbed_candidates_kernel, grid, *args, PRUNE=False, OVERFLOW=True, **const)
     mean = torch.empty(B, dtype=torch.float32, **kw)
     idx = torch.empty(n_samples, B, dtype=torch.int64, **kw)
-    loss = torch.empty(B if target is not None else 0, dtype=s.dtype, **kw)
+    loss = torch.empty(B, dtype=s.dtype, **kw) if target is not None else None
     merge = next_pow2(p["chunks"] * k)
     _launch(_perturbed_merge_kernel, (B,), cval, cidx, s, s if target is None else target,
-            s if margin is None else margin, mean, idx, loss, B, n, p["chunks"] * k, f64_bits(alpha), f64_bits(scale),
+            s if margin is None else margin, mean, idx, unused_arg(s, s.dtype) if loss is None else loss, B, n, p["chunks"] * k, f64_bits(alpha), f64_bits(scale),
             KTH=k, N_SAMPLES=n_samples, S_PAD=next_pow2(n_samples), SORTED=p["chunks"] == 1,
             HINGE=target is not None, HAS_MARGIN=margin is not None, BLOCK=merge,
             num_warps=min(16, max(1, merge // 256)))
@@ -456,7 +460,7 @@ def _grad_launch(idx: torch.Tensor,       # (S, B) each draw's index
                  target: Optional[torch.Tensor] = None,  # (B,) labels, with `loss`
                  scale: float = 1.0,
                  weight: Optional[torch.Tensor] = None,  # (n,) class weights, or None
-                 den: Optional[torch.Tensor] = None,     # () the mean's denominator, for reduction 'mean'
+                 den: Optional[torch.Tensor] = None,     # `_finish`'s aux, its first entry the mean's denominator, for 'mean'
                  ignore_index: int = -1, reduction: int = ROWS,   # the hinge's conventions (`_row_go`)
                  ) -> torch.Tensor:
     "The gradient (B, n), each element written once by `_perturbed_grad_kernel`."
@@ -476,7 +480,7 @@ def _perturbed_grad_op(idx: torch.Tensor,              # (S, B) each draw's inde
                        loss: Optional[torch.Tensor],   # (B,) the hinge loss, or None: the value's backward
                        target: Optional[torch.Tensor], # (B,) labels, with `loss`
                        weight: Optional[torch.Tensor], # (n,) class weights, or None
-                       den: Optional[torch.Tensor],    # () the mean's denominator, or None
+                       den: Optional[torch.Tensor],    # `_finish`'s aux (the mean's denominator first), or None
                        n: int, dtype: torch.dtype, scale: float,
                        ignore_index: int, reduction: int,   # the hinge's conventions: ROWS for none
                        ) -> torch.Tensor:
@@ -549,27 +553,27 @@ def _noised_hinge_op(s: torch.Tensor,                 # (B, n) scores, contiguou
                      ignore_index: int,               # the label of the samples that count for nothing
                      reduction: int,                  # ROWS (the per-row hinge, nothing else) or a value of REDUCTION_CODES
                      assert_labels: bool = False,     # `_finish` asserts the labels on the device
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    "scale (margin + mean_b top_K(s + eps Z_b) - s_y)_+: with ROWS per row by the merge kernel, else through `_finish`; (loss, weighted rows, denominator, labels' flag as `_conventions` gives them, each draw's index (S, B))."
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    "scale (margin + mean_b top_K(s + eps Z_b) - s_y)_+: with ROWS per row by the merge kernel, else through `_finish`; (loss, `_finish`'s aux: the denominator, the labels' flag and, for a reduced loss, the weighted rows, each draw's index (S, B))."
     if reduction == ROWS:
         _, idx, loss = _select(s, seed, None, k, epsilon, n_samples, 0, 0, target, margin, alpha, scale)
         return (*_conventions(loss, target, weight, s.shape[1], ignore_index, ROWS), idx)
     mean, idx, _ = _select(s, seed, None, k, epsilon, n_samples, 0, 0)
     return (*_finish(None, target, weight, s.shape[1], ignore_index, reduction, mean, s, margin, alpha, scale,
-                     assert_labels), idx)
+                     assert_labels, weighted_rows=reduction > 0), idx)
 
 
 @_noised_hinge_op.register_fake
 def _noised_hinge_fake(s, target, margin, seed, weight, k, epsilon, n_samples, alpha, scale, ignore_index, reduction,
                        assert_labels=False):
-    return (*_conventions_fake(s, reduction), s.new_empty(n_samples, s.shape[0], dtype=torch.int64))
+    return (*_conventions_fake(s, reduction, weighted_rows=True), s.new_empty(n_samples, s.shape[0], dtype=torch.int64))
 
 
 def _hinge_setup_context(ctx, inputs, output):
     "Keep the indices, the rows' loss (where it is positive the hinge passes the gradient), the labels, the weights and the denominator."
-    out, wl, den, _, idx = output
-    ctx.save_for_backward(idx, out if inputs[11] <= 0 else wl, inputs[1], inputs[4], den, inputs[0])
-    ctx.mark_non_differentiable(wl, den, output[3], idx)
+    out, aux, idx = output                    # aux: the denominator, the flag, then a reduced loss's weighted rows
+    ctx.save_for_backward(idx, out if inputs[11] <= 0 else aux[2:], inputs[1], inputs[4], aux, inputs[0])
+    ctx.mark_non_differentiable(aux, idx)
     ctx.set_materialize_grads(False)
     ctx.shape, ctx.dtype, ctx.scale, ctx.ignore_index, ctx.reduction = inputs[0].shape, inputs[0].dtype, *inputs[9:12]
 
@@ -635,9 +639,9 @@ def noised_hinge_fused(scores: torch.Tensor,           # (B, n) scores, float32 
     s, dev, on_device = scores.contiguous(), scores.device, sync_free(target)
     m = None if margins is None else margins.detach().to(device=dev)
     w = None if weight is None else weight.to(device=dev)
-    out, _, den, ok, _ = call_op(_noised_hinge_op, s, target.contiguous(), m, _device_seed(generator, dev), w, k, epsilon, n_samples,
+    out, aux, _ = call_op(_noised_hinge_op, s, target.contiguous(), m, _device_seed(generator, dev), w, k, epsilon, n_samples,
                                           alpha, scale, ignore_index, REDUCTION_CODES[reduction], on_device)
-    return out, den, None if on_device else ok
+    return out, aux[0], None if on_device else aux[1] != 0
 
 def noised_hinge_plan(k: int,                         # the K of top_K (the noised losses' k + 1), checked by the caller
                       epsilon: float, n_samples: int, alpha: float, scale: float, ignore_index: int, reduction: str,

@@ -235,7 +235,7 @@ def row_loss_forward(s: torch.Tensor,                 # (B, n) float32 scores, c
 
 def row_loss_backward(s: torch.Tensor, target: torch.Tensor, margins: Optional[torch.Tensor], weight: Optional[torch.Tensor],
                       grad: torch.Tensor,   # dL / d loss: (B,) per row, or () of the reduced loss
-                      den: torch.Tensor,    # () the mean's denominator
+                      den: torch.Tensor,    # `_finish`'s aux: the mean's denominator first
                       state: torch.Tensor,  # the forward kernel's state (`row_state`)
                       spec: RowSpec) -> torch.Tensor:
     "Launch `_row_grad_kernel`: dL/ds (B, n) in the scores' dtype, each element written once."
@@ -254,8 +254,8 @@ class RowLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, s, target, weight, margins, spec: RowSpec):
         state = row_loss_forward(s, target, margins, spec)
-        out, _, den, _ = _finish(state, target, weight, s.shape[1], spec.ignore_index, spec.reduction, assert_labels=True)
-        ctx.save_for_backward(s, target, weight, margins, den, state)   # `_finish` reads the state's first B: the losses
+        out, aux = _finish(state, target, weight, s.shape[1], spec.ignore_index, spec.reduction, assert_labels=True)
+        ctx.save_for_backward(s, target, weight, margins, aux, state)   # aux: the mean's denominator first   # `_finish` reads the state's first B: the losses
         ctx.spec = spec
         return out
 

@@ -228,8 +228,8 @@ def _svm_forward_op(s: torch.Tensor,       # (B, n) float32 or float64 scores, c
                     ignore_index: int,     # the label of the samples that count for nothing
                     reduction: int,        # ROWS (the per-row loss, nothing else) or a value of REDUCTION_CODES
                     assert_labels: bool = False,   # `_finish` asserts the labels on the device
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    "The forward kernel, then `_finish` (none with ROWS), as an operator: (loss, weighted rows, denominator, labels' flag, log sigma (B, 2), rho (B,), checkpoints); `torch.compile` calls it as it is."
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    "The forward kernel, then `_finish` (none with ROWS), as an operator: (loss, `_finish`'s aux: the denominator and the labels' flag, log sigma (B, 2), rho (B,), checkpoints); `torch.compile` calls it as it is."
     (B, n), (BN, nb, BK) = s.shape, svm_blocks(s.shape[1], k, block_n or None)
     loss, lsig, rho, ckpt = _svm_state(s, k, block_n)
     _launch(_svm_forward_kernel, (B,), s, target, loss, lsig, rho, ckpt, n, nb, f64_bits(1.0 / (k * tau)), f64_bits(alpha / tau), f64_bits(tau),
@@ -245,7 +245,7 @@ def _svm_forward_fake(s, target, weight, k, tau, alpha, block_n, ignore_index, r
 @torch.library.custom_op(f"{_OPS}::smooth_svm_backward", mutates_args=())
 def _svm_backward_op(s: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
                      grad: torch.Tensor,   # dL/d loss: (B,) per row, or () of the reduced loss
-                     den: torch.Tensor,    # () the mean's denominator, from the forward operator
+                     den: torch.Tensor,    # the forward operator's aux: the mean's denominator first
                      lsig: torch.Tensor, rho: torch.Tensor, ckpt: torch.Tensor,   # from the forward operator
                      k: int, tau: float, block_n: int, ignore_index: int, reduction: int) -> torch.Tensor:
     "The backward kernel as an operator: dL/ds (B, n) in the scores' dtype, the conventions applied by `_row_go`; one launch and a float64 scratch of (B, k, BLOCK_N)."
@@ -266,7 +266,7 @@ def _svm_backward_fake(s, target, weight, grad, den, lsig, rho, ckpt, k, tau, bl
 def _svm_setup_context(ctx, inputs, output):
     "Keep what a backward operator reads: the scores, the labels, the weights, the denominator and the forward's state; k, tau, alpha, the layout (block_n or tile), ignore_index and the reduction."
     s, target, weight, k, tau, alpha, layout, ignore_index, reduction, _ = inputs
-    ctx.save_for_backward(s, target, weight, output[2], *output[4:])
+    ctx.save_for_backward(s, target, weight, *output[1:])      # aux (the denominator first), then the state
     ctx.mark_non_differentiable(*output[1:])
     ctx.set_materialize_grads(False)          # no zero tensors for the gradients of the outputs above
     ctx.k, ctx.tau, ctx.alpha, ctx.layout, ctx.ignore_index, ctx.reduction = k, tau, alpha, layout, ignore_index, reduction
@@ -332,9 +332,9 @@ def smooth_svm_fused(scores: torch.Tensor,           # (B, n) float32 or float64
     op, layout = _svm_operator(scores, k, block_n, tile)
     w = None if weight is None else weight.to(device=scores.device)
     on_device = sync_free(target)                                       # the kernels assert the labels
-    out, _, den, ok, *_ = call_op(op, scores.contiguous(), target.contiguous(), w, k, tau, alpha, layout, ignore_index,
+    out, aux, *_ = call_op(op, scores.contiguous(), target.contiguous(), w, k, tau, alpha, layout, ignore_index,
                              REDUCTION_CODES[reduction], on_device)
-    return out, den, None if on_device else ok
+    return out, aux[0], None if on_device else aux[1] != 0
 
 def smooth_svm_plan(s: torch.Tensor,     # (B, n) float32 or float64 scores of the signature planned for
                     k: int, tau: float, alpha: float, ignore_index: int, reduction: str) -> Callable:
@@ -904,8 +904,8 @@ def _svm32_forward_op(s: torch.Tensor,       # (B, n) float32 scores, contiguous
                       reduction: int,        # ROWS (the per-row loss, nothing else) or a value of REDUCTION_CODES
                       assert_labels: bool = False,   # `_finish` asserts the labels on the device
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                 torch.Tensor, torch.Tensor, torch.Tensor]:
-    "The float32 forward as an operator: (loss, weighted rows, denominator, labels' flag as `_conventions` gives them, rho (B,), sigma mantissas, exponents (B, k + 1), largest log2 e_i (B,), the backward's constants (B, k + 1)); two launches (one where a row is one tile), one more with `_finish`. Above SVM32_MAX_K the kernels of a polynomial a warp."
+                                 torch.Tensor]:
+    "The float32 forward as an operator: (loss, `_finish`'s aux: the denominator and the labels' flag, rho (B,), sigma mantissas, exponents (B, k + 1), largest log2 e_i (B,), the backward's constants (B, k + 1)); two launches (one where a row is one tile), one more with `_finish`. Above SVM32_MAX_K the kernels of a polynomial a warp."
     (B, n), state = s.shape, _svm32_state(s, k)
     loss, rho, sc, se, dm, rr = state
     tc, te, tm, _ = _svm32_tiles(s, target, k, tau, alpha, tile, state)   # a row of one tile: its loss too (no tiles)
@@ -925,7 +925,7 @@ def _svm32_forward_fake(s, target, weight, k, tau, alpha, tile, ignore_index, re
 @torch.library.custom_op(f"{_OPS}::smooth_svm32_backward", mutates_args=())
 def _svm32_backward_op(s: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
                        grad: torch.Tensor,                  # dL/d loss: (B,) per row, or () of the reduced loss
-                       den: torch.Tensor,                   # () the mean's denominator, from the forward operator
+                       den: torch.Tensor,                   # the forward operator's aux: the mean's denominator first
                        rho: torch.Tensor, sc: torch.Tensor, se: torch.Tensor, dm: torch.Tensor, rr: torch.Tensor,   # from the
                        k: int, tau: float, tile: int, ignore_index: int, reduction: int) -> torch.Tensor:     # forward operator
     "The float32 backward as an operator: dL/ds (B, n), the conventions applied by `_row_go`; two launches (three where a row is several tiles). Above SVM32_MAX_K, `_svmw_backward`."

@@ -1148,11 +1148,11 @@ def _kernel_models() -> dict:
         **{name: KernelModel(                                # one program: the rows in blocks of up to 1024
             K._finish_kernel,
             dict(loss_ptr="*fp32", mean_ptr="*fp32", s_ptr="*fp32", margin_ptr="*fp64", y_ptr="*i64", w_ptr="*fp32",
-                 wl_ptr="*fp32", out_ptr="*fp32", den_ptr="*fp32", ok_ptr="*i1", n_rows="i32", n="i32", ignore_index="i32",
+                 out_ptr="*fp32", aux_ptr="*fp32", n_rows="i32", n="i32", ignore_index="i32",
                  alpha_bits="i64", scale_bits="i64", REDUCTION="constexpr", HAS_WEIGHT="constexpr", HINGE="constexpr",
-                 HAS_MARGIN="constexpr", ASSERT="constexpr", BLOCK="constexpr"),
+                 HAS_MARGIN="constexpr", ASSERT="constexpr", WEIGHTED_ROWS="constexpr", BLOCK="constexpr"),
             lambda sh, hinge=hinge: dict(**MODULE_MEAN, HINGE=hinge, HAS_MARGIN=False, ASSERT=True,   # a GPU's: it asserts
-                                         BLOCK=min(1024, _pow2(sh["B"]))),                         # the labels itself
+                                         WEIGHTED_ROWS=hinge, BLOCK=min(1024, _pow2(sh["B"]))),     # the labels itself
             (("for start in range(0, n_rows, BLOCK)", lambda sh: -(-sh["B"] // min(1024, _pow2(sh["B"])))),),
             lambda sh, hinge=hinge: sh["B"] * (8 + 4 + 4 + (8 if hinge else 0)),   # labels, loss (or mean and s_y), rows out
             programs=lambda sh: 1, elements=lambda sh: sh["B"])
