@@ -344,8 +344,8 @@ def test_large_k_backward_takes_the_scans_on_rows_with_a_head_only():
     ref_grad, = torch.autograd.grad(ref.sum(), ref_in)
     torch.testing.assert_close(loss.double(), ref, rtol=1e-5, atol=0)
     assert ((grad.double() - ref_grad).abs().amax(1) <= 1e-4 * ref_grad.abs().amax(1)).all()
-    rho, sc, se, dm = (t.cpu() for t in svm_kernels._svm32_forward_op(s.to(DEV), y.to(DEV), None, 40, 1.0, 1.0, 0, -1,
-                                                                kernels.ROWS)[2:6])
+    st = svm_kernels._svm32_forward_op(s.to(DEV), y.to(DEV), None, 40, 1.0, 1.0, 0, -1, kernels.ROWS)[2]
+    rho, sc, se, dm, _ = (t.cpu() for t in svm_kernels.svm32_state_views(st, 3, 40))
     lrho = (se[:, 39] - se[:, 40]).double() + torch.log2(sc[:, 39].double() / sc[:, 40].double())
     assert (dm.double() + lrho > -1.0).tolist() == [False, True, False]
 
@@ -355,8 +355,8 @@ def test_forward_stores_the_backward_constants(k, tile):
     "The forward's constants for the Horner backward, a polynomial a thread (k = 5) and a warp (k = 40), rows of one tile and of several: log2 rho_k and r_j = rho_j / rho_k as float64 computes them from the stored sigma."
     s = torch.randn(2, 300, generator=torch.Generator().manual_seed(k + tile))
     y = torch.tensor([3, 200])
-    rho, sc, se, dm, rr = (t.cpu() for t in svm_kernels._svm32_forward_op(s.to(DEV), y.to(DEV), None, k, 1.0, 1.0, tile, -1,
-                                                                      kernels.ROWS)[2:])
+    st = svm_kernels._svm32_forward_op(s.to(DEV), y.to(DEV), None, k, 1.0, 1.0, tile, -1, kernels.ROWS)[2]
+    rho, sc, se, dm, rr = (t.cpu() for t in svm_kernels.svm32_state_views(st, 2, k))
     log2_sigma = torch.log2(sc.double()) + se.double()                # (2, k + 1)
     log2_rho = log2_sigma[:, :-1] - log2_sigma[:, 1:]                 # log2 sigma_{j-1} / sigma_j, j = 1..k
     torch.testing.assert_close(rr[:, 0].double(), log2_rho[:, -1], rtol=0, atol=1e-5)
@@ -441,22 +441,16 @@ for k, fast in ((1, True), (3, True), (3, False)):
             sig = {name: ("*fp64" if name in ("s_ptr", "go_ptr", "g_ptr", "den_ptr") else kind) for name, kind in sig.items()}
         const = {"K": k, "BLOCK_N": 64, "BLOCK_K": triton.next_power_of_2(k + 1), "FAST": fast, **extra}
         assert triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32)).asm["cubin"]
-tile = ptrs(["s_ptr", "y_ptr", "tc_ptr", "te_ptr", "tm_ptr", "tf_ptr", "loss_ptr", "rho_ptr", "sc_ptr", "se_ptr", "dm_ptr", "rr_ptr"],
-            ["*fp32", "*i64", "*fp32", "*i32", "*fp32", "*i32", "*fp32", "*fp64", "*fp32", "*i32", "*fp32", "*fp32"])
-tile.update(n="i32", n_tiles="i32", tile="i32", d_scale="fp32", alpha_tau_bits="i64", tau_bits="i64")
-row = ptrs(["tc_ptr", "te_ptr", "tm_ptr", "loss_ptr", "rho_ptr", "sc_ptr", "se_ptr", "dm_ptr", "rr_ptr"],
-           ["*fp32", "*i32", "*fp32", "*fp32", "*fp64", "*fp32", "*i32", "*fp32", "*fp32"])
-row.update(n_tiles="i32", alpha_tau_bits="i64", tau_bits="i64")
-gtile = ptrs(["s_ptr", "y_ptr", "go_ptr", "w_ptr", "den_ptr", "rho_ptr", "rr_ptr", "dm_ptr", "g_ptr", "tc_ptr", "te_ptr",
-              "hd_ptr", "hi_ptr", "hn_ptr"],
-             ["*fp32", "*i64", "*fp32", "*fp32", "*fp32", "*fp64", "*fp32", "*fp32", "*fp32", "*fp32", "*i32", "*fp32",
-              "*i64", "*i32"])
-gtile.update(n="i32", n_tiles="i32", tile="i32", d_scale="fp32", ignore_index="i32")
-grow = ptrs(["rho_ptr", "y_ptr", "go_ptr", "w_ptr", "den_ptr", "sc_ptr", "se_ptr", "g_ptr", "tc_ptr", "te_ptr", "hd_ptr", "hi_ptr",
-             "hn_ptr", "fd_ptr", "fi_ptr"],
-            ["*fp64", "*i64", "*fp32", "*fp32", "*fp32", "*fp32", "*i32", "*fp32", "*fp32", "*i32", "*fp32", "*i64", "*i32",
-             "*fp32", "*i64"])
-grow.update(n="i32", n_tiles="i32", ignore_index="i32")
+tile = ptrs(["s_ptr", "y_ptr", "tw_ptr", "loss_ptr", "st_ptr"], ["*fp32", "*i64", "*fp32", "*fp32", "*fp32"])
+tile.update(n_rows="i32", n="i32", n_tiles="i32", tile="i32", d_scale="fp32", alpha_tau_bits="i64", tau_bits="i64")
+row = ptrs(["tw_ptr", "loss_ptr", "st_ptr"], ["*fp32", "*fp32", "*fp32"])
+row.update(n_rows="i32", n_tiles="i32", alpha_tau_bits="i64", tau_bits="i64")
+gtile = ptrs(["s_ptr", "y_ptr", "go_ptr", "w_ptr", "den_ptr", "st_ptr", "g_ptr", "ws_ptr"],
+             ["*fp32", "*i64", "*fp32", "*fp32", "*fp32", "*fp32", "*fp32", "*fp32"])
+gtile.update(n_rows="i32", n="i32", n_tiles="i32", tile="i32", d_scale="fp32", ignore_index="i32")
+grow = ptrs(["st_ptr", "y_ptr", "go_ptr", "w_ptr", "den_ptr", "g_ptr", "ws_ptr"],
+            ["*fp32", "*i64", "*fp32", "*fp32", "*fp32", "*fp32", "*fp32"])
+grow.update(n_rows="i32", n="i32", n_tiles="i32", ignore_index="i32")
 for k in (1, 3, 9):                                # 9: the forward's class loop is a loop above k = 8
     lanes, hmax = {"K": k, "L": 32, "LOG_L": 5, "R": 8}, triton.next_power_of_2(3 * k + 2)
     for fn, sig, const in ((svm_kernels._svm32_tile_kernel, tile, {**lanes, "ONE_TILE": False}),
@@ -466,8 +460,9 @@ for k in (1, 3, 9):                                # 9: the forward's class loop
                            (svm_kernels._svm32_grad_row_kernel, grow, {"K": k, "HMAX": hmax, **conv})):
         sig = {**sig, **{name: "constexpr" for name in const}}
         assert triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32)).asm["cubin"]
-head = ptrs(["s_ptr", "y_ptr", "go_ptr", "w_ptr", "den_ptr", "loss_ptr", "lsig_ptr", "rho_ptr", "rho2_ptr", "ckpt_ptr",
-             "scratch_ptr", "g_ptr", "hn_ptr"], ["*fp32", "*i64", "*fp32", "*fp32", "*fp32", "*fp32"] + ["*fp64"] * 5 + ["*fp32", "*i32"])
+head = ptrs(["s_ptr", "y_ptr", "go_ptr", "w_ptr", "den_ptr", "loss_ptr", "lsig_ptr", "st_ptr", "rho2_ptr", "ckpt_ptr",
+             "scratch_ptr", "g_ptr", "ws_ptr"], ["*fp32", "*i64", "*fp32", "*fp32", "*fp32", "*fp32", "*fp64", "*fp32"]
+            + ["*fp64"] * 3 + ["*fp32", "*fp32"])
 head.update(n="i32", n_blocks="i32", n_tiles="i32", inv_ktau_bits="i64", tau_bits="i64", ignore_index="i32")
 for k in (33, 100):                                # a polynomial a warp: M = 2, 4 degrees a lane; Horner at k = 100
     m = {"K": k, "M": -(-(k + 1) // 32)}

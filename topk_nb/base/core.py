@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 # %% auto #0
-__all__ = ['FLOAT_DTYPES', 'REDUCTIONS', 'CONVENTIONS', 'ARGUMENTS', 'PEER_SPELLINGS', 'ATTRIBUTE_CHECKS', 'ROUTE_FLAGS',
+__all__ = ['ROUTE_FLAGS', 'FLOAT_DTYPES', 'REDUCTIONS', 'CONVENTIONS', 'ARGUMENTS', 'PEER_SPELLINGS', 'ATTRIBUTE_CHECKS',
            'MAX_PLANS', 'transformed', 'plain', 'device_assert', 'sync_free', 'thread_flag', 'force_sync_free',
            'check_int', 'check_real', 'check_finite', 'check_scores', 'check_target', 'check_k', 'check_loss_input',
            'check_reduction', 'reduce_loss', 'scores_without_target', 'target_rank', 'topk_correct', 'topk_accuracy',
@@ -61,7 +61,8 @@ def sync_free(t: torch.Tensor) -> bool:
             or torch._C._functorch.is_functorch_wrapped_tensor(t))
 
 # %% ../../nbs/00_core.ipynb #9875e70f
-_ROUTE = threading.local()       # this thread's route flags as one tuple (`route_flags`), kept as they are set
+ROUTE_FLAGS = [_SYNC_FREE, _KEPT]           # thread-local flags a route depends on; modules below add theirs
+_ROUTE = threading.local()                   # this thread's route flags as one tuple (`route_flags`), kept as they are set
 
 
 def _set_flag(store: threading.local, value: bool) -> None:
@@ -839,7 +840,6 @@ def conventions_loss(self: LossModule,            # the loss module: its per_sam
     return check_loss_finite(loss, scores, type(self).__name__, self.check_finite, out_dtype, count)
 
 # %% ../../nbs/00_core.ipynb #b7f2e4c1
-ROUTE_FLAGS = [_SYNC_FREE, _KEPT]           # thread-local flags a route depends on; modules below add theirs
 MAX_PLANS = 64                               # plans a module keeps; beyond, it forgets them all and starts again
 
 

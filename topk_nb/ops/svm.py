@@ -27,7 +27,8 @@ _OPS = "topk_nb" if __name__.startswith("topk_nb") else "topk_nb_chapter"
 
 # %% auto #0
 __all__ = ['SVM_MAX_K', 'SVM32_MAX_K', 'SVMW_PROGRAMS', 'svm_triton_ok', 'svm_blocks', 'smooth_svm_triton', 'smooth_svm_fused',
-           'smooth_svm_plan', 'svm32_plan', 'svm32_tiles', 'svmw_plan']
+           'smooth_svm_plan', 'svm32_plan', 'svm32_state_words', 'svm32_state_views', 'svm32_tile_views', 'svm32_tiles',
+           'svm32_grad_words', 'svmw_plan']
 
 # %% ../../nbs/03a_svm_kernels.ipynb #b0b16e9c
 SVM_MAX_K = 100           # the largest k the smooth SVM kernels take (the degrees are unrolled into k scans)
@@ -573,11 +574,33 @@ if HAS_TRITON:
         return C, EV
 
     @triton.jit
-    def _svm32_tile_kernel(s_ptr, y_ptr, tc_ptr, te_ptr, tm_ptr, tf_ptr, loss_ptr, rho_ptr, sc_ptr, se_ptr, dm_ptr, rr_ptr,
-                           n, n_tiles, tile, d_scale, alpha_tau_bits, tau_bits,
+    def _svm32_state_ptrs(st_ptr, n_rows, K: tl.constexpr):
+        "The forward's state for the backward, one buffer of 32-bit words (`svm32_state_views`): rho (n_rows float64), sigma as mantissas and exponents (n_rows (K + 1) each), the largest log2 e_i (n_rows), the backward's constants (n_rows (K + 1))."
+        b = tl.cast(n_rows, tl.int64)                                     # int64 offsets: no 2^31 limit
+        rho_ptr = st_ptr.to(tl.pointer_type(tl.float64), bitcast=True)
+        sc_ptr = st_ptr + 2 * b
+        se_ptr = (st_ptr + (K + 3) * b).to(tl.pointer_type(tl.int32), bitcast=True)
+        dm_ptr = st_ptr + (2 * K + 4) * b
+        rr_ptr = st_ptr + (2 * K + 5) * b
+        return rho_ptr, sc_ptr, se_ptr, dm_ptr, rr_ptr
+
+    @triton.jit
+    def _svm32_tile_ptrs(tw_ptr, n_rows, n_tiles, K: tl.constexpr):
+        "The forward's tile buffers in one buffer of 32-bit words (`svm32_tile_views`): each tile's polynomial as mantissas and exponents (n_rows n_tiles (K + 1) each), its largest log2 e_i and its passes on fixed exponents (n_rows n_tiles each)."
+        b = tl.cast(n_rows, tl.int64) * n_tiles
+        tc_ptr = tw_ptr
+        te_ptr = (tw_ptr + (K + 1) * b).to(tl.pointer_type(tl.int32), bitcast=True)
+        tm_ptr = tw_ptr + (2 * K + 2) * b
+        tf_ptr = (tw_ptr + (2 * K + 3) * b).to(tl.pointer_type(tl.int32), bitcast=True)
+        return tc_ptr, te_ptr, tm_ptr, tf_ptr
+
+    @triton.jit
+    def _svm32_tile_kernel(s_ptr, y_ptr, tw_ptr, loss_ptr, st_ptr, n_rows, n, n_tiles, tile, d_scale, alpha_tau_bits, tau_bits,
                            K: tl.constexpr, L: tl.constexpr, LOG_L: tl.constexpr, R: tl.constexpr, ONE_TILE: tl.constexpr):
-        "Program (row, p): prod (1 + e_i z) over the classes of tile p but the label, truncated at K, e_i = 2^{(s_i - s_y) d_scale}; the tile's largest log2 e_i; its passes on fixed exponents. ONE_TILE (a row is one tile): the row kernel's outputs instead of the tile's polynomial."
+        "Program (row, p): prod (1 + e_i z) over the classes of tile p but the label, truncated at K, e_i = 2^{(s_i - s_y) d_scale}; the tile's largest log2 e_i; its passes on fixed exponents (into tw, `_svm32_tile_ptrs`). ONE_TILE (a row is one tile): the row kernel's outputs instead of the tile's polynomial: the loss and the state st (`_svm32_state_ptrs`)."
         row, p = tl.program_id(0).to(tl.int64), tl.program_id(1)       # int64: row n passes 2^31
+        tc_ptr, te_ptr, tm_ptr, tf_ptr = _svm32_tile_ptrs(tw_ptr, n_rows, n_tiles, K)
+        rho_ptr, sc_ptr, se_ptr, dm_ptr, rr_ptr = _svm32_state_ptrs(st_ptr, n_rows, K)
         lanes = tl.arange(0, L)                                          # (L,) threads
         y = _class_label(y_ptr, row, n)                                   # a label that is no class reads class 0
         sy = tl.load(s_ptr + row * n + y).to(tl.float32)
@@ -648,10 +671,11 @@ if HAS_TRITON:
         return tau * (tl.maximum(z, 0.0) + log1p_u), tl.where(z >= 0, 1.0, u) / (1.0 + u)
 
     @triton.jit
-    def _svm32_row_kernel(tc_ptr, te_ptr, tm_ptr, loss_ptr, rho_ptr, sc_ptr, se_ptr, dm_ptr, rr_ptr, n_tiles, alpha_tau_bits, tau_bits,
-                          K: tl.constexpr):
-        "Program row: sigma_0..sigma_K of the others (the tiles' product), the loss tau softplus(z), rho = sigmoid(z), and the row's largest log2 e_i."
+    def _svm32_row_kernel(tw_ptr, loss_ptr, st_ptr, n_rows, n_tiles, alpha_tau_bits, tau_bits, K: tl.constexpr):
+        "Program row: sigma_0..sigma_K of the others (the tiles' product, from tw), the loss tau softplus(z), rho = sigmoid(z), and the row's largest log2 e_i (into st)."
         row = tl.program_id(0).to(tl.int64)
+        tc_ptr, te_ptr, tm_ptr, tf_ptr = _svm32_tile_ptrs(tw_ptr, n_rows, n_tiles, K)
+        rho_ptr, sc_ptr, se_ptr, dm_ptr, rr_ptr = _svm32_state_ptrs(st_ptr, n_rows, K)
         C, E = _load_poly(tc_ptr, te_ptr, row * n_tiles * (K + 1), K)
         dmax = tl.load(tm_ptr + row * n_tiles)
         for p in range(1, n_tiles):                                      # the tiles' product, in tile order
@@ -741,12 +765,32 @@ if HAS_TRITON:
         return C, E, cnt + tl.sum(hm, 0)
 
     @triton.jit
-    def _svm32_grad_tile_kernel(s_ptr, y_ptr, go_ptr, w_ptr, den_ptr, rho_ptr, rr_ptr, dm_ptr, g_ptr, tc_ptr, te_ptr,
-                                hd_ptr, hi_ptr, hn_ptr, n, n_tiles, tile, d_scale, ignore_index,
-                                K: tl.constexpr, L: tl.constexpr, LOG_L: tl.constexpr, R: tl.constexpr, HMAX: tl.constexpr,
+    def _svm32_grad_ptrs(ws_ptr, n_rows, n_tiles, K: tl.constexpr, HMAX: tl.constexpr):
+        "The backward's buffers in one buffer of 32-bit words (`svm32_grad_words`): each tile's head count (n_rows n_tiles), its head classes (int64) and the row's list of them (int64), each tile's tail polynomial (mantissas, exponents), its head's log2 e_i and the row's list of them."
+        rows = tl.cast(n_rows, tl.int64)
+        b = rows * n_tiles
+        hn_ptr = ws_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+        at = (b + 1) // 2 * 2                                             # an even word: the int64 lists aligned
+        hi_ptr = (ws_ptr + at).to(tl.pointer_type(tl.int64), bitcast=True)
+        at += 2 * HMAX * b
+        fi_ptr = (ws_ptr + at).to(tl.pointer_type(tl.int64), bitcast=True)
+        at += 2 * HMAX * rows
+        tc_ptr = ws_ptr + at
+        at += (K + 1) * b
+        te_ptr = (ws_ptr + at).to(tl.pointer_type(tl.int32), bitcast=True)
+        at += (K + 1) * b
+        hd_ptr = ws_ptr + at
+        fd_ptr = ws_ptr + at + HMAX * b
+        return hn_ptr, hi_ptr, fi_ptr, tc_ptr, te_ptr, hd_ptr, fd_ptr
+
+    @triton.jit
+    def _svm32_grad_tile_kernel(s_ptr, y_ptr, go_ptr, w_ptr, den_ptr, st_ptr, g_ptr, ws_ptr, n_rows, n, n_tiles, tile, d_scale,
+                                ignore_index, K: tl.constexpr, L: tl.constexpr, LOG_L: tl.constexpr, R: tl.constexpr, HMAX: tl.constexpr,
                                 REDUCTION: tl.constexpr, HAS_WEIGHT: tl.constexpr, HEAD: tl.constexpr):
         "Program (row, p): dL/ds of the tile's tail by Horner; if the row has a head, the tile's tail polynomial and its head classes listed. HEAD 0: every row; 1: the rows without a head, 2: those with one (two launches for rows of several tiles, so that the rare path's registers do not hold down the common one's programs per SM)."
         row, p = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        rho_ptr, sc_ptr, se_ptr, dm_ptr, rr_ptr = _svm32_state_ptrs(st_ptr, n_rows, K)
+        hn_ptr, hi_ptr, fi_ptr, tc_ptr, te_ptr, hd_ptr, fd_ptr = _svm32_grad_ptrs(ws_ptr, n_rows, n_tiles, K, HMAX)
         lanes = tl.arange(0, L)                                          # (L,) threads
         go, y = _row_go(y_ptr, go_ptr, w_ptr, den_ptr, row, n, ignore_index, REDUCTION, HAS_WEIGHT)   # dL/d(row's loss)
         sy = tl.load(s_ptr + row * n + y).to(tl.float32)
@@ -786,11 +830,12 @@ if HAS_TRITON:
 # %% ../../nbs/03a_svm_kernels.ipynb #7114870e
 if HAS_TRITON:
     @triton.jit
-    def _svm32_grad_row_kernel(rho_ptr, y_ptr, go_ptr, w_ptr, den_ptr, sc_ptr, se_ptr, g_ptr, tc_ptr, te_ptr, hd_ptr, hi_ptr,
-                               hn_ptr, fd_ptr, fi_ptr, n, n_tiles, ignore_index, K: tl.constexpr, HMAX: tl.constexpr,
-                               REDUCTION: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+    def _svm32_grad_row_kernel(st_ptr, y_ptr, go_ptr, w_ptr, den_ptr, g_ptr, ws_ptr, n_rows, n, n_tiles, ignore_index,
+                               K: tl.constexpr, HMAX: tl.constexpr, REDUCTION: tl.constexpr, HAS_WEIGHT: tl.constexpr):
         "Program row: dL/ds of the head classes, exactly: sigma(others without i) = sigma(tail) sigma(head without i)."
         row = tl.program_id(0).to(tl.int64)
+        rho_ptr, sc_ptr, se_ptr, dm_ptr, rr_ptr = _svm32_state_ptrs(st_ptr, n_rows, K)
+        hn_ptr, hi_ptr, fi_ptr, tc_ptr, te_ptr, hd_ptr, fd_ptr = _svm32_grad_ptrs(ws_ptr, n_rows, n_tiles, K, HMAX)
         h = tl.arange(0, HMAX)                                           # (HMAX,) head classes, one per thread
         hc = 0
         for p in range(n_tiles):                                         # the row's head list, in tile order
@@ -852,17 +897,37 @@ def svm32_plan(B: int,                  # rows
     return lanes, r, tile, cdiv(n, tile)
 
 # %% ../../nbs/03a_svm_kernels.ipynb #86023359
-def _svm32_state(s: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
-    "Uninitialised outputs of the float32 forward: the loss (B,), rho (B,) in float64, the row's sigma (B, k + 1) as mantissas and exponents, its largest log2 e_i (B,), and the backward's constants (B, k + 1): log2 rho_k, then r_j = rho_j / rho_k."
+def svm32_state_words(B: int, k: int) -> int:
+    "32-bit words of the float32 forward's state (`_svm32_state_ptrs`): rho (2 a row), sigma's mantissas and exponents, the largest log2 e_i, the backward's constants."
+    return B * (3 * k + 6)
+
+
+def _svm32_state(s: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    "Uninitialised outputs of the float32 forward: the loss (B,) and the state the backward reads, one float32 buffer (`svm32_state_views`): two allocations."
     B = s.shape[0]
-    return (s.new_empty(B), torch.empty(B, dtype=torch.float64, device=s.device),
-            torch.empty(B, k + 1, dtype=torch.float32, device=s.device), torch.empty(B, k + 1, dtype=torch.int32, device=s.device),
-            torch.empty(B, dtype=torch.float32, device=s.device), torch.empty(B, k + 1, dtype=torch.float32, device=s.device))
+    return s.new_empty(B), s.new_empty(svm32_state_words(B, k))
+
+
+def svm32_state_views(st: torch.Tensor,  # the forward's state (`_svm32_forward_op`'s third output)
+                      B: int, k: int,
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    "The state's parts as the kernels lay them out (`_svm32_state_ptrs`): rho (B,) float64, sigma's mantissas (B, k + 1) and exponents (B, k + 1) int32, the largest log2 e_i (B,), and the backward's constants (B, k + 1): log2 rho_k, then r_j = rho_j / rho_k."
+    at = [0, 2 * B, (k + 3) * B, (2 * k + 4) * B, (2 * k + 5) * B, (3 * k + 6) * B]
+    part = lambda i: st[at[i]:at[i + 1]]
+    return (part(0).view(torch.float64), part(1).view(B, k + 1), part(2).view(torch.int32).view(B, k + 1), part(3),
+            part(4).view(B, k + 1))
+
+
+def svm32_tile_views(tw: torch.Tensor, B: int, P: int, k: int) -> tuple[torch.Tensor, ...]:
+    "The tile buffers' parts as the kernels lay them out (`_svm32_tile_ptrs`): each tile's polynomial as mantissas and exponents (B, P, k + 1), its largest log2 e_i (B, P) and its passes on fixed exponents (B, P) int32."
+    b = B * P
+    return (tw[:(k + 1) * b].view(B, P, k + 1), tw[(k + 1) * b:(2 * k + 2) * b].view(torch.int32).view(B, P, k + 1),
+            tw[(2 * k + 2) * b:(2 * k + 3) * b].view(B, P), tw[(2 * k + 3) * b:(2 * k + 4) * b].view(torch.int32).view(B, P))
 
 
 def _svm32_tiles(s: torch.Tensor, target: torch.Tensor, k: int, tau: float, alpha: float, tile: int,
-                 row: tuple | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    "Launch the tile kernel (a polynomial a thread up to k = SVM32_MAX_K, a polynomial a warp above: the next section) and return each tile's polynomial (mantissas, exponents), largest log2 e_i and passes on fixed exponents; row: the row kernel's outputs (loss, rho, sigma mantissas and exponents, largest log2 e_i, the backward's constants), which the tile kernel writes instead where a row is one tile (then nothing is returned: four Nones)."
+                 row: tuple | None) -> tuple[torch.Tensor | None, int]:
+    "Launch the tile kernel (a polynomial a thread up to k = SVM32_MAX_K, a polynomial a warp above: the next section) and return its tile buffer (`svm32_tile_views`: each tile's polynomial, largest log2 e_i and passes on fixed exponents) and the tiles a row; row: the row kernel's outputs (the loss, the state), which the tile kernel writes instead where a row is one tile (then no tile buffer: None)."
     (B, n), dev = s.shape, s.device
     if k <= SVM32_MAX_K:
         L, R, T, P = svm32_plan(B, n, tile or None)
@@ -872,17 +937,14 @@ def _svm32_tiles(s: torch.Tensor, target: torch.Tensor, k: int, tau: float, alph
         kernel, const = _svmw_tile_kernel, dict(K=k, M=cdiv(k + 1, 32), num_warps=1)
     one = row is not None and P == 1
     if one:                                                            # the row's outputs: no tile buffer allocated
-        loss, rho, sc, se, dm, rr = row
-        tc, te, tm, tf = rr, se, dm, se                                # pointers of their dtypes that ONE_TILE never uses
+        loss, st = row
+        tw = st                                                        # a pointer that ONE_TILE never reads
     else:
-        tc = torch.empty(B, P, k + 1, dtype=torch.float32, device=dev)   # each tile's polynomial
-        te = torch.empty(B, P, k + 1, dtype=torch.int32, device=dev)
-        tm = torch.empty(B, P, dtype=torch.float32, device=dev)        # each tile's largest log2 e_i
-        tf = torch.empty(B, P, dtype=torch.int32, device=dev)          # each tile's passes on fixed exponents
-        loss, rho, sc, se, dm, rr = (tm,) * 6                          # unused pointers where the row kernel follows
-    _launch(kernel, (B, P), s, target, tc, te, tm, tf, loss, rho, sc, se, dm, rr, n, P, T, _LOG2E / (k * tau),
-            f64_bits(alpha / tau), f64_bits(tau), ONE_TILE=one, **const)
-    return (None,) * 4 if one else (tc, te, tm, tf)
+        tw = torch.empty(B * P * (2 * k + 4), dtype=torch.float32, device=dev)   # 32-bit words: `_svm32_tile_ptrs`
+        loss, st = tw, tw                                              # unused pointers where the row kernel follows
+    _launch(kernel, (B, P), s, target, tw, loss, st, B, n, P, T, _LOG2E / (k * tau), f64_bits(alpha / tau), f64_bits(tau),
+            ONE_TILE=one, **const)
+    return (None if one else tw), P
 
 
 def svm32_tiles(s: torch.Tensor,       # (B, n) float32 scores, contiguous
@@ -891,7 +953,8 @@ def svm32_tiles(s: torch.Tensor,       # (B, n) float32 scores, contiguous
                 tile: int = 0,         # classes per tile (0: the default of `svm32_plan`, or of `svmw_plan` above SVM32_MAX_K)
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     "The forward's tile kernel alone: each tile's polynomial as mantissas and exponents (B, P, k + 1), its largest log2 e_i (B, P) and its passes on fixed exponents (B, P; above SVM32_MAX_K four a chunk of 32 classes)."
-    return _svm32_tiles(s, target, k, tau, 1.0, tile, None)
+    tw, P = _svm32_tiles(s, target, k, tau, 1.0, tile, None)
+    return svm32_tile_views(tw, s.shape[0], P, k)
 
 
 @torch.library.custom_op(f"{_OPS}::smooth_svm32_forward", mutates_args=())
@@ -903,60 +966,53 @@ def _svm32_forward_op(s: torch.Tensor,       # (B, n) float32 scores, contiguous
                       ignore_index: int,     # the label of the samples that count for nothing
                       reduction: int,        # ROWS (the per-row loss, nothing else) or a value of REDUCTION_CODES
                       assert_labels: bool = False,   # `_finish` asserts the labels on the device
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                 torch.Tensor]:
-    "The float32 forward as an operator: (loss, `_finish`'s aux: the denominator and the labels' flag, rho (B,), sigma mantissas, exponents (B, k + 1), largest log2 e_i (B,), the backward's constants (B, k + 1)); two launches (one where a row is one tile), one more with `_finish`. Above SVM32_MAX_K the kernels of a polynomial a warp."
-    (B, n), state = s.shape, _svm32_state(s, k)
-    loss, rho, sc, se, dm, rr = state
-    tc, te, tm, _ = _svm32_tiles(s, target, k, tau, alpha, tile, state)   # a row of one tile: its loss too (no tiles)
-    if tm is not None:                                                 # rows of several tiles: their product, the loss
-        P = tm.shape[1]
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    "The float32 forward as an operator: (loss, `_finish`'s aux: the denominator and the labels' flag, the state the backward reads: `svm32_state_views`); two launches (one where a row is one tile), one more with `_finish`. Above SVM32_MAX_K the kernels of a polynomial a warp."
+    (B, n), (loss, st) = s.shape, _svm32_state(s, k)
+    tw, P = _svm32_tiles(s, target, k, tau, alpha, tile, (loss, st))  # a row of one tile: its loss too (no tiles)
+    if tw is not None:                                                 # rows of several tiles: their product, the loss
         kernel, const = (_svm32_row_kernel, {}) if k <= SVM32_MAX_K else (_svmw_row_kernel, dict(M=cdiv(k + 1, 32)))
-        _launch(kernel, (B,), tc, te, tm, loss, rho, sc, se, dm, rr, P, f64_bits(alpha / tau), f64_bits(tau), K=k, num_warps=1,
-                **const)
-    return (*_conventions(loss, target, weight, n, ignore_index, reduction, assert_labels), rho, sc, se, dm, rr)
+        _launch(kernel, (B,), tw, loss, st, B, P, f64_bits(alpha / tau), f64_bits(tau), K=k, num_warps=1, **const)
+    return (*_conventions(loss, target, weight, n, ignore_index, reduction, assert_labels), st)
 
 
 @_svm32_forward_op.register_fake
 def _svm32_forward_fake(s, target, weight, k, tau, alpha, tile, ignore_index, reduction, assert_labels=False):
-    return (*_conventions_fake(s, reduction), *_svm32_state(s, k)[1:])
+    return (*_conventions_fake(s, reduction), _svm32_state(s, k)[1])
+
+
+@functools.lru_cache(maxsize=1024)                  # asked again at every call of a signature
+def svm32_grad_words(B: int, P: int, k: int, hmax: int) -> int:
+    "32-bit words of the float32 backward's buffers (`_svm32_grad_ptrs`): each tile's head count (rounded up to an even count), its head classes (int64) and the row's list of them, each tile's tail polynomial (mantissas, exponents), its head's log2 e_i and the row's list of them."
+    b = B * P
+    return (b + 1) // 2 * 2 + 2 * hmax * (b + B) + 2 * (k + 1) * b + hmax * (b + B)
 
 
 @torch.library.custom_op(f"{_OPS}::smooth_svm32_backward", mutates_args=())
 def _svm32_backward_op(s: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor],
                        grad: torch.Tensor,                  # dL/d loss: (B,) per row, or () of the reduced loss
                        den: torch.Tensor,                   # the forward operator's aux: the mean's denominator first
-                       rho: torch.Tensor, sc: torch.Tensor, se: torch.Tensor, dm: torch.Tensor, rr: torch.Tensor,   # from the
-                       k: int, tau: float, tile: int, ignore_index: int, reduction: int) -> torch.Tensor:     # forward operator
-    "The float32 backward as an operator: dL/ds (B, n), the conventions applied by `_row_go`; two launches (three where a row is several tiles). Above SVM32_MAX_K, `_svmw_backward`."
+                       st: torch.Tensor,                    # the forward operator's state
+                       k: int, tau: float, tile: int, ignore_index: int, reduction: int) -> torch.Tensor:
+    "The float32 backward as an operator: dL/ds (B, n), the conventions applied by `_row_go`; two launches (three where a row is several tiles) and two allocations (the gradient, one buffer for the rest). Above SVM32_MAX_K, `_svmw_backward`."
     if k > SVM32_MAX_K:
-        return _svmw_backward(s, target, weight, grad, den, rho, dm, rr, k, tau, ignore_index, reduction)
+        return _svmw_backward(s, target, weight, grad, den, st, k, tau, ignore_index, reduction)
     (B, n), dev = s.shape, s.device
     L, R, T, P = svm32_plan(B, n, tile or None)
     hmax = next_pow2(3 * k + 2)                           # fewer than 3k head classes per row
     out = torch.empty_like(s)
-    tc = torch.empty(B, P, k + 1, dtype=torch.float32, device=dev)     # each tile's tail polynomial
-    te = torch.empty(B, P, k + 1, dtype=torch.int32, device=dev)
-    hd = torch.empty(B, P, hmax, dtype=torch.float32, device=dev)      # each tile's head: log2 e_i and classes
-    hi = torch.empty(B, P, hmax, dtype=torch.int64, device=dev)
-    hn = torch.empty(B, P, dtype=torch.int32, device=dev)
+    ws = torch.empty(svm32_grad_words(B, P, k, hmax), dtype=torch.float32, device=dev)   # `_svm32_grad_ptrs`
     g, w, conv = grad.contiguous(), grad if weight is None else weight, dict(REDUCTION=reduction, HAS_WEIGHT=weight is not None)
     for head in ((0,) if P == 1 else (1, 2)):                          # rows of several tiles: the head apart
-        _launch(_svm32_grad_tile_kernel, (B, P), s, target, g, w, den, rho, rr, dm, out, tc, te, hd, hi, hn, n, P, T,
-                _LOG2E / (k * tau), ignore_index, K=k, L=L, LOG_L=L.bit_length() - 1, R=R, HMAX=hmax, HEAD=head,
-                num_warps=L // 32, **conv)
-    if P == 1:                                                         # the row's head list is its tile's: each entry
-        fd, fi = hd, hi                                                # copied onto itself, by the thread that reads it
-    else:
-        fd = torch.empty(B, hmax, dtype=torch.float32, device=dev)     # the row's head list
-        fi = torch.empty(B, hmax, dtype=torch.int64, device=dev)
-    _launch(_svm32_grad_row_kernel, (B,), rho, target, g, w, den, sc, se, out, tc, te, hd, hi, hn, fd, fi, n, P, ignore_index,
-            K=k, HMAX=hmax, num_warps=max(1, hmax // 32), **conv)
+        _launch(_svm32_grad_tile_kernel, (B, P), s, target, g, w, den, st, out, ws, B, n, P, T, _LOG2E / (k * tau),
+                ignore_index, K=k, L=L, LOG_L=L.bit_length() - 1, R=R, HMAX=hmax, HEAD=head, num_warps=L // 32, **conv)
+    _launch(_svm32_grad_row_kernel, (B,), st, target, g, w, den, out, ws, B, n, P, ignore_index, K=k, HMAX=hmax,
+            num_warps=max(1, hmax // 32), **conv)
     return out
 
 
 @_svm32_backward_op.register_fake
-def _svm32_backward_fake(s, target, weight, grad, den, rho, sc, se, dm, rr, k, tau, tile, ignore_index, reduction):
+def _svm32_backward_fake(s, target, weight, grad, den, st, k, tau, tile, ignore_index, reduction):
     return torch.empty_like(s)
 
 
@@ -1123,11 +1179,12 @@ if HAS_TRITON:
         return D, gmax, gmin, bad, tl.maximum(dmax, D)
 
     @triton.jit
-    def _svmw_tile_kernel(s_ptr, y_ptr, tc_ptr, te_ptr, tm_ptr, tf_ptr, loss_ptr, rho_ptr, sc_ptr, se_ptr, dm_ptr, rr_ptr,
-                          n, n_tiles, tile, d_scale, alpha_tau_bits, tau_bits,
+    def _svmw_tile_kernel(s_ptr, y_ptr, tw_ptr, loss_ptr, st_ptr, n_rows, n, n_tiles, tile, d_scale, alpha_tau_bits, tau_bits,
                           K: tl.constexpr, M: tl.constexpr, ONE_TILE: tl.constexpr):
         "Program (row, p), one warp: prod (1 + e_i z) over the classes of tile p but the label, truncated at K, in lane layout (M = ceil((K + 1) / 32) degrees a lane); the tile's largest log2 e_i; its passes on fixed exponents. ONE_TILE: the row's outputs instead."
         row, p = tl.program_id(0).to(tl.int64), tl.program_id(1)       # int64: row n passes 2^31
+        tc_ptr, te_ptr, tm_ptr, tf_ptr = _svm32_tile_ptrs(tw_ptr, n_rows, n_tiles, K)
+        rho_ptr, sc_ptr, se_ptr, dm_ptr, rr_ptr = _svm32_state_ptrs(st_ptr, n_rows, K)
         l = tl.arange(0, 32)                                             # (32,) lanes
         lm1 = (l + 31) % 32                                              # the lane below
         y = _class_label(y_ptr, row, n)
@@ -1229,10 +1286,11 @@ if HAS_TRITON:
         return RC, RE
 
     @triton.jit
-    def _svmw_row_kernel(tc_ptr, te_ptr, tm_ptr, loss_ptr, rho_ptr, sc_ptr, se_ptr, dm_ptr, rr_ptr, n_tiles, alpha_tau_bits, tau_bits,
-                         K: tl.constexpr, M: tl.constexpr):
+    def _svmw_row_kernel(tw_ptr, loss_ptr, st_ptr, n_rows, n_tiles, alpha_tau_bits, tau_bits, K: tl.constexpr, M: tl.constexpr):
         "Program row, one warp: the tiles' product (sigma_0..sigma_K of the others), the loss, rho and the row's largest log2 e_i. R_j = sum_a B_a A_{j-a}: B_a brought to every lane by a shuffle, A moved up a degree per a."
         row = tl.program_id(0).to(tl.int64)
+        tc_ptr, te_ptr, tm_ptr, tf_ptr = _svm32_tile_ptrs(tw_ptr, n_rows, n_tiles, K)
+        rho_ptr, sc_ptr, se_ptr, dm_ptr, rr_ptr = _svm32_state_ptrs(st_ptr, n_rows, K)
         l = tl.arange(0, 32)
         lm1 = (l + 31) % 32
         C, E = _wload(tc_ptr, te_ptr, row * n_tiles * (K + 1), l, K, M)  # A: the product so far
@@ -1266,12 +1324,14 @@ if HAS_TRITON:
 # %% ../../nbs/03a_svm_kernels.ipynb #8dfa1ed5
 if HAS_TRITON:
     @triton.jit
-    def _svm_head_rows_kernel(s_ptr, y_ptr, go_ptr, w_ptr, den_ptr, loss_ptr, lsig_ptr, rho_ptr, rho2_ptr, ckpt_ptr, scratch_ptr,
-                              g_ptr, hn_ptr, n, n_blocks, n_tiles, inv_ktau_bits, tau_bits, ignore_index,
+    def _svm_head_rows_kernel(s_ptr, y_ptr, go_ptr, w_ptr, den_ptr, loss_ptr, lsig_ptr, st_ptr, rho2_ptr, ckpt_ptr, scratch_ptr,
+                              g_ptr, ws_ptr, n, n_blocks, n_tiles, inv_ktau_bits, tau_bits, ignore_index,
                               REDUCTION: tl.constexpr, HAS_WEIGHT: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr,
                               BLOCK_K: tl.constexpr):
         "Program `row`, on the rows the Horner kernel marked -1 (a head): the scans' forward for the checkpoints (its loss and rho into loss_ptr, rho2_ptr, unused), then their backward with the row's rho; the other programs return at once."
         row = tl.program_id(0).to(tl.int64)
+        rho_ptr = st_ptr.to(tl.pointer_type(tl.float64), bitcast=True)  # the state's first part (`_svm32_state_ptrs`)
+        hn_ptr = ws_ptr.to(tl.pointer_type(tl.int32), bitcast=True)     # the workspace's (`_svm32_grad_ptrs`)
         if tl.load(hn_ptr + row * n_tiles) == -1:
             no_margin = tl.zeros([], tl.int64)                           # alpha = 0: the bits of 0.0 (the loss is unused)
             _svm_forward_kernel(s_ptr, y_ptr, loss_ptr, lsig_ptr, rho2_ptr, ckpt_ptr, n, n_blocks, inv_ktau_bits, no_margin,
@@ -1298,21 +1358,19 @@ def svmw_plan(B: int,                  # rows
 
 
 def _svmw_backward(s: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor], grad: torch.Tensor,
-                   den: torch.Tensor, rho: torch.Tensor, dm: torch.Tensor, rr: torch.Tensor,
+                   den: torch.Tensor, st: torch.Tensor,   # the forward's aux and state
                    k: int, tau: float, ignore_index: int, reduction: int) -> torch.Tensor:
     "`_svm32_backward_op` above SVM32_MAX_K: Horner on the rows without a head (`_svm32_grad_tile_kernel`, `HEAD` 1, which marks the others -1), the log-space scans' forward and backward on the rows with one (`_svm_head_rows_kernel`, launched for every row; the others return at once); two launches."
     (B, n), dev = s.shape, s.device
     L, R, T, P = svm32_plan(B, n)
     out = torch.empty_like(s)
-    hn = torch.empty(B, P, dtype=torch.int32, device=dev)              # -1: the row has a head
-    none = s.new_empty(0)
+    ws = torch.empty(B * P, dtype=torch.float32, device=dev)          # the head counts alone (HEAD 1): -1, a head
     g, w, conv = grad.contiguous(), grad if weight is None else weight, dict(REDUCTION=reduction, HAS_WEIGHT=weight is not None)
-    _launch(_svm32_grad_tile_kernel, (B, P), s, target, g, w, den, rho, rr, dm, out, none, hn, none, target, hn, n, P, T,
-            _LOG2E / (k * tau), ignore_index, K=k, L=L, LOG_L=L.bit_length() - 1, R=R, HMAX=1, HEAD=1,
-            num_warps=L // 32, **conv)
+    _launch(_svm32_grad_tile_kernel, (B, P), s, target, g, w, den, st, out, ws, B, n, P, T, _LOG2E / (k * tau), ignore_index,
+            K=k, L=L, LOG_L=L.bit_length() - 1, R=R, HMAX=1, HEAD=1, num_warps=L // 32, **conv)
     BN, nb, BK = svm_blocks(n, k)                                      # the rows with a head: the scans
     loss2, lsig, rho2, ckpt = _svm_state(s, k, 0)                      # the scans' own loss and rho: not used
     scratch = torch.empty(B, k, BN, dtype=torch.float64, device=dev)
-    _launch(_svm_head_rows_kernel, (B,), s, target, g, w, den, loss2, lsig, rho, rho2, ckpt, scratch, out, hn, n, nb, P,
+    _launch(_svm_head_rows_kernel, (B,), s, target, g, w, den, loss2, lsig, st, rho2, ckpt, scratch, out, ws, n, nb, P,
             f64_bits(1.0 / (k * tau)), f64_bits(tau), ignore_index, K=k, BLOCK_N=BN, BLOCK_K=BK, **conv)
     return out
