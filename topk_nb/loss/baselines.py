@@ -471,11 +471,12 @@ class LDAM(_NativeSoft):
 
     def device_margins(self, like: torch.Tensor) -> torch.Tensor:
         "The margins (n,) on `like`'s device, made again only when the counts (in place too) or max_m change."
-        counts, kept = self.class_counts, self.__dict__.get("_device_margins")
-        key = (counts, counts._version, self.max_m, like.device)
-        if kept is None or any(a is not b and a != b for a, b in zip(kept[0], key)):
-            kept = self.__dict__["_device_margins"] = (key, margins_from_counts(counts, self.max_m).to(like.device))
-        return kept[1]
+        counts, kept, device = self.class_counts, self.__dict__.get("_device_margins"), like.device
+        if (kept is None or kept[0] is not counts or kept[1] != counts._version or kept[2] != self.max_m
+                or kept[3] != device):                           # the same tensor, unchanged, the same max_m and device
+            kept = self.__dict__["_device_margins"] = (counts, counts._version, self.max_m, device,
+                                                       margins_from_counts(counts, self.max_m).to(device))
+        return kept[4]
 
 
 # %% ../../nbs/06_baselines.ipynb #a4465c14

@@ -35,7 +35,7 @@ _OPS = "topk_nb" if __name__.startswith("topk_nb") else "topk_nb_chapter"
 # %% auto #0
 __all__ = ['MAX_ROW', 'MAX_KTH', 'MAX_BOUND', 'ROWS', 'REDUCTION_CODES', 'kth_max_row', 'force_triton', 'triton_ok',
            'count_launches', 'bound_launches', 'lean_op', 'loss_op', 'call_op', 'cdiv', 'next_pow2', 'unused_arg',
-           'f64_bits']
+           'f64_bits', 'finish_consts', 'finish_launch']
 
 # %% ../../nbs/02a_kernels.ipynb #c63387a8
 _FORCE = threading.local()
@@ -394,25 +394,43 @@ def _finish(loss: Optional[torch.Tensor],   # (B,) each row's loss, or None: the
             weighted_rows: bool = False,            # also keep the weighted rows of a reduced loss, in aux[2:]
             ) -> tuple[torch.Tensor, torch.Tensor]:
     "Launch `_finish_kernel`: the loss as the module returns it ((B,) weighted rows for 'none', else ()), and `aux`: the mean's denominator, the labels' flag (1 where every label is a class or ignored, else 0), then with `weighted_rows` the weighted rows (B,), in the loss's dtype. With `assert_labels` the flag is asserted on the device (by the kernel where it is compiled, by `torch._assert_async` where it is interpreted)."
-    B, dtype, dev = target.shape[0], (s if loss is None else loss).dtype, target.device
-    out = torch.empty((B,) if reduction == 0 else (), dtype=dtype, device=dev)
-    aux = torch.empty(2 + B if weighted_rows else 2, dtype=dtype, device=dev)
-    some = loss if loss is not None else mean                          # a pointer for the arguments a variant never reads
-    _launch(_finish_kernel, (1,), some, some if mean is None else mean, some if s is None else s,
-            some if margin is None else margin, target, some if weight is None else weight, out, aux, B, n,
-            ignore_index, f64_bits(alpha), f64_bits(scale), REDUCTION=reduction, HAS_WEIGHT=weight is not None,
-            HINGE=loss is None, HAS_MARGIN=margin is not None, ASSERT=assert_labels, WEIGHTED_ROWS=weighted_rows,
-            BLOCK=_finish_block(B), num_warps=4)
-    if assert_labels and _INTERPRETED_FINISH and not _LAUNCHES.stub:   # the interpreter skips device asserts: this
-        with torch.utils._python_dispatch._disable_current_modes():     # stands in for the kernel's, outside any
-            torch._assert_async(aux[1] != 0, f"target must hold class indices in [0, {n - 1}]")   # mode, as its launch is
-    return out, aux
+    consts = finish_consts(target.shape[0], reduction, weight is not None, loss is None, margin is not None, assert_labels,
+                           weighted_rows)
+    return finish_launch(consts, loss, target, weight, n, ignore_index, (s if loss is None else loss).dtype, mean, s, margin,
+                         f64_bits(alpha), f64_bits(scale))
 
 
 @functools.lru_cache(maxsize=1024)                  # asked again at every call of a signature
-def _finish_block(B: int) -> int:
-    "Rows `_finish_kernel` reads at a time: B rounded up to a power of two, at most 1024."
-    return min(1024, next_pow2(max(B, 1)))
+def finish_consts(B: int,                   # rows
+                  reduction: int,           # a value of REDUCTION_CODES
+                  has_weight: bool, hinge: bool = False, has_margin: bool = False, assert_labels: bool = False,
+                  weighted_rows: bool = False,
+                  ) -> tuple[tuple, int, dict]:
+    "What `_finish` allocates and launches for B rows and these conventions, made once: (the loss's shape, aux's entries, the kernel's constexprs and options: B rows read at a time, rounded up to a power of two, at most 1024)."
+    return (((B,) if reduction == 0 else ()), 2 + B if weighted_rows else 2,
+            dict(REDUCTION=reduction, HAS_WEIGHT=has_weight, HINGE=hinge, HAS_MARGIN=has_margin, ASSERT=assert_labels,
+                 WEIGHTED_ROWS=weighted_rows, BLOCK=min(1024, next_pow2(max(B, 1))), num_warps=4))
+
+
+def finish_launch(consts: tuple,                    # `finish_consts`, as a plan keeps it
+                  loss: Optional[torch.Tensor], target: torch.Tensor, weight: Optional[torch.Tensor], n: int,
+                  ignore_index: int, dtype: torch.dtype,          # the loss's
+                  mean: Optional[torch.Tensor] = None, s: Optional[torch.Tensor] = None,
+                  margin: Optional[torch.Tensor] = None,
+                  alpha_bits: int = 0, scale_bits: int = 0,       # `f64_bits` of alpha and scale (the hinge's)
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    "`_finish` with its constants made: two allocations and the launch, nothing else to decide."
+    shape, words, const = consts
+    dev = target.device
+    out, aux = torch.empty(shape, dtype=dtype, device=dev), torch.empty(words, dtype=dtype, device=dev)
+    some = loss if loss is not None else mean                          # a pointer for the arguments a variant never reads
+    _launch(_finish_kernel, (1,), some, some if mean is None else mean, some if s is None else s,
+            some if margin is None else margin, target, some if weight is None else weight, out, aux, target.shape[0], n,
+            ignore_index, alpha_bits, scale_bits, **const)
+    if _INTERPRETED_FINISH and const["ASSERT"] and not _LAUNCHES.stub:   # the interpreter skips device asserts: this
+        with torch.utils._python_dispatch._disable_current_modes():     # stands in for the kernel's, outside any
+            torch._assert_async(aux[1] != 0, f"target must hold class indices in [0, {n - 1}]")   # mode, as its launch is
+    return out, aux
 
 
 _INTERPRETED_FINISH = HAS_TRITON and isinstance(_finish_kernel, InterpretedFunction)   # TRITON_INTERPRET=1 at import

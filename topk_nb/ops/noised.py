@@ -302,8 +302,9 @@ if HAS_TRITON:
 # %% ../../nbs/05a_noised_kernels.ipynb #6d2caf0e
 def _device_seed(generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
     "A random int64 seed as a one-element tensor on `device`, drawn without reading anything back."
-    gen_device = generator.device if generator is not None else device
-    seed = torch.randint(0, 2**31 - 1, (1,), generator=generator, device=gen_device, dtype=torch.int64)
+    if generator is None:                                                # drawn where it is read: no copy
+        return torch.randint(0, 2**31 - 1, (1,), device=device, dtype=torch.int64)
+    seed = torch.randint(0, 2**31 - 1, (1,), generator=generator, device=generator.device, dtype=torch.int64)
     return seed.to(device, non_blocking=True)
 
 # %% ../../nbs/05a_noised_kernels.ipynb #ab2af40b
@@ -333,11 +334,17 @@ def _selection_plan(B: int, n: int, n_samples: int,
         draws = cdiv(n_samples, min(n_samples, cdiv(TARGET_PROGRAMS, B * chunks)))
     warps = min(16, max(1, BLOCK // 256))
     tile_draws = lambda width: min(next_pow2(draws), max(1, TILE // width))   # (draws, width) <= TILE
-    return dict(BLOCK=BLOCK, chunks=chunks, CAP=CAP, DRAWS=draws, groups=cdiv(n_samples, draws),
-                warps=warps, maxnreg=64 if warps == 16 and CAP else None,   # pruned, 16 warps: two programs an SM
+    p = dict(BLOCK=BLOCK, chunks=chunks, CAP=CAP, DRAWS=draws, groups=cdiv(n_samples, draws),
+             warps=warps, maxnreg=64 if warps == 16 and CAP else None,      # pruned, 16 warps: two programs an SM
                                                                             # (64 K registers); the whole chunk: ptxas's
-                SMALL=small, DS=tile_draws(small), DC=tile_draws(max(CAP, 1)), TINY=tiny, DQ=tile_draws(tiny),
-                KPAD=next_pow2(k), DT=tile_draws(next_pow2(k)))   # the threshold's tile
+             SMALL=small, DS=tile_draws(small), DC=tile_draws(max(CAP, 1)), TINY=tiny, DQ=tile_draws(tiny),
+             KPAD=next_pow2(k), DT=tile_draws(next_pow2(k)))   # the threshold's tile
+    merge = next_pow2(chunks * k)                                         # the merge's candidates a row, padded
+    p.update(cand=dict(KTH=k, N_SAMPLES=n_samples, DRAWS=draws, BLOCK=BLOCK, CAP=max(CAP, 1), SMALL=small, DS=p["DS"],
+                       DC=p["DC"], TINY=tiny, DQ=p["DQ"], num_warps=warps),     # the launches' constants, made once
+             merge=dict(KTH=k, N_SAMPLES=n_samples, S_PAD=next_pow2(n_samples), SORTED=chunks == 1, BLOCK=merge,
+                        num_warps=min(16, max(1, merge // 256))))
+    return p
 
 
 def _select(s: torch.Tensor,                # (B, n) scores, contiguous
@@ -371,9 +378,7 @@ def _select(s: torch.Tensor,                # (B, n) scores, contiguous
                     num_warps=min(16, max(1, merge // 256)), **floor)
     cval = torch.empty(n_samples, B, p["chunks"], k, dtype=torch.float32, **kw)
     cidx = torch.empty(n_samples, B, p["chunks"], k, dtype=torch.int64, **kw)
-    const = dict(KTH=k, N_SAMPLES=n_samples, DRAWS=p["DRAWS"], GIVEN_NOISE=noise is not None,
-                 BLOCK=p["BLOCK"], CAP=max(p["CAP"], 1),
-                 SMALL=p["SMALL"], DS=p["DS"], DC=p["DC"], TINY=p["TINY"], DQ=p["DQ"], num_warps=p["warps"])
+    const = dict(GIVEN_NOISE=noise is not None, **p["cand"])
     args = (s, z, seed, top, scratch, count, cval, cidx, B, n, p["chunks"], epsilon, RANDN_BOUND)
     grid = (B, p["chunks"], p["groups"])
     _launch(_perturbed_candidates_kernel, grid, *args, PRUNE=p["CAP"] > 0, OVERFLOW=False, **const,
@@ -383,12 +388,10 @@ def _select(s: torch.Tensor,                # (B, n) scores, contiguous
     mean = torch.empty(B, dtype=torch.float32, **kw)
     idx = torch.empty(n_samples, B, dtype=torch.int64, **kw)
     loss = torch.empty(B, dtype=s.dtype, **kw) if target is not None else None
-    merge = next_pow2(p["chunks"] * k)
     _launch(_perturbed_merge_kernel, (B,), cval, cidx, s, s if target is None else target,
-            s if margin is None else margin, mean, idx, unused_arg(s, s.dtype) if loss is None else loss, B, n, p["chunks"] * k, f64_bits(alpha), f64_bits(scale),
-            KTH=k, N_SAMPLES=n_samples, S_PAD=next_pow2(n_samples), SORTED=p["chunks"] == 1,
-            HINGE=target is not None, HAS_MARGIN=margin is not None, BLOCK=merge,
-            num_warps=min(16, max(1, merge // 256)))
+            s if margin is None else margin, mean, idx, unused_arg(s, s.dtype) if loss is None else loss, B, n,
+            p["chunks"] * k, f64_bits(alpha), f64_bits(scale),
+            HINGE=target is not None, HAS_MARGIN=margin is not None, **p["merge"])
     return mean, idx, loss
 
 
@@ -435,13 +438,16 @@ if HAS_TRITON:
     def _perturbed_grad_kernel(idx_ptr, go_ptr, loss_ptr, y_ptr, w_ptr, den_ptr, g_ptr, n_rows, n, scale_bits, ignore_index,
                                N_SAMPLES: tl.constexpr, HINGE: tl.constexpr, REDUCTION: tl.constexpr,
                                HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr):
-        "Program (row, block): the block of the row's gradient, go/S at each draw's index (eq. 12); with HINGE, go (under the conventions, `_row_go`) scale [loss > 0] and -go at y."
+        "Program (row, block): the block of the row's gradient, go/S at each draw's index (eq. 12); with HINGE, go (under the conventions, `_row_go`) scale [loss > 0] and -go at y, the loss read from loss_ptr (B,) per row, or for a reduced hinge from `_finish`'s aux, whose weighted rows start at entry 2."
         row = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         if HINGE:                                                        # through scale (.)_+ : zero where the hinge is
             go, y = _row_go(y_ptr, go_ptr, w_ptr, den_ptr, row, n, ignore_index, REDUCTION, HAS_WEIGHT)
             go = go.to(g_ptr.dtype.element_ty)
-            go = tl.where(tl.load(loss_ptr + row) > 0, go * _f64(scale_bits).to(go.dtype), 0.0)
+            rows_ptr = loss_ptr
+            if REDUCTION > 0:                                            # aux: the denominator, the flag, the rows
+                rows_ptr = loss_ptr + 2
+            go = tl.where(tl.load(rows_ptr + row) > 0, go * _f64(scale_bits).to(go.dtype), 0.0)
         else:
             go = tl.load(go_ptr + row).to(g_ptr.dtype.element_ty)
         share = go / N_SAMPLES
@@ -456,17 +462,18 @@ if HAS_TRITON:
 def _grad_launch(idx: torch.Tensor,       # (S, B) each draw's index
                  go: torch.Tensor,        # the output's gradient: (B,), or () of a reduced hinge
                  shape, dtype,            # the scores' (B, n) and dtype
-                 loss: Optional[torch.Tensor] = None,    # (B,) the hinge loss (weighted rows): with it, the hinge's backward
+                 loss: Optional[torch.Tensor] = None,    # the hinge: (B,) its rows, or a reduced hinge's aux (rows from 2)
                  target: Optional[torch.Tensor] = None,  # (B,) labels, with `loss`
                  scale: float = 1.0,
                  weight: Optional[torch.Tensor] = None,  # (n,) class weights, or None
                  den: Optional[torch.Tensor] = None,     # `_finish`'s aux, its first entry the mean's denominator, for 'mean'
                  ignore_index: int = -1, reduction: int = ROWS,   # the hinge's conventions (`_row_go`)
-                 ) -> torch.Tensor:
+                 like: Optional[torch.Tensor] = None,    # the scores themselves, where the caller has them: the gradient
+                 ) -> torch.Tensor:                      # made like them (no shape to parse)
     "The gradient (B, n), each element written once by `_perturbed_grad_kernel`."
     (B, n), S = shape, idx.shape[0]
     block = min(1024, next_pow2(n))
-    g = torch.empty(shape, dtype=dtype, device=go.device)
+    g = torch.empty(shape, dtype=dtype, device=go.device) if like is None else torch.empty_like(like)
     _launch(_perturbed_grad_kernel, (B, cdiv(n, block)), idx, go.contiguous(),
             go if loss is None else loss, go if target is None else target, go if weight is None else weight,
             go if den is None else den, g, B, n, f64_bits(scale), ignore_index,
@@ -477,7 +484,7 @@ def _grad_launch(idx: torch.Tensor,       # (S, B) each draw's index
 @torch.library.custom_op(f"{_OPS}::perturbed_grad", mutates_args=())
 def _perturbed_grad_op(idx: torch.Tensor,              # (S, B) each draw's index
                        go: torch.Tensor,               # (B,) the output's gradient
-                       loss: Optional[torch.Tensor],   # (B,) the hinge loss, or None: the value's backward
+                       loss: Optional[torch.Tensor],   # the hinge: (B,) rows or a reduced hinge's aux; None: the value's backward
                        target: Optional[torch.Tensor], # (B,) labels, with `loss`
                        weight: Optional[torch.Tensor], # (n,) class weights, or None
                        den: Optional[torch.Tensor],    # `_finish`'s aux (the mean's denominator first), or None
@@ -572,10 +579,10 @@ def _noised_hinge_fake(s, target, margin, seed, weight, k, epsilon, n_samples, a
 def _hinge_setup_context(ctx, inputs, output):
     "Keep the indices, the rows' loss (where it is positive the hinge passes the gradient), the labels, the weights and the denominator."
     out, aux, idx = output                    # aux: the denominator, the flag, then a reduced loss's weighted rows
-    ctx.save_for_backward(idx, out if inputs[11] <= 0 else aux[2:], inputs[1], inputs[4], aux, inputs[0])
+    ctx.save_for_backward(idx, out if inputs[11] <= 0 else aux, inputs[1], inputs[4], aux, inputs[0])
     ctx.mark_non_differentiable(aux, idx)
     ctx.set_materialize_grads(False)
-    ctx.shape, ctx.dtype, ctx.scale, ctx.ignore_index, ctx.reduction = inputs[0].shape, inputs[0].dtype, *inputs[9:12]
+    ctx.conventions = inputs[9:12]            # scale, ignore_index, reduction
 
 
 def _hinge_grad(ctx, grad, *unused):
@@ -583,13 +590,17 @@ def _hinge_grad(ctx, grad, *unused):
     if grad is None:
         return (None,) * 13
     idx, loss, target, weight, den, s = ctx.saved_tensors
+    scale, ignore_index, reduction = ctx.conventions
     if torch.is_grad_enabled():               # create_graph=True: the same gradient by PyTorch operators, in the graph
-        n = ctx.shape[1]                      # of the incoming gradient and of the scores (a zero second derivative)
-        go = _row_grads(grad, target, weight, den, n, ctx.ignore_index, ctx.reduction) * ctx.scale * (loss > 0)   # (B,)
+        n = s.shape[1]                        # of the incoming gradient and of the scores (a zero second derivative)
+        rows = loss if reduction <= 0 else loss[2:]                    # a reduced hinge's weighted rows: in aux
+        go = _row_grads(grad, target, weight, den, n, ignore_index, reduction) * scale * (rows > 0)   # (B,)
         y = torch.where((target >= 0) & (target < n), target, 0)
         return (go[:, None] * (_draw_counts(idx, n, s.dtype) - F.one_hot(y, n).to(s.dtype)) + _connected(s),) + (None,) * 12
-    g = call_op(_perturbed_grad_op, idx, grad, loss, target, weight, den, ctx.shape[1], ctx.dtype, ctx.scale, ctx.ignore_index,
-                           ctx.reduction)
+    if torch.compiler.is_compiling() or type(s) is not torch.Tensor:  # traced: the operator, whole in the graph
+        g = _perturbed_grad_op(idx, grad, loss, target, weight, den, s.shape[1], s.dtype, scale, ignore_index, reduction)
+    else:                                     # eager: its launch, the gradient made like the scores
+        g = _grad_launch(idx, grad, s.shape, s.dtype, loss, target, scale, weight, den, ignore_index, reduction, like=s)
     return (g,) + (None,) * 12
 
 

@@ -11,7 +11,8 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from ..base.core import twice_differentiable
-from .launch import (HAS_TRITON, MAX_KTH, REDUCTION_CODES, _finish, _launch, _row_grads, cdiv, next_pow2, triton_ok)
+from .launch import (HAS_TRITON, MAX_KTH, REDUCTION_CODES, _launch, _row_grads, cdiv, finish_consts, finish_launch,
+                             next_pow2, triton_ok)
 
 if HAS_TRITON:
     import triton
@@ -24,7 +25,7 @@ ROW_BLOCK = 4096          # classes of a row a program holds at a time
 
 
 class RowSpec(NamedTuple):
-    "What a row-loss plan launches: the loss (its index in ROW_LOSSES), its K (top values needed, 0: none), its parameters, the conventions, and the plain formula for a second derivative."
+    "What a row-loss plan launches: the loss (its index in ROW_LOSSES), its K (top values needed, 0: none), its parameters, the conventions, and the plain formula for a second derivative; then, made once for the plan's (B, n) by `row_launches`, the state's words and what each kernel is launched with."
     loss: int
     K: int
     alpha: float
@@ -35,10 +36,18 @@ class RowSpec(NamedTuple):
     reduction: int
     formula: Callable          # formula(scores, labels) -> (B,): the loss by plain autograd operations
     kpad: int                  # slots of a row's top list, next_pow2(max(K, 1)): the state's (`row_state`)
+    B: int = 0                 # the rows and classes planned for
+    n: int = 0
+    words: int = 0             # the state's float32 words: (6 + kpad) B
+    fwd: dict | None = None    # the forward kernel's constexprs and options (grid: (B,))
+    grad_grid: tuple = ()      # the gradient kernel's grid, its constexprs and options (HAS_WEIGHT apart)
+    grad: dict | None = None
+    finish: tuple | None = None     # `finish_consts` without class weights, and with them
+    finish_w: tuple | None = None
 
 # %% auto #0
-__all__ = ['ROW_LOSSES', 'ROW_BLOCK', 'RowSpec', 'row_block', 'row_state', 'row_loss_forward', 'row_loss_backward', 'RowLoss',
-           'row_plan']
+__all__ = ['ROW_LOSSES', 'ROW_BLOCK', 'RowSpec', 'row_block', 'row_launches', 'row_state', 'row_loss_forward',
+           'row_loss_backward', 'RowLoss', 'row_plan']
 
 # %% ../../nbs/06a_row_kernels.ipynb #c3e85250
 if HAS_TRITON:
@@ -213,11 +222,25 @@ def row_block(n: int) -> int:
     return min(ROW_BLOCK, max(16, next_pow2(n)))
 
 
+def row_launches(spec: RowSpec, # a spec of the loss and its conventions
+                 B: int, n: int, # the scores' shape
+                 ) -> RowSpec:
+    "`spec` completed for (B, n) scores: the state's words (`row_state`), the kernels' grids, constexprs and options, `_finish`'s constants; made once a plan, so that a call decides nothing."
+    block = row_block(n)
+    gblock = min(1024, block)
+    fwd = dict(LOSS=spec.loss, K=spec.K, KPAD=spec.kpad, DETACH=spec.detach_weight, BLOCK=block,
+               num_warps=min(8, max(1, block // 256)))
+    grad = dict(LOSS=spec.loss, K=spec.K, KPAD=spec.kpad, REDUCTION=spec.reduction, BLOCK=gblock, num_warps=4)
+    return spec._replace(B=B, n=n, words=B * (6 + spec.kpad), fwd=fwd, grad_grid=(B, cdiv(n, gblock)), grad=grad,
+                         finish=finish_consts(B, spec.reduction, False, assert_labels=True),
+                         finish_w=finish_consts(B, spec.reduction, True, assert_labels=True))
+
+
 def row_state(s: torch.Tensor, # (B, n) scores
-              kpad: int,       # slots of a row's top list (`RowSpec.kpad`)
+              spec: RowSpec,   # completed by `row_launches`
               ) -> torch.Tensor:
     "The forward kernel's uninitialised state, one float32 buffer of (6 + kpad) B: each row's loss (B), log-sum-exp (B), the backward's four coefficients (4 B) and selected classes (kpad B, int32 kept as their bits); the losses first, so that `_finish` reads them as (B,)."
-    return torch.empty(s.shape[0] * (6 + kpad), dtype=torch.float32, device=s.device)
+    return s.new_empty(spec.words)
 
 
 def row_loss_forward(s: torch.Tensor,                 # (B, n) float32 scores, contiguous
@@ -225,11 +248,9 @@ def row_loss_forward(s: torch.Tensor,                 # (B, n) float32 scores, c
                      margins: Optional[torch.Tensor], # (n,) LDAM's margins on the device, or None
                      spec: RowSpec) -> torch.Tensor:
     "Launch `_row_loss_kernel`: its state (`row_state`), whose first B entries are each row's loss."
-    (B, n), state = s.shape, row_state(s, spec.kpad)
-    block = row_block(n)
-    _launch(_row_loss_kernel, (B,), s, target, s if margins is None else margins, state, B, n, spec.alpha, spec.gamma,
-            spec.scale, LOSS=spec.loss, K=spec.K, KPAD=spec.kpad, DETACH=spec.detach_weight, BLOCK=block,
-            num_warps=min(8, max(1, block // 256)))
+    state = row_state(s, spec)
+    _launch(_row_loss_kernel, (spec.B,), s, target, s if margins is None else margins, state, spec.B, spec.n, spec.alpha,
+            spec.gamma, spec.scale, **spec.fwd)
     return state
 
 
@@ -239,12 +260,11 @@ def row_loss_backward(s: torch.Tensor, target: torch.Tensor, margins: Optional[t
                       state: torch.Tensor,  # the forward kernel's state (`row_state`)
                       spec: RowSpec) -> torch.Tensor:
     "Launch `_row_grad_kernel`: dL/ds (B, n) in the scores' dtype, each element written once."
-    (B, n), block = s.shape, min(1024, row_block(s.shape[1]))
     out = torch.empty_like(s)
     g = grad.contiguous()
-    _launch(_row_grad_kernel, (B, cdiv(n, block)), s, target, s if margins is None else margins, g,
-            g if weight is None else weight, den, state, out, B, n, spec.ignore_index, spec.scale, LOSS=spec.loss,
-            K=spec.K, KPAD=spec.kpad, REDUCTION=spec.reduction, HAS_WEIGHT=weight is not None, BLOCK=block, num_warps=4)
+    _launch(_row_grad_kernel, spec.grad_grid, s, target, s if margins is None else margins, g,
+            g if weight is None else weight, den, state, out, spec.B, spec.n, spec.ignore_index, spec.scale,
+            HAS_WEIGHT=weight is not None, **spec.grad)
     return out
 
 # %% ../../nbs/06a_row_kernels.ipynb #24f10d9f
@@ -254,8 +274,9 @@ class RowLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, s, target, weight, margins, spec: RowSpec):
         state = row_loss_forward(s, target, margins, spec)
-        out, aux = _finish(state, target, weight, s.shape[1], spec.ignore_index, spec.reduction, assert_labels=True)
-        ctx.save_for_backward(s, target, weight, margins, aux, state)   # aux: the mean's denominator first   # `_finish` reads the state's first B: the losses
+        out, aux = finish_launch(spec.finish if weight is None else spec.finish_w, state, target, weight, spec.n,
+                                 spec.ignore_index, torch.float32)   # the state's first B: the rows' losses
+        ctx.save_for_backward(s, target, weight, margins, aux, state)   # aux: the mean's denominator first
         ctx.spec = spec
         return out
 
@@ -282,8 +303,9 @@ def row_plan(module,               # the loss module: its ignore_index, reductio
     K = {"focal": 0, "ldam": 0, "topk_hinge": k, "cvx_hinge": k}.get(loss, k + 1)
     if s.dtype != torch.float32 or not triton_ok(s, max(K, 1)):
         return None
-    spec = RowSpec(ROW_LOSSES.index(loss), K, float(alpha), float(gamma), float(scale), bool(detach_weight),
-                   int(module.ignore_index), REDUCTION_CODES[module.reduction], module.per_sample, next_pow2(max(K, 1)))
+    spec = row_launches(RowSpec(ROW_LOSSES.index(loss), K, float(alpha), float(gamma), float(scale), bool(detach_weight),
+                                int(module.ignore_index), REDUCTION_CODES[module.reduction], module.per_sample,
+                                next_pow2(max(K, 1))), *s.shape)
 
     def run(s, target, weight):
         return RowLoss.apply(s.contiguous(), target.contiguous(), weight, None if margins is None else margins(s), spec)

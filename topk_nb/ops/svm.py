@@ -266,11 +266,10 @@ def _svm_backward_fake(s, target, weight, grad, den, lsig, rho, ckpt, k, tau, bl
 # %% ../../nbs/03a_svm_kernels.ipynb #b192b8a1
 def _svm_setup_context(ctx, inputs, output):
     "Keep what a backward operator reads: the scores, the labels, the weights, the denominator and the forward's state; k, tau, alpha, the layout (block_n or tile), ignore_index and the reduction."
-    s, target, weight, k, tau, alpha, layout, ignore_index, reduction, _ = inputs
-    ctx.save_for_backward(s, target, weight, *output[1:])      # aux (the denominator first), then the state
+    ctx.save_for_backward(*inputs[:3], *output[1:])       # s, target, weight; aux (the denominator first), the state
     ctx.mark_non_differentiable(*output[1:])
     ctx.set_materialize_grads(False)          # no zero tensors for the gradients of the outputs above
-    ctx.k, ctx.tau, ctx.alpha, ctx.layout, ctx.ignore_index, ctx.reduction = k, tau, alpha, layout, ignore_index, reduction
+    ctx.params = inputs[3:9]                  # k, tau, alpha, layout, ignore_index, reduction: one attribute
 
 
 def _svm_grad_by(backward_op: Callable # backward_op(s, target, weight, grad, den, *state, k, tau, layout, ignore_index, reduction) -> dL/ds
@@ -281,13 +280,13 @@ def _svm_grad_by(backward_op: Callable # backward_op(s, target, weight, grad, de
         if grad is None:                      # the loss itself took no part in what is differentiated
             return (None, *rest)
         s, target, weight, den, *saved = ctx.saved_tensors
+        k, tau, alpha, layout, ignore_index, reduction = ctx.params
         if torch.is_grad_enabled():           # create_graph=True: the exact log-space tree, by autograd (chapter 00)
             n = s.shape[1]
-            go = _row_grads(grad, target, weight, den, n, ctx.ignore_index, ctx.reduction)
+            go = _row_grads(grad, target, weight, den, n, ignore_index, reduction)
             y = torch.where((target >= 0) & (target < n), target, 0)
-            return (twice_differentiable(tree_svm_loss, s, go, y, ctx.k, ctx.tau, ctx.alpha), *rest)
-        return (call_op(backward_op, s, target, weight, grad, den, *saved, ctx.k, ctx.tau, ctx.layout, ctx.ignore_index, ctx.reduction),
-                *rest)
+            return (twice_differentiable(tree_svm_loss, s, go, y, k, tau, alpha), *rest)
+        return (call_op(backward_op, s, target, weight, grad, den, *saved, k, tau, layout, ignore_index, reduction), *rest)
     return grad_fn
 
 
@@ -925,16 +924,21 @@ def svm32_tile_views(tw: torch.Tensor, B: int, P: int, k: int) -> tuple[torch.Te
             tw[(2 * k + 2) * b:(2 * k + 3) * b].view(B, P), tw[(2 * k + 3) * b:(2 * k + 4) * b].view(torch.int32).view(B, P))
 
 
+@functools.lru_cache(maxsize=1024)                  # asked again at every call of a signature
+def _svm32_tile_consts(B: int, n: int, k: int, tile: int) -> tuple:
+    "The forward's tile kernel for (B, n) scores and this k, made once: (the kernel, its constexprs and options, the tile, the tiles a row); a polynomial a thread up to SVM32_MAX_K (`svm32_plan`), a warp above (`svmw_plan`)."
+    if k <= SVM32_MAX_K:
+        L, R, T, P = svm32_plan(B, n, tile or None)
+        return _svm32_tile_kernel, dict(K=k, L=L, LOG_L=L.bit_length() - 1, R=R, num_warps=L // 32), T, P
+    T, P = svmw_plan(B, n, tile or None)
+    return _svmw_tile_kernel, dict(K=k, M=cdiv(k + 1, 32), num_warps=1), T, P
+
+
 def _svm32_tiles(s: torch.Tensor, target: torch.Tensor, k: int, tau: float, alpha: float, tile: int,
                  row: tuple | None) -> tuple[torch.Tensor | None, int]:
     "Launch the tile kernel (a polynomial a thread up to k = SVM32_MAX_K, a polynomial a warp above: the next section) and return its tile buffer (`svm32_tile_views`: each tile's polynomial, largest log2 e_i and passes on fixed exponents) and the tiles a row; row: the row kernel's outputs (the loss, the state), which the tile kernel writes instead where a row is one tile (then no tile buffer: None)."
     (B, n), dev = s.shape, s.device
-    if k <= SVM32_MAX_K:
-        L, R, T, P = svm32_plan(B, n, tile or None)
-        kernel, const = _svm32_tile_kernel, dict(K=k, L=L, LOG_L=L.bit_length() - 1, R=R, num_warps=L // 32)
-    else:
-        T, P = svmw_plan(B, n, tile or None)
-        kernel, const = _svmw_tile_kernel, dict(K=k, M=cdiv(k + 1, 32), num_warps=1)
+    kernel, const, T, P = _svm32_tile_consts(B, n, k, tile)
     one = row is not None and P == 1
     if one:                                                            # the row's outputs: no tile buffer allocated
         loss, st = row
@@ -981,11 +985,21 @@ def _svm32_forward_fake(s, target, weight, k, tau, alpha, tile, ignore_index, re
     return (*_conventions_fake(s, reduction), _svm32_state(s, k)[1])
 
 
-@functools.lru_cache(maxsize=1024)                  # asked again at every call of a signature
 def svm32_grad_words(B: int, P: int, k: int, hmax: int) -> int:
     "32-bit words of the float32 backward's buffers (`_svm32_grad_ptrs`): each tile's head count (rounded up to an even count), its head classes (int64) and the row's list of them, each tile's tail polynomial (mantissas, exponents), its head's log2 e_i and the row's list of them."
     b = B * P
     return (b + 1) // 2 * 2 + 2 * hmax * (b + B) + 2 * (k + 1) * b + hmax * (b + B)
+
+
+@functools.lru_cache(maxsize=1024)                  # asked again at every call of a signature
+def _svm32_grad_consts(B: int, n: int, k: int, tile: int, reduction: int, has_weight: bool) -> tuple:
+    "The float32 backward's launches for (B, n) scores, made once: (the tiles a row, the tile, the buffer's words, the tile kernel's constexprs and options for each launch (one, or two where a row is several tiles: the head apart), the row kernel's)."
+    L, R, T, P = svm32_plan(B, n, tile or None)
+    hmax = next_pow2(3 * k + 2)                           # fewer than 3k head classes per row
+    conv = dict(REDUCTION=reduction, HAS_WEIGHT=has_weight)
+    heads = tuple(dict(K=k, L=L, LOG_L=L.bit_length() - 1, R=R, HMAX=hmax, HEAD=head, num_warps=L // 32, **conv)
+                  for head in ((0,) if P == 1 else (1, 2)))
+    return P, T, svm32_grad_words(B, P, k, hmax), heads, dict(K=k, HMAX=hmax, num_warps=max(1, hmax // 32), **conv)
 
 
 @torch.library.custom_op(f"{_OPS}::smooth_svm32_backward", mutates_args=())
@@ -998,16 +1012,14 @@ def _svm32_backward_op(s: torch.Tensor, target: torch.Tensor, weight: Optional[t
     if k > SVM32_MAX_K:
         return _svmw_backward(s, target, weight, grad, den, st, k, tau, ignore_index, reduction)
     (B, n), dev = s.shape, s.device
-    L, R, T, P = svm32_plan(B, n, tile or None)
-    hmax = next_pow2(3 * k + 2)                           # fewer than 3k head classes per row
+    P, T, words, heads, row = _svm32_grad_consts(B, n, k, tile, reduction, weight is not None)
     out = torch.empty_like(s)
-    ws = torch.empty(svm32_grad_words(B, P, k, hmax), dtype=torch.float32, device=dev)   # `_svm32_grad_ptrs`
-    g, w, conv = grad.contiguous(), grad if weight is None else weight, dict(REDUCTION=reduction, HAS_WEIGHT=weight is not None)
-    for head in ((0,) if P == 1 else (1, 2)):                          # rows of several tiles: the head apart
+    ws = torch.empty(words, dtype=torch.float32, device=dev)          # `_svm32_grad_ptrs`
+    g, w = grad.contiguous(), grad if weight is None else weight
+    for const in heads:                                                # rows of several tiles: the head apart
         _launch(_svm32_grad_tile_kernel, (B, P), s, target, g, w, den, st, out, ws, B, n, P, T, _LOG2E / (k * tau),
-                ignore_index, K=k, L=L, LOG_L=L.bit_length() - 1, R=R, HMAX=hmax, HEAD=head, num_warps=L // 32, **conv)
-    _launch(_svm32_grad_row_kernel, (B,), st, target, g, w, den, out, ws, B, n, P, ignore_index, K=k, HMAX=hmax,
-            num_warps=max(1, hmax // 32), **conv)
+                ignore_index, **const)
+    _launch(_svm32_grad_row_kernel, (B,), st, target, g, w, den, out, ws, B, n, P, ignore_index, **row)
     return out
 
 
