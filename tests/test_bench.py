@@ -89,39 +89,47 @@ def test_cuda_path_launches_near_cross_entropy(conventions):
 
 
 def test_eager_kernels_skip_the_dispatcher_and_compile_keeps_the_operators():
-    # eager: the kernels' Python functions under their autograd formulas (no custom operator dispatched), the same
-    # launches as through the registered operators; the same value and gradient either way
+    # eager: a module's kept plan calls one autograd node of its own (Svm32Loss, NoisedHingeLoss) and the functional
+    # forms the operators' Python functions under their autograd formulas, so no custom operator is dispatched; the
+    # operators, called through the dispatcher, launch the same kernels and give the same value and gradient
     from topk_nb.base.core import force_sync_free
     from topk_nb.ops.launch import _LEAN, _LEAN_LOSS, HAS_TRITON, force_triton
+    from topk_nb.ops.svm import smooth_svm_fused, smooth_svm_triton
     if not HAS_TRITON:
         pytest.skip("triton is not installed")
     rows = {r["loss"]: r for r in bench.host_table(["smooth_svm", "noised_bal", "noised_imbal"])}
     for name in ("smooth_svm", "noised_bal", "noised_imbal"):
         assert not rows[name]["dispatched"] and rows[name]["launches"] == 4, rows[name]
         assert rows[name]["kernels"] + rows[name]["launches"] <= rows["F.cross_entropy"]["kernels"] + 4, rows[name]
-    kept, kept_loss = dict(_LEAN), dict(_LEAN_LOSS)
-    _LEAN.clear()
-    _LEAN_LOSS.clear()
-    try:
-        through = {r["loss"]: r for r in bench.host_table(["smooth_svm", "noised_bal"])}
-    finally:
-        _LEAN.update(kept)
-        _LEAN_LOSS.update(kept_loss)
-    assert sum(through["smooth_svm"]["dispatched"].values()) == 2 and through["smooth_svm"]["launches"] == 4
     g = torch.Generator().manual_seed(0)
     s, y = torch.randn(6, 40, generator=g), torch.randint(0, 40, (6,), generator=g)
-    grads = []
-    for lean in (True, False):
-        if not lean:
-            _LEAN.clear()
-            _LEAN_LOSS.clear()
+    xf = s.clone().requires_grad_()
+    step = lambda: smooth_svm_triton(xf, y, 5, 1.0).sum().backward()
+    kept, kept_loss = dict(_LEAN), dict(_LEAN_LOSS)
+    with force_triton():
+        direct = bench.host_work(step)
+        _LEAN.clear()
+        _LEAN_LOSS.clear()
         try:
-            x = s.clone().requires_grad_()
-            with force_sync_free(), force_triton():
-                loss = bench.get_loss("smooth_svm", k=3)(x, y)
-                loss.backward()
-            grads.append((loss.detach(), x.grad))
+            through = bench.host_work(step)
         finally:
             _LEAN.update(kept)
             _LEAN_LOSS.update(kept_loss)
-    torch.testing.assert_close(grads[0][0], grads[1][0]); torch.testing.assert_close(grads[0][1], grads[1][1])
+    assert not direct["dispatched"] and sum(through["dispatched"].values()) == 2, (direct, through)
+    assert through["launches"] == direct["launches"] == 3, (direct, through)   # rows of one tile: the tile kernel, the
+                                                                                # backward's two
+    crit = bench.get_loss("smooth_svm", k=3)
+    x1, x2 = s.clone().requires_grad_(), s.clone().requires_grad_()
+    with force_sync_free(), force_triton():
+        loss = crit(x1, y)                                             # the kept plan's node
+        loss.backward()
+    _LEAN.clear()
+    _LEAN_LOSS.clear()
+    try:
+        with force_triton():                                           # the operators, through the dispatcher
+            out, _, _ = smooth_svm_fused(x2, y, 3, crit.tau, crit.alpha, None, -100, "mean")
+            out.backward()
+    finally:
+        _LEAN.update(kept)
+        _LEAN_LOSS.update(kept_loss)
+    torch.testing.assert_close(loss, out); torch.testing.assert_close(x1.grad, x2.grad)

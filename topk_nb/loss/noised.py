@@ -172,7 +172,8 @@ class NoisedBal(_NoisedModule):
         "The fused kernels' plan for scores of this signature (chapter 05a), or None where they do not take them."
         from topk_nb.ops.noised import noised_hinge_plan
         if not self.kernels_take(scores): return None
-        run = noised_hinge_plan(self.k + 1, self.epsilon, self.n_samples, self.alpha, 1.0, self.ignore_index, self.reduction)
+        run = noised_hinge_plan(scores, self.k + 1, self.epsilon, self.n_samples, self.alpha, 1.0, self.ignore_index,
+                                self.reduction)
         return lambda s, target, weight: run(s, target, weight, None, self.generator)
 
 # %% ../../nbs/05_noised.ipynb #f4bb2543
@@ -229,7 +230,8 @@ class NoisedImbal(_NoisedModule):
         "The fused kernels' plan for scores of this signature (chapter 05a), the margins read on the scores' device, or None where the kernels do not take them."
         from topk_nb.ops.noised import noised_hinge_plan
         if not self.kernels_take(scores) or self.margins.numel() != scores.shape[1]: return None
-        run = noised_hinge_plan(self.k + 1, self.epsilon, self.n_samples, 0.0, self.scale, self.ignore_index, self.reduction)
+        run = noised_hinge_plan(scores, self.k + 1, self.epsilon, self.n_samples, 0.0, self.scale, self.ignore_index,
+                                self.reduction, margins=True)
         return lambda s, target, weight: run(s, target, weight, device_copy(self, "margins", self.margins, s), self.generator)
 
 

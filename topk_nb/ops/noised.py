@@ -6,14 +6,15 @@
 from __future__ import annotations
 
 import functools
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 
 from ..base.core import check_int, check_real, sync_free
 from .launch import (HAS_TRITON, MAX_ROW, REDUCTION_CODES, ROWS, _conventions, _conventions_fake, _finish,
-                             _launch, _row_grads, call_op, cdiv, f64_bits, lean_op, loss_op, next_pow2,
+                             _launch, _row_grads, call_op, cdiv, f64_bits, finish_consts, finish_launch, lean_op,
+                             loss_op, next_pow2,
                              unused_arg)                                                  # chapter 02a
 
 if HAS_TRITON:
@@ -28,7 +29,7 @@ _OPS = "topk_nb" if __name__.startswith("topk_nb") else "topk_nb_chapter"
 # %% auto #0
 __all__ = ['RANDN_BOUND', 'PRUNE_MIN', 'PRUNE_MIN_FULL', 'TARGET_PROGRAMS', 'TILE', 'triton_sampled_topk_value',
            'triton_noised_hinge', 'perturbed_kth_triton', 'sampled_topk_value_triton', 'noised_hinge_triton',
-           'noised_hinge_fused', 'noised_hinge_plan']
+           'noised_hinge_fused', 'NoisedSpec', 'NoisedHingeLoss', 'noised_hinge_plan']
 
 # %% ../../nbs/05a_noised_kernels.ipynb #38b03ee8
 RANDN_BOUND = 5.68        # |z| <= sqrt(-2 ln 1e-7) = 5.6777 (Box-Muller of u1 >= 1e-7), with a margin of 4e-4
@@ -354,10 +355,11 @@ def _select(s: torch.Tensor,                # (B, n) scores, contiguous
             target: Optional[torch.Tensor] = None,   # (B,) classes: with it, the merge also computes the hinge
             margin: Optional[torch.Tensor] = None,   # (B,) per-row margins, or None: `alpha`
             alpha: float = 1.0, scale: float = 1.0,
+            plan: dict | None = None,       # `_selection_plan` of the call, where a kept plan has it
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     "Launch the kernels (for a long pruned row the chunks' top first), the candidates (pruned: then the chunks whose live classes overflowed their tile) and the merge: mean_b top_K(s + eps Z_b) (B,) float32, the indices (S, B), and the hinge loss (B,) when `target` is given (else None)."
     (B, n), z = s.shape, s if noise is None else noise
-    p = _selection_plan(B, n, n_samples, block, cap, k)
+    p = _selection_plan(B, n, n_samples, block, cap, k) if plan is None else plan
     kw = dict(device=s.device)
     if p["CAP"]:                                                          # pruning: each chunk's live classes and their count
         scratch = torch.empty(B * p["chunks"] * p["groups"] * p["CAP"], dtype=torch.int16, **kw)
@@ -585,18 +587,24 @@ def _hinge_setup_context(ctx, inputs, output):
     ctx.conventions = inputs[9:12]            # scale, ignore_index, reduction
 
 
+def _hinge_second_order(idx, loss, target, weight, aux, s, grad, scale: float, ignore_index: int,
+                        reduction: int) -> torch.Tensor:
+    "dL/ds for create_graph=True: the same gradient by PyTorch operators, in the graph of the incoming gradient and of the scores (a zero second derivative)."
+    n = s.shape[1]
+    rows = loss if reduction <= 0 else loss[2:]                        # a reduced hinge's weighted rows: in aux
+    go = _row_grads(grad, target, weight, aux, n, ignore_index, reduction) * scale * (rows > 0)   # (B,)
+    y = torch.where((target >= 0) & (target < n), target, 0)
+    return go[:, None] * (_draw_counts(idx, n, s.dtype) - F.one_hot(y, n).to(s.dtype)) + _connected(s)
+
+
 def _hinge_grad(ctx, grad, *unused):
     "Eq. (12) through scale (.)_+, -s_y and the conventions: one kernel writes the whole gradient."
     if grad is None:
         return (None,) * 13
     idx, loss, target, weight, den, s = ctx.saved_tensors
     scale, ignore_index, reduction = ctx.conventions
-    if torch.is_grad_enabled():               # create_graph=True: the same gradient by PyTorch operators, in the graph
-        n = s.shape[1]                        # of the incoming gradient and of the scores (a zero second derivative)
-        rows = loss if reduction <= 0 else loss[2:]                    # a reduced hinge's weighted rows: in aux
-        go = _row_grads(grad, target, weight, den, n, ignore_index, reduction) * scale * (rows > 0)   # (B,)
-        y = torch.where((target >= 0) & (target < n), target, 0)
-        return (go[:, None] * (_draw_counts(idx, n, s.dtype) - F.one_hot(y, n).to(s.dtype)) + _connected(s),) + (None,) * 12
+    if torch.is_grad_enabled():               # create_graph=True: by PyTorch operators, in the graph
+        return (_hinge_second_order(idx, loss, target, weight, den, s, grad, scale, ignore_index, reduction),) + (None,) * 12
     if torch.compiler.is_compiling() or type(s) is not torch.Tensor:  # traced: the operator, whole in the graph
         g = _perturbed_grad_op(idx, grad, loss, target, weight, den, s.shape[1], s.dtype, scale, ignore_index, reduction)
     else:                                     # eager: its launch, the gradient made like the scores
@@ -654,15 +662,59 @@ def noised_hinge_fused(scores: torch.Tensor,           # (B, n) scores, float32 
                                           alpha, scale, ignore_index, REDUCTION_CODES[reduction], on_device)
     return out, aux[0], None if on_device else aux[1] != 0
 
-def noised_hinge_plan(k: int,                         # the K of top_K (the noised losses' k + 1), checked by the caller
+class NoisedSpec(NamedTuple):
+    "A noised hinge plan's constants, made once for its signature (`noised_hinge_plan`): the loss's parameters and conventions, the selection's plan, `_finish`'s constants without class weights and with them."
+    k: int
+    epsilon: float
+    n_samples: int
+    scale: float
+    ignore_index: int
+    reduction: int             # a value of REDUCTION_CODES
+    alpha_bits: int            # `f64_bits` of alpha and of scale
+    scale_bits: int
+    select: dict               # `_selection_plan`
+    finish: tuple              # `finish_consts` without class weights, with them
+    finish_w: tuple
+
+
+class NoisedHingeLoss(torch.autograd.Function):
+    "A noised loss module's hinge as one autograd node, for a kept plan in eager code: the selection's launches, `_finish` (which computes the hinge and asserts the labels on the device) and the gradient kernel, every constant from the plan's `NoisedSpec`. `_noised_hinge_op` is what `torch.compile` sees; these are the same launches without the operator's argument handling."
+
+    @staticmethod
+    def forward(ctx, s, target, weight, margins, seed, spec: NoisedSpec):
+        mean, idx, _ = _select(s, seed, None, spec.k, spec.epsilon, spec.n_samples, 0, 0, plan=spec.select)
+        out, aux = finish_launch(spec.finish if weight is None else spec.finish_w, None, target, weight, s.shape[1],
+                                 spec.ignore_index, s.dtype, mean, s, margins, spec.alpha_bits, spec.scale_bits)
+        ctx.save_for_backward(idx, out if spec.reduction <= 0 else aux, target, weight, aux, s)
+        ctx.spec = spec
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        idx, loss, target, weight, aux, s = ctx.saved_tensors
+        p = ctx.spec
+        if torch.is_grad_enabled():                       # create_graph=True: by PyTorch operators, in the graph
+            g = _hinge_second_order(idx, loss, target, weight, aux, s, grad, p.scale, p.ignore_index, p.reduction)
+        else:
+            g = _grad_launch(idx, grad, s.shape, s.dtype, loss, target, p.scale, weight, aux, p.ignore_index, p.reduction,
+                             like=s)
+        return g, None, None, None, None, None
+
+
+def noised_hinge_plan(s: torch.Tensor,                # (B, n) scores of the signature planned for
+                      k: int,                         # the K of top_K (the noised losses' k + 1), checked by the caller
                       epsilon: float, n_samples: int, alpha: float, scale: float, ignore_index: int, reduction: str,
+                      margins: bool = False,          # the calls pass a margin per class (else `alpha`)
                       ) -> Callable:
-    "A noised loss module's kept plan on the sync-free path: (s, labels, weight, margins, generator) -> the loss, the labels asserted on the device."
-    fn, code = loss_op(_noised_hinge_op), REDUCTION_CODES[reduction]
+    "A noised loss module's kept plan on the sync-free path: (s, labels, weight, margins, generator) -> the loss, the labels asserted on the device; its constants made here, once (`NoisedSpec`)."
+    (B, n), code = s.shape, REDUCTION_CODES[reduction]
+    spec = NoisedSpec(k, float(epsilon), n_samples, float(scale), int(ignore_index), code, f64_bits(alpha), f64_bits(scale),
+                      _selection_plan(B, n, n_samples, 0, 0, k),
+                      *(finish_consts(B, code, w, True, margins, True, code > 0) for w in (False, True)))
 
     def run(s, target, weight, margins, generator):
-        return fn(s.contiguous(), target.contiguous(), margins, _device_seed(generator, s.device), weight, k, epsilon,
-                  n_samples, alpha, scale, ignore_index, code, True)
+        return NoisedHingeLoss.apply(s.contiguous(), target.contiguous(), weight, margins,
+                                     _device_seed(generator, s.device), spec)
     return run
 
 

@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
 from ..base.core import check_int, check_real, sync_free, transformed, twice_differentiable
 from ..math.esp_backward import tree_svm_loss
 from .launch import (HAS_TRITON, REDUCTION_CODES, ROWS, _FORCE, _conventions, _conventions_fake, _launch,
-                             _row_grads, call_op, cdiv, f64_bits, lean_op, loss_op, next_pow2)   # chapter 02a
+                             _row_grads, call_op, cdiv, f64_bits, finish_consts, finish_launch, lean_op, loss_op,
+                             next_pow2)                                                    # chapter 02a
 
 if HAS_TRITON:
     import triton
@@ -28,7 +29,7 @@ _OPS = "topk_nb" if __name__.startswith("topk_nb") else "topk_nb_chapter"
 # %% auto #0
 __all__ = ['SVM_MAX_K', 'SVM32_MAX_K', 'SVMW_PROGRAMS', 'svm_triton_ok', 'svm_blocks', 'smooth_svm_triton', 'smooth_svm_fused',
            'smooth_svm_plan', 'svm32_plan', 'svm32_state_words', 'svm32_state_views', 'svm32_tile_views', 'svm32_tiles',
-           'svm32_grad_words', 'svmw_plan']
+           'svm32_grad_words', 'svmw_plan', 'Svm32Spec', 'svm32_spec', 'Svm32Loss']
 
 # %% ../../nbs/03a_svm_kernels.ipynb #b0b16e9c
 SVM_MAX_K = 100           # the largest k the smooth SVM kernels take (the degrees are unrolled into k scans)
@@ -272,6 +273,15 @@ def _svm_setup_context(ctx, inputs, output):
     ctx.params = inputs[3:9]                  # k, tau, alpha, layout, ignore_index, reduction: one attribute
 
 
+def _svm_second_order(s, target, weight, aux, grad, k: int, tau: float, alpha: float, ignore_index: int,
+                      reduction: int) -> torch.Tensor:
+    "dL/ds for create_graph=True: the exact log-space tree, by autograd (chapter 00), in the graph of `grad` and of s."
+    n = s.shape[1]
+    go = _row_grads(grad, target, weight, aux, n, ignore_index, reduction)
+    y = torch.where((target >= 0) & (target < n), target, 0)
+    return twice_differentiable(tree_svm_loss, s, go, y, k, tau, alpha)
+
+
 def _svm_grad_by(backward_op: Callable # backward_op(s, target, weight, grad, den, *state, k, tau, layout, ignore_index, reduction) -> dL/ds
                  ) -> Callable:
     "The autograd formula of a smooth SVM forward operator: dL/ds by its backward operator; the other outputs carry no gradient."
@@ -281,11 +291,8 @@ def _svm_grad_by(backward_op: Callable # backward_op(s, target, weight, grad, de
             return (None, *rest)
         s, target, weight, den, *saved = ctx.saved_tensors
         k, tau, alpha, layout, ignore_index, reduction = ctx.params
-        if torch.is_grad_enabled():           # create_graph=True: the exact log-space tree, by autograd (chapter 00)
-            n = s.shape[1]
-            go = _row_grads(grad, target, weight, den, n, ignore_index, reduction)
-            y = torch.where((target >= 0) & (target < n), target, 0)
-            return (twice_differentiable(tree_svm_loss, s, go, y, k, tau, alpha), *rest)
+        if torch.is_grad_enabled():           # create_graph=True: the exact log-space tree, by autograd
+            return (_svm_second_order(s, target, weight, den, grad, k, tau, alpha, ignore_index, reduction), *rest)
         return (call_op(backward_op, s, target, weight, grad, den, *saved, k, tau, layout, ignore_index, reduction), *rest)
     return grad_fn
 
@@ -340,6 +347,9 @@ def smooth_svm_plan(s: torch.Tensor,     # (B, n) float32 or float64 scores of t
                     k: int, tau: float, alpha: float, ignore_index: int, reduction: str) -> Callable:
     "A loss module's kept plan on the sync-free path: (s, labels, weight) -> the loss, the labels asserted on the device."
     op, layout = _svm_operator(s, k, None, None)
+    if op is _svm32_forward_op:                        # float32: one autograd node, every constant made here
+        spec = svm32_spec(*s.shape, k, tau, alpha, ignore_index, reduction)
+        return lambda s, target, weight: Svm32Loss.apply(s.contiguous(), target.contiguous(), weight, spec)
     fn, code = loss_op(op), REDUCTION_CODES[reduction]
 
     def run(s, target, weight):
@@ -934,11 +944,12 @@ def _svm32_tile_consts(B: int, n: int, k: int, tile: int) -> tuple:
     return _svmw_tile_kernel, dict(K=k, M=cdiv(k + 1, 32), num_warps=1), T, P
 
 
-def _svm32_tiles(s: torch.Tensor, target: torch.Tensor, k: int, tau: float, alpha: float, tile: int,
+def _svm32_tiles(s: torch.Tensor, target: torch.Tensor, k: int, tau: float, alpha: float,
+                 consts: tuple,                # `_svm32_tile_consts` of the call's signature
                  row: tuple | None) -> tuple[torch.Tensor | None, int]:
     "Launch the tile kernel (a polynomial a thread up to k = SVM32_MAX_K, a polynomial a warp above: the next section) and return its tile buffer (`svm32_tile_views`: each tile's polynomial, largest log2 e_i and passes on fixed exponents) and the tiles a row; row: the row kernel's outputs (the loss, the state), which the tile kernel writes instead where a row is one tile (then no tile buffer: None)."
     (B, n), dev = s.shape, s.device
-    kernel, const, T, P = _svm32_tile_consts(B, n, k, tile)
+    kernel, const, T, P = consts
     one = row is not None and P == 1
     if one:                                                            # the row's outputs: no tile buffer allocated
         loss, st = row
@@ -957,8 +968,20 @@ def svm32_tiles(s: torch.Tensor,       # (B, n) float32 scores, contiguous
                 tile: int = 0,         # classes per tile (0: the default of `svm32_plan`, or of `svmw_plan` above SVM32_MAX_K)
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     "The forward's tile kernel alone: each tile's polynomial as mantissas and exponents (B, P, k + 1), its largest log2 e_i (B, P) and its passes on fixed exponents (B, P; above SVM32_MAX_K four a chunk of 32 classes)."
-    tw, P = _svm32_tiles(s, target, k, tau, 1.0, tile, None)
+    tw, P = _svm32_tiles(s, target, k, tau, 1.0, _svm32_tile_consts(*s.shape, k, tile), None)
     return svm32_tile_views(tw, s.shape[0], P, k)
+
+
+def _svm32_forward(s: torch.Tensor, target: torch.Tensor, k: int, tau: float, alpha: float,
+                   consts: tuple,      # `_svm32_tile_consts` of the call's signature
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    "The float32 forward's launches: the rows' loss (B,) and the state (`svm32_state_views`); the tile kernel, and the row kernel where a row is several tiles."
+    (B, n), (loss, st) = s.shape, _svm32_state(s, k)
+    tw, P = _svm32_tiles(s, target, k, tau, alpha, consts, (loss, st))   # a row of one tile: its loss too (no tiles)
+    if tw is not None:                                                 # rows of several tiles: their product, the loss
+        kernel, const = (_svm32_row_kernel, {}) if k <= SVM32_MAX_K else (_svmw_row_kernel, dict(M=cdiv(k + 1, 32)))
+        _launch(kernel, (B,), tw, loss, st, B, P, f64_bits(alpha / tau), f64_bits(tau), K=k, num_warps=1, **const)
+    return loss, st
 
 
 @torch.library.custom_op(f"{_OPS}::smooth_svm32_forward", mutates_args=())
@@ -972,12 +995,8 @@ def _svm32_forward_op(s: torch.Tensor,       # (B, n) float32 scores, contiguous
                       assert_labels: bool = False,   # `_finish` asserts the labels on the device
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     "The float32 forward as an operator: (loss, `_finish`'s aux: the denominator and the labels' flag, the state the backward reads: `svm32_state_views`); two launches (one where a row is one tile), one more with `_finish`. Above SVM32_MAX_K the kernels of a polynomial a warp."
-    (B, n), (loss, st) = s.shape, _svm32_state(s, k)
-    tw, P = _svm32_tiles(s, target, k, tau, alpha, tile, (loss, st))  # a row of one tile: its loss too (no tiles)
-    if tw is not None:                                                 # rows of several tiles: their product, the loss
-        kernel, const = (_svm32_row_kernel, {}) if k <= SVM32_MAX_K else (_svmw_row_kernel, dict(M=cdiv(k + 1, 32)))
-        _launch(kernel, (B,), tw, loss, st, B, P, f64_bits(alpha / tau), f64_bits(tau), K=k, num_warps=1, **const)
-    return (*_conventions(loss, target, weight, n, ignore_index, reduction, assert_labels), st)
+    loss, st = _svm32_forward(s, target, k, tau, alpha, _svm32_tile_consts(*s.shape, k, tile))
+    return (*_conventions(loss, target, weight, s.shape[1], ignore_index, reduction, assert_labels), st)
 
 
 @_svm32_forward_op.register_fake
@@ -1011,8 +1030,17 @@ def _svm32_backward_op(s: torch.Tensor, target: torch.Tensor, weight: Optional[t
     "The float32 backward as an operator: dL/ds (B, n), the conventions applied by `_row_go`; two launches (three where a row is several tiles) and two allocations (the gradient, one buffer for the rest). Above SVM32_MAX_K, `_svmw_backward`."
     if k > SVM32_MAX_K:
         return _svmw_backward(s, target, weight, grad, den, st, k, tau, ignore_index, reduction)
+    return _svm32_backward(s, target, weight, grad, den, st, k, tau, ignore_index,
+                           _svm32_grad_consts(*s.shape, k, tile, reduction, weight is not None))
+
+
+def _svm32_backward(s: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor], grad: torch.Tensor,
+                    den: torch.Tensor, st: torch.Tensor, k: int, tau: float, ignore_index: int,
+                    consts: tuple,     # `_svm32_grad_consts` of the call's signature
+                    ) -> torch.Tensor:
+    "The float32 backward's launches up to SVM32_MAX_K: the gradient (B, n)."
     (B, n), dev = s.shape, s.device
-    P, T, words, heads, row = _svm32_grad_consts(B, n, k, tile, reduction, weight is not None)
+    P, T, words, heads, row = consts
     out = torch.empty_like(s)
     ws = torch.empty(words, dtype=torch.float32, device=dev)          # `_svm32_grad_ptrs`
     g, w = grad.contiguous(), grad if weight is None else weight
@@ -1386,3 +1414,55 @@ def _svmw_backward(s: torch.Tensor, target: torch.Tensor, weight: Optional[torch
     _launch(_svm_head_rows_kernel, (B,), s, target, g, w, den, loss2, lsig, st, rho2, ckpt, scratch, out, ws, n, nb, P,
             f64_bits(1.0 / (k * tau)), f64_bits(tau), ignore_index, K=k, BLOCK_N=BN, BLOCK_K=BK, **conv)
     return out
+
+# %% ../../nbs/03a_svm_kernels.ipynb #0eefa906
+class Svm32Spec(NamedTuple):
+    "A float32 smooth SVM plan's constants, made once for its signature (`svm32_spec`): the loss's parameters and conventions, the forward's launches, `_finish`'s and the backward's, without class weights and with them."
+    k: int
+    tau: float
+    alpha: float
+    ignore_index: int
+    reduction: int             # a value of REDUCTION_CODES
+    tiles: tuple               # `_svm32_tile_consts`
+    finish: tuple              # `finish_consts`: without class weights, with them
+    finish_w: tuple
+    grad: tuple | None         # `_svm32_grad_consts`: without class weights, with them; None above SVM32_MAX_K
+    grad_w: tuple | None
+
+
+def svm32_spec(B: int, n: int,  # the scores' shape
+               k: int, tau: float, alpha: float, ignore_index: int,
+               reduction: str,  # 'mean', 'sum' or 'none'
+               ) -> Svm32Spec:
+    "The constants of every launch of a float32 smooth SVM call of (B, n) scores, made once a plan."
+    code, small = REDUCTION_CODES[reduction], k <= SVM32_MAX_K
+    return Svm32Spec(k, float(tau), float(alpha), int(ignore_index), code, _svm32_tile_consts(B, n, k, 0),
+                     finish_consts(B, code, False, assert_labels=True), finish_consts(B, code, True, assert_labels=True),
+                     _svm32_grad_consts(B, n, k, 0, code, False) if small else None,
+                     _svm32_grad_consts(B, n, k, 0, code, True) if small else None)
+
+
+class Svm32Loss(torch.autograd.Function):
+    "A loss module's float32 smooth SVM as one autograd node, for a kept plan in eager code: the forward's launches, `_finish` (which asserts the labels on the device) and the backward's, every constant from the plan's `Svm32Spec`. The operators above are what `torch.compile` sees; these are the same launches without the operators' argument handling."
+
+    @staticmethod
+    def forward(ctx, s, target, weight, spec: Svm32Spec):
+        loss, st = _svm32_forward(s, target, spec.k, spec.tau, spec.alpha, spec.tiles)   # (B,), the state
+        out, aux = finish_launch(spec.finish if weight is None else spec.finish_w, loss, target, weight, s.shape[1],
+                                 spec.ignore_index, torch.float32)
+        ctx.save_for_backward(s, target, weight, aux, st)
+        ctx.spec = spec
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        s, target, weight, aux, st = ctx.saved_tensors
+        p = ctx.spec
+        if torch.is_grad_enabled():                       # create_graph=True: the exact log-space tree, by autograd
+            g = _svm_second_order(s, target, weight, aux, grad, p.k, p.tau, p.alpha, p.ignore_index, p.reduction)
+        elif p.grad is None:                              # above SVM32_MAX_K: Horner, and the scans on rows with a head
+            g = _svmw_backward(s, target, weight, grad, aux, st, p.k, p.tau, p.ignore_index, p.reduction)
+        else:
+            g = _svm32_backward(s, target, weight, grad, aux, st, p.k, p.tau, p.ignore_index,
+                                p.grad if weight is None else p.grad_w)
+        return g, None, None, None
