@@ -889,9 +889,12 @@ def fused_plan(self: LossModule, scores: torch.Tensor, target: torch.Tensor):
     check_weight(self.weight, scores.shape[1])
     out_dtype = loss_dtype(scores)
     if work == scores.dtype == out_dtype:                  # float32 or float64 scores: the kernels' callable, nothing more
-        if self.weight is None:                            # a weight set later drops the plan (`__setattr__`)
-            return lambda scores, target: kernel(scores, target, None)
-        return lambda scores, target: kernel(scores, target, device_copy(self, "weight", self.weight, scores))
+        buffers = self._buffers                            # the weight read at each call, however it was set
+
+        def direct(scores, target):
+            w = buffers["weight"]
+            return kernel(scores, target, None if w is None else device_copy(self, "weight", w, scores))
+        return direct
 
     def run(scores, target):
         s = scores if scores.dtype == work else scores.to(work)
