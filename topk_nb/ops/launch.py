@@ -427,9 +427,10 @@ def finish_launch(consts: tuple,                    # `finish_consts`, as a plan
     _launch(_finish_kernel, (1,), some, some if mean is None else mean, some if s is None else s,
             some if margin is None else margin, target, some if weight is None else weight, out, aux, target.shape[0], n,
             ignore_index, alpha_bits, scale_bits, **const)
-    if _INTERPRETED_FINISH and const["ASSERT"] and not _LAUNCHES.stub:   # the interpreter skips device asserts: this
-        with torch.utils._python_dispatch._disable_current_modes():     # stands in for the kernel's, outside any
-            torch._assert_async(aux[1] != 0, f"target must hold class indices in [0, {n - 1}]")   # mode, as its launch is
+    if _INTERPRETED_FINISH and const["ASSERT"] and not _LAUNCHES.stub and _LAUNCHES.record is None:   # run, interpreted:
+        with torch.utils._python_dispatch._disable_current_modes():     # the interpreter skips device asserts: this
+            torch._assert_async(aux[1] != 0, f"target must hold class indices in [0, {n - 1}]")   # stands in for the
+                                                                         # kernel's, outside any mode, as its launch is
     return out, aux
 
 
