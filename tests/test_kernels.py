@@ -345,7 +345,7 @@ def test_large_k_backward_takes_the_scans_on_rows_with_a_head_only():
     torch.testing.assert_close(loss.double(), ref, rtol=1e-5, atol=0)
     assert ((grad.double() - ref_grad).abs().amax(1) <= 1e-4 * ref_grad.abs().amax(1)).all()
     st = svm_kernels._svm32_forward_op(s.to(DEV), y.to(DEV), None, 40, 1.0, 1.0, 0, -1, kernels.ROWS)[2]
-    rho, sc, se, dm, _ = (t.cpu() for t in svm_kernels.svm32_state_views(st, 3, 40))
+    *_, rho, sc, se, dm, _ = (t.cpu() for t in svm_kernels.svm32_state_views(st, 3, 40))
     lrho = (se[:, 39] - se[:, 40]).double() + torch.log2(sc[:, 39].double() / sc[:, 40].double())
     assert (dm.double() + lrho > -1.0).tolist() == [False, True, False]
 
@@ -356,7 +356,7 @@ def test_forward_stores_the_backward_constants(k, tile):
     s = torch.randn(2, 300, generator=torch.Generator().manual_seed(k + tile))
     y = torch.tensor([3, 200])
     st = svm_kernels._svm32_forward_op(s.to(DEV), y.to(DEV), None, k, 1.0, 1.0, tile, -1, kernels.ROWS)[2]
-    rho, sc, se, dm, rr = (t.cpu() for t in svm_kernels.svm32_state_views(st, 2, k))
+    *_, rho, sc, se, dm, rr = (t.cpu() for t in svm_kernels.svm32_state_views(st, 2, k))
     log2_sigma = torch.log2(sc.double()) + se.double()                # (2, k + 1)
     log2_rho = log2_sigma[:, :-1] - log2_sigma[:, 1:]                 # log2 sigma_{j-1} / sigma_j, j = 1..k
     torch.testing.assert_close(rr[:, 0].double(), log2_rho[:, -1], rtol=0, atol=1e-5)
@@ -441,9 +441,9 @@ for k, fast in ((1, True), (3, True), (3, False)):
             sig = {name: ("*fp64" if name in ("s_ptr", "go_ptr", "g_ptr", "den_ptr") else kind) for name, kind in sig.items()}
         const = {"K": k, "BLOCK_N": 64, "BLOCK_K": triton.next_power_of_2(k + 1), "FAST": fast, **extra}
         assert triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32)).asm["cubin"]
-tile = ptrs(["s_ptr", "y_ptr", "tw_ptr", "loss_ptr", "st_ptr"], ["*fp32", "*i64", "*fp32", "*fp32", "*fp32"])
+tile = ptrs(["s_ptr", "y_ptr", "tw_ptr", "st_ptr"], ["*fp32", "*i64", "*fp32", "*fp32"])
 tile.update(n_rows="i32", n="i32", n_tiles="i32", tile="i32", d_scale="fp32", alpha_tau_bits="i64", tau_bits="i64")
-row = ptrs(["tw_ptr", "loss_ptr", "st_ptr"], ["*fp32", "*fp32", "*fp32"])
+row = ptrs(["tw_ptr", "st_ptr"], ["*fp32", "*fp32"])
 row.update(n_rows="i32", n_tiles="i32", alpha_tau_bits="i64", tau_bits="i64")
 gtile = ptrs(["s_ptr", "y_ptr", "go_ptr", "w_ptr", "den_ptr", "st_ptr", "g_ptr", "ws_ptr"],
              ["*fp32", "*i64", "*fp32", "*fp32", "*fp32", "*fp32", "*fp32", "*fp32"])
@@ -463,7 +463,7 @@ for k in (1, 3, 9):                                # 9: the forward's class loop
 head = ptrs(["s_ptr", "y_ptr", "go_ptr", "w_ptr", "den_ptr", "loss_ptr", "lsig_ptr", "st_ptr", "rho2_ptr", "ckpt_ptr",
              "scratch_ptr", "g_ptr", "ws_ptr"], ["*fp32", "*i64", "*fp32", "*fp32", "*fp32", "*fp32", "*fp64", "*fp32"]
             + ["*fp64"] * 3 + ["*fp32", "*fp32"])
-head.update(n="i32", n_blocks="i32", n_tiles="i32", inv_ktau_bits="i64", tau_bits="i64", ignore_index="i32")
+head.update(n_rows="i32", n="i32", n_blocks="i32", n_tiles="i32", inv_ktau_bits="i64", tau_bits="i64", ignore_index="i32")
 for k in (33, 100):                                # a polynomial a warp: M = 2, 4 degrees a lane; Horner at k = 100
     m = {"K": k, "M": -(-(k + 1) // 32)}
     for fn, sig, const in ((svm_kernels._svmw_tile_kernel, tile, {**m, "ONE_TILE": False}), (svm_kernels._svmw_tile_kernel, tile, {**m, "ONE_TILE": True}),
@@ -472,11 +472,11 @@ for k in (33, 100):                                # a polynomial a warp: M = 2,
                            (svm_kernels._svm_head_rows_kernel, head, {**conv, "K": k, "BLOCK_N": 64, "BLOCK_K": 128})):
         sig = {**sig, **{name: "constexpr" for name in const}}
         assert triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32)).asm["cubin"]
-cand = ptrs(["s_ptr", "noise_ptr", "seed_ptr", "top_ptr", "scratch_ptr", "count_ptr", "cval_ptr", "cidx_ptr"],
-           ["*fp32", "*fp32", "*i64", "*fp32", "*i16", "*i32", "*fp32", "*i64"])
+cand = ptrs(["s_ptr", "noise_ptr", "seed_ptr", "top_ptr", "scratch_ptr", "count_ptr", "cw_ptr"],
+           ["*fp32", "*fp32", "*i64", "*fp32", "*i16", "*i32", "*fp32"])
 cand.update(n_rows="i32", n="i32", n_chunks="i32", epsilon="fp32", bound="fp32")
-merge = ptrs(["cval_ptr", "cidx_ptr", "s_ptr", "y_ptr", "margin_ptr", "mean_ptr", "idx_ptr", "loss_ptr"],
-             ["*fp32", "*i64", "*fp64", "*i64", "*fp64", "*fp32", "*i64", "*fp64"])
+merge = ptrs(["cw_ptr", "s_ptr", "y_ptr", "margin_ptr", "idx_ptr", "loss_ptr"],
+             ["*fp32", "*fp64", "*i64", "*fp64", "*i64", "*fp64"])
 merge.update(n_rows="i32", n="i32", n_cand="i32", alpha_bits="i64", scale_bits="i64")
 grad = ptrs(["idx_ptr", "go_ptr", "loss_ptr", "y_ptr", "w_ptr", "den_ptr", "g_ptr"],
             ["*i64", "*fp64", "*fp64", "*i64", "*fp32", "*fp64", "*fp64"])
@@ -506,7 +506,7 @@ kernels_and_constants += [(noised_kernels._perturbed_grad_kernel, grad, {"N_SAMP
                           for hinge, reduction in ((False, -1), (True, -1), (True, 1))]
 kernels_and_constants += [(K._finish_kernel, finish, {"REDUCTION": reduction, "HAS_WEIGHT": reduction == 1, "HINGE": hinge,
                                                       "HAS_MARGIN": hinge, "ASSERT": check, "WEIGHTED_ROWS": hinge,
-                                                      "BLOCK": 256})
+                                                      "LOSS_AT": 0 if hinge else 2, "BLOCK": 256})
                           for reduction in (0, 1, 2) for hinge in (False, True) for check in (False, True)]
 messages = {}
 for fn, sig, const in kernels_and_constants:

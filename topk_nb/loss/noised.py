@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..base.core import (LossModule, check_int, check_k, conventions_loss, planned, device_copy, check_loss_input, check_real, check_reduction, loss_dtype, reduce_loss,
+from ..base.core import (LossModule, check_int, check_k, conventions_loss, device_copy, check_loss_input, check_real, check_reduction, loss_dtype, reduce_loss,
                           selected_hinge, settings_repr, sync_free)
 from .perturbed import draw_noise, sampled_topk_value, smooth_topk, topk_value
 
@@ -132,8 +132,8 @@ class _NoisedModule(LossModule):
 
     def forward(self, scores, target, noise: torch.Tensor | None = None):
         "The loss of `scores` for `target`, as nn.CrossEntropyLoss (every shape, target kind and convention); with `noise` (n_samples, *scores.shape), on those draws."
-        if noise is None and (plan := planned(self, scores, target)) is not None:
-            return plan(scores, target)
+        if noise is None:                              # the module's call as every loss's: its kept plan, if any
+            return LossModule.forward(self, scores, target)
         return conventions_loss(self, scores, target, noise)
 
     def kernels_take(self, scores) -> bool:

@@ -335,8 +335,8 @@ if HAS_TRITON:
     def _finish_kernel(loss_ptr, mean_ptr, s_ptr, margin_ptr, y_ptr, w_ptr, out_ptr, aux_ptr, n_rows, n,
                        ignore_index, alpha_bits, scale_bits, REDUCTION: tl.constexpr, HAS_WEIGHT: tl.constexpr,
                        HINGE: tl.constexpr, HAS_MARGIN: tl.constexpr, ASSERT: tl.constexpr, WEIGHTED_ROWS: tl.constexpr,
-                       BLOCK: tl.constexpr):
-        "One program: each row's loss weighted (0 where ignored, NaN where the label is no class) into out (REDUCTION 0) or aux[2:] (WEIGHTED_ROWS), the mean or the sum into out, the sum of the weights into aux[0], and whether every label is a class or ignored into aux[1] (1 or 0); with ASSERT it also asserts that on the device (compiled: Triton's interpreter skips device asserts). With HINGE the loss is scale (margin + mean - s_y)_+ of the merge kernel's mean, the margin per class (HAS_MARGIN) or alpha."
+                       LOSS_AT: tl.constexpr, BLOCK: tl.constexpr):
+        "One program: each row's loss weighted (0 where ignored, NaN where the label is no class) into out (REDUCTION 0) or aux[2:] (WEIGHTED_ROWS), the mean or the sum into out, the sum of the weights into aux[0], and whether every label is a class or ignored into aux[1] (1 or 0); with ASSERT it also asserts that on the device (compiled: Triton's interpreter skips device asserts). With HINGE the loss is scale (margin + mean - s_y)_+ of the merge kernel's mean, the margin per class (HAS_MARGIN) or alpha. The rows' losses are read from loss_ptr + LOSS_AT: a state that keeps aux in its first two words passes itself as both (LOSS_AT 2)."
         lanes = tl.arange(0, BLOCK)
         num = tl.zeros([BLOCK], tl.float64)
         den = tl.zeros([BLOCK], tl.float64)
@@ -357,7 +357,7 @@ if HAS_TRITON:
                 mean = tl.load(mean_ptr + rows, mask=inside, other=0.0)
                 loss = _f64(scale_bits).to(s_y.dtype) * tl.maximum(margin + mean.to(s_y.dtype) - s_y, 0.0)
             else:
-                loss = tl.load(loss_ptr + rows, mask=inside, other=0.0)
+                loss = tl.load(loss_ptr + LOSS_AT + rows, mask=inside, other=0.0)
             if HAS_WEIGHT:
                 w = tl.load(w_ptr + yc).to(loss.dtype)
             else:
@@ -392,10 +392,11 @@ def _finish(loss: Optional[torch.Tensor],   # (B,) each row's loss, or None: the
             alpha: float = 1.0, scale: float = 1.0,
             assert_labels: bool = False,            # assert on the device that every label is a class or ignored
             weighted_rows: bool = False,            # also keep the weighted rows of a reduced loss, in aux[2:]
+            loss_at: int = 0,                       # the rows' losses are loss[loss_at:loss_at + B]
             ) -> tuple[torch.Tensor, torch.Tensor]:
     "Launch `_finish_kernel`: the loss as the module returns it ((B,) weighted rows for 'none', else ()), and `aux`: the mean's denominator, the labels' flag (1 where every label is a class or ignored, else 0), then with `weighted_rows` the weighted rows (B,), in the loss's dtype. With `assert_labels` the flag is asserted on the device (by the kernel where it is compiled, by `torch._assert_async` where it is interpreted)."
     consts = finish_consts(target.shape[0], reduction, weight is not None, loss is None, margin is not None, assert_labels,
-                           weighted_rows)
+                           weighted_rows, loss_at)
     return finish_launch(consts, loss, target, weight, n, ignore_index, (s if loss is None else loss).dtype, mean, s, margin,
                          f64_bits(alpha), f64_bits(scale))
 
@@ -405,11 +406,12 @@ def finish_consts(B: int,                   # rows
                   reduction: int,           # a value of REDUCTION_CODES
                   has_weight: bool, hinge: bool = False, has_margin: bool = False, assert_labels: bool = False,
                   weighted_rows: bool = False,
+                  loss_at: int = 0,         # where the rows' losses start in the loss pointer (2: a state that begins with aux)
                   ) -> tuple[tuple, int, dict]:
     "What `_finish` allocates and launches for B rows and these conventions, made once: (the loss's shape, aux's entries, the kernel's constexprs and options: B rows read at a time, rounded up to a power of two, at most 1024)."
     return (((B,) if reduction == 0 else ()), 2 + B if weighted_rows else 2,
             dict(REDUCTION=reduction, HAS_WEIGHT=has_weight, HINGE=hinge, HAS_MARGIN=has_margin, ASSERT=assert_labels,
-                 WEIGHTED_ROWS=weighted_rows, BLOCK=min(1024, next_pow2(max(B, 1))), num_warps=4))
+                 WEIGHTED_ROWS=weighted_rows, LOSS_AT=loss_at, BLOCK=min(1024, next_pow2(max(B, 1))), num_warps=4))
 
 
 def finish_launch(consts: tuple,                    # `finish_consts`, as a plan keeps it
@@ -418,11 +420,13 @@ def finish_launch(consts: tuple,                    # `finish_consts`, as a plan
                   mean: Optional[torch.Tensor] = None, s: Optional[torch.Tensor] = None,
                   margin: Optional[torch.Tensor] = None,
                   alpha_bits: int = 0, scale_bits: int = 0,       # `f64_bits` of alpha and scale (the hinge's)
+                  aux: Optional[torch.Tensor] = None,             # aux's place (its first words), or None: its own
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    "`_finish` with its constants made: two allocations and the launch, nothing else to decide."
+    "`_finish` with its constants made: the launch and its allocations (the loss, and aux unless given), nothing else to decide."
     shape, words, const = consts
     dev = target.device
-    out, aux = torch.empty(shape, dtype=dtype, device=dev), torch.empty(words, dtype=dtype, device=dev)
+    out = torch.empty(shape, dtype=dtype, device=dev)
+    if aux is None: aux = torch.empty(words, dtype=dtype, device=dev)
     some = loss if loss is not None else mean                          # a pointer for the arguments a variant never reads
     _launch(_finish_kernel, (1,), some, some if mean is None else mean, some if s is None else s,
             some if margin is None else margin, target, some if weight is None else weight, out, aux, target.shape[0], n,

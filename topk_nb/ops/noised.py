@@ -28,8 +28,8 @@ _OPS = "topk_nb" if __name__.startswith("topk_nb") else "topk_nb_chapter"
 
 # %% auto #0
 __all__ = ['RANDN_BOUND', 'PRUNE_MIN', 'PRUNE_MIN_FULL', 'TARGET_PROGRAMS', 'TILE', 'triton_sampled_topk_value',
-           'triton_noised_hinge', 'perturbed_kth_triton', 'sampled_topk_value_triton', 'noised_hinge_triton',
-           'noised_hinge_fused', 'NoisedSpec', 'NoisedHingeLoss', 'noised_hinge_plan']
+           'triton_noised_hinge', 'cand_words', 'perturbed_kth_triton', 'sampled_topk_value_triton',
+           'noised_hinge_triton', 'noised_hinge_fused', 'NoisedSpec', 'NoisedHingeLoss', 'noised_hinge_plan']
 
 # %% ../../nbs/05a_noised_kernels.ipynb #38b03ee8
 RANDN_BOUND = 5.68        # |z| <= sqrt(-2 ln 1e-7) = 5.6777 (Box-Muller of u1 >= 1e-7), with a margin of 4e-4
@@ -143,13 +143,21 @@ if HAS_TRITON:
         return tl.min(tl.where(dnj[:, None] & inj[None, :], xj, float("inf")))
 
     @triton.jit
-    def _perturbed_candidates_kernel(s_ptr, noise_ptr, seed_ptr, top_ptr, scratch_ptr, count_ptr, cval_ptr, cidx_ptr,
+    def _cand_ptrs(cw_ptr, n_rows, n_cand, N_SAMPLES: tl.constexpr):
+        "The selection's work buffer of 32-bit words (`cand_words`): each row's mean over draws (n_rows), then for each draw and row its n_cand candidates: their values (float32), then their classes (int32)."
+        rows = tl.cast(n_rows, tl.int64)                                  # int64 offsets: no 2^31 limit
+        cval_ptr = cw_ptr + rows
+        cidx_ptr = (cval_ptr + N_SAMPLES * rows * n_cand).to(tl.pointer_type(tl.int32), bitcast=True)
+        return cw_ptr, cval_ptr, cidx_ptr
+
+    @triton.jit
+    def _perturbed_candidates_kernel(s_ptr, noise_ptr, seed_ptr, top_ptr, scratch_ptr, count_ptr, cw_ptr,
                                      n_rows, n, n_chunks, epsilon, bound, KTH: tl.constexpr, N_SAMPLES: tl.constexpr,
                                      DRAWS: tl.constexpr, GIVEN_NOISE: tl.constexpr, PRUNE: tl.constexpr,
                                      OVERFLOW: tl.constexpr, BLOCK: tl.constexpr,
                                      CAP: tl.constexpr, SMALL: tl.constexpr, DS: tl.constexpr, DC: tl.constexpr,
                                      TINY: tl.constexpr, DQ: tl.constexpr):
-        "Program (row, chunk, group): for each of the group's draws, the KTH largest entries of s + epsilon z in the chunk, largest first, and their classes. PRUNE: noise only for the classes that can be among them (not below top_ptr's threshold, the least noised value of the row's KTH largest scores over the draws, less the noise's bound), all the group's draws at once, on the narrowest of three tiles that holds them, and the count of those classes; a chunk whose count passes CAP is left to the OVERFLOW launch, which works on the whole chunk where the count says so."
+        "Program (row, chunk, group): for each of the group's draws, the KTH largest entries of s + epsilon z in the chunk, largest first, and their classes. PRUNE: noise only for the classes that can be among them (not below top_ptr's threshold, the least noised value of the row's KTH largest scores over the draws, less the noise's bound), all the group's draws at once, on the narrowest of three tiles that holds them, and the count of those classes; a chunk whose count passes CAP is left to the OVERFLOW launch, which works on the whole chunk where the count says so. The lists go to the work buffer (`_cand_ptrs`)."
         row, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)    # int64 row: (S B + row) n passes 2^31
         b_lo = tl.program_id(2) * DRAWS
         b_hi = tl.minimum(b_lo + DRAWS, N_SAMPLES)
@@ -157,6 +165,7 @@ if HAS_TRITON:
         offs = chunk * BLOCK + lanes                                     # (BLOCK,) classes, int32 (n < 2^31)
         inside = offs < n
         seed = tl.load(seed_ptr)
+        _, cval_ptr, cidx_ptr = _cand_ptrs(cw_ptr, n_rows, n_chunks * KTH, N_SAMPLES)
         if PRUNE:
             floor = tl.load(top_ptr + row)                               # the least noised value of the row's KTH
                                                                          # largest scores (`_chunk_top_kernel`, or
@@ -236,12 +245,13 @@ if HAS_TRITON:
                     tl.store(cidx_ptr + out + t, chunk * BLOCK + place)
 
     @triton.jit
-    def _perturbed_merge_kernel(cval_ptr, cidx_ptr, s_ptr, y_ptr, margin_ptr, mean_ptr, idx_ptr, loss_ptr, n_rows, n,
+    def _perturbed_merge_kernel(cw_ptr, s_ptr, y_ptr, margin_ptr, idx_ptr, loss_ptr, n_rows, n,
                                 n_cand, alpha_bits, scale_bits, KTH: tl.constexpr, N_SAMPLES: tl.constexpr,
                                 S_PAD: tl.constexpr, SORTED: tl.constexpr, HINGE: tl.constexpr,
                                 HAS_MARGIN: tl.constexpr, BLOCK: tl.constexpr):
-        "Program `row`: for each draw the KTH largest of the row's candidates and its class (SORTED: one chunk's, the last); the mean over draws; with HINGE, the loss scale (margin + mean - s_y)_+."
+        "Program `row`: for each draw the KTH largest of the row's candidates and its class (SORTED: one chunk's, the last); the mean over draws (into the work buffer's first n_rows words, `_cand_ptrs`); with HINGE, the loss scale (margin + mean - s_y)_+."
         row = tl.program_id(0).to(tl.int64)
+        mean_ptr, cval_ptr, cidx_ptr = _cand_ptrs(cw_ptr, n_rows, n_cand, N_SAMPLES)
         if SORTED:                                                       # one chunk: the KTH-th candidate is the last
             draws = tl.arange(0, S_PAD)
             there = draws < N_SAMPLES
@@ -344,8 +354,23 @@ def _selection_plan(B: int, n: int, n_samples: int,
     p.update(cand=dict(KTH=k, N_SAMPLES=n_samples, DRAWS=draws, BLOCK=BLOCK, CAP=max(CAP, 1), SMALL=small, DS=p["DS"],
                        DC=p["DC"], TINY=tiny, DQ=p["DQ"], num_warps=warps),     # the launches' constants, made once
              merge=dict(KTH=k, N_SAMPLES=n_samples, S_PAD=next_pow2(n_samples), SORTED=chunks == 1, BLOCK=merge,
-                        num_warps=min(16, max(1, merge // 256))))
+                        num_warps=min(16, max(1, merge // 256))),
+             words=cand_words(B, chunks * k, n_samples), grid=(B, chunks, p["groups"]))
+    reg = {"maxnreg": p["maxnreg"]} if p["maxnreg"] else {}               # (a CUDA option: the interpreter has none)
+    p["first"] = {(given, cuda): dict(GIVEN_NOISE=given, PRUNE=CAP > 0, OVERFLOW=False, **p["cand"], **(reg if cuda else {}))
+                  for given in (False, True) for cuda in (False, True)}  # each call's constexprs, by its noise and device
+    p["overflow"] = {given: dict(GIVEN_NOISE=given, PRUNE=False, OVERFLOW=True, **p["cand"]) for given in (False, True)}
+    p["merges"] = {(hinge, margin): dict(HINGE=hinge, HAS_MARGIN=margin, **p["merge"])
+                   for hinge in (False, True) for margin in (False, True)}
     return p
+
+
+_ONE_BITS = f64_bits(1.0)
+
+
+def cand_words(B: int, n_cand: int, n_samples: int) -> int:
+    "32-bit words of the selection's work buffer (`_cand_ptrs`): each row's mean, then n_cand candidates a draw and row, their values and their classes."
+    return B + 2 * n_samples * B * n_cand
 
 
 def _select(s: torch.Tensor,                # (B, n) scores, contiguous
@@ -357,10 +382,11 @@ def _select(s: torch.Tensor,                # (B, n) scores, contiguous
             alpha: float = 1.0, scale: float = 1.0,
             plan: dict | None = None,       # `_selection_plan` of the call, where a kept plan has it
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    "Launch the kernels (for a long pruned row the chunks' top first), the candidates (pruned: then the chunks whose live classes overflowed their tile) and the merge: mean_b top_K(s + eps Z_b) (B,) float32, the indices (S, B), and the hinge loss (B,) when `target` is given (else None)."
+    "Launch the kernels (for a long pruned row the chunks' top first), the candidates (pruned: then the chunks whose live classes overflowed their tile) and the merge: the work buffer (float32, `_cand_ptrs`), whose first B words are mean_b top_K(s + eps Z_b), the indices (S, B), and the hinge loss (B,) when `target` is given (else None). Its constants come from the plan: a call decides nothing."
     (B, n), z = s.shape, s if noise is None else noise
     p = _selection_plan(B, n, n_samples, block, cap, k) if plan is None else plan
     kw = dict(device=s.device)
+    given = noise is not None
     if p["CAP"]:                                                          # pruning: each chunk's live classes and their count
         scratch = torch.empty(B * p["chunks"] * p["groups"] * p["CAP"], dtype=torch.int16, **kw)
         count = torch.empty(B * p["chunks"], dtype=torch.int32, **kw)
@@ -371,30 +397,27 @@ def _select(s: torch.Tensor,                # (B, n) scores, contiguous
         tops = torch.empty(B, p["chunks"], k, dtype=torch.float32, **kw)  # and the threshold: their least noised value
         cls = torch.empty(B, p["chunks"], k, dtype=torch.int32, **kw)
         top = torch.empty(B, dtype=torch.float32, **kw)
-        floor = dict(KTH=k, N_SAMPLES=n_samples, KPAD=p["KPAD"], DT=p["DT"], GIVEN_NOISE=noise is not None)
+        floor = dict(KTH=k, N_SAMPLES=n_samples, KPAD=p["KPAD"], DT=p["DT"], GIVEN_NOISE=given)
         _launch(_chunk_top_kernel, (B, p["chunks"]), s, z, seed, tops, cls, top, n, B, p["chunks"], epsilon,
                 FLOOR=p["chunks"] == 1, BLOCK=p["BLOCK"], num_warps=p["warps"], **floor)   # one chunk: its list
         if p["chunks"] > 1:                                               # several: the K largest of all lists
             merge = next_pow2(p["chunks"] * k)
             _launch(_row_top_kernel, (B,), s, z, seed, tops, cls, top, n, B, p["chunks"] * k, epsilon, BLOCK=merge,
                     num_warps=min(16, max(1, merge // 256)), **floor)
-    cval = torch.empty(n_samples, B, p["chunks"], k, dtype=torch.float32, **kw)
-    cidx = torch.empty(n_samples, B, p["chunks"], k, dtype=torch.int64, **kw)
-    const = dict(GIVEN_NOISE=noise is not None, **p["cand"])
-    args = (s, z, seed, top, scratch, count, cval, cidx, B, n, p["chunks"], epsilon, RANDN_BOUND)
-    grid = (B, p["chunks"], p["groups"])
-    _launch(_perturbed_candidates_kernel, grid, *args, PRUNE=p["CAP"] > 0, OVERFLOW=False, **const,
-            **({"maxnreg": p["maxnreg"]} if p["maxnreg"] and s.is_cuda else {}))
+    cw = torch.empty(p["words"], dtype=torch.float32, **kw)               # means, candidates: `_cand_ptrs`
+    args = (s, z, seed, top, scratch, count, cw, B, n, p["chunks"], epsilon, RANDN_BOUND)
+    _launch(_perturbed_candidates_kernel, p["grid"], *args, **p["first"][given, s.is_cuda])
     if p["CAP"]:                                                          # the chunks whose live classes overflowed
-        _launch(_perturbed_candidates_kernel, grid, *args, PRUNE=False, OVERFLOW=True, **const)
-    mean = torch.empty(B, dtype=torch.float32, **kw)
+        _launch(_perturbed_candidates_kernel, p["grid"], *args, **p["overflow"][given])
     idx = torch.empty(n_samples, B, dtype=torch.int64, **kw)
-    loss = torch.empty(B, dtype=s.dtype, **kw) if target is not None else None
-    _launch(_perturbed_merge_kernel, (B,), cval, cidx, s, s if target is None else target,
-            s if margin is None else margin, mean, idx, unused_arg(s, s.dtype) if loss is None else loss, B, n,
-            p["chunks"] * k, f64_bits(alpha), f64_bits(scale),
-            HINGE=target is not None, HAS_MARGIN=margin is not None, **p["merge"])
-    return mean, idx, loss
+    if target is None:                                                    # the selection alone
+        _launch(_perturbed_merge_kernel, (B,), cw, s, s, s, idx, unused_arg(s, s.dtype), B, n, p["chunks"] * k, _ONE_BITS,
+                _ONE_BITS, **p["merges"][False, False])              # (alpha and scale unread: 1.0's bits, as typed)
+        return cw, idx, None
+    loss = torch.empty(B, dtype=s.dtype, **kw)                            # the hinge too
+    _launch(_perturbed_merge_kernel, (B,), cw, s, target, s if margin is None else margin, idx, loss, B, n,
+            p["chunks"] * k, f64_bits(alpha), f64_bits(scale), **p["merges"][True, margin is not None])
+    return cw, idx, loss
 
 
 @torch.library.custom_op(f"{_OPS}::perturbed_kth", mutates_args=())
@@ -406,8 +429,8 @@ def _perturbed_kth_op(s: torch.Tensor,                # (B, n) scores, contiguou
                       cap: int,                       # live classes per pruned tile (0: by the chunk's size; -1: no pruning)
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     "The selection kernels as an operator: mean_b top_K(s + eps Z_b) (B,) in float32 and each draw's index (S, B); two launches, five with pruning."
-    mean, idx, _ = _select(s, seed, noise, k, epsilon, n_samples, block, cap)
-    return mean, idx
+    cw, idx, _ = _select(s, seed, noise, k, epsilon, n_samples, block, cap)
+    return cw[:s.shape[0]], idx                                           # the means: the buffer's first B words
 
 
 @_perturbed_kth_op.register_fake
@@ -474,13 +497,20 @@ def _grad_launch(idx: torch.Tensor,       # (S, B) each draw's index
                  ) -> torch.Tensor:                      # made like them (no shape to parse)
     "The gradient (B, n), each element written once by `_perturbed_grad_kernel`."
     (B, n), S = shape, idx.shape[0]
-    block = min(1024, next_pow2(n))
+    grid, const = _grad_consts(B, n, S, loss is not None, reduction, weight is not None)
     g = torch.empty(shape, dtype=dtype, device=go.device) if like is None else torch.empty_like(like)
-    _launch(_perturbed_grad_kernel, (B, cdiv(n, block)), idx, go.contiguous(),
+    _launch(_perturbed_grad_kernel, grid, idx, go.contiguous(),
             go if loss is None else loss, go if target is None else target, go if weight is None else weight,
-            go if den is None else den, g, B, n, f64_bits(scale), ignore_index,
-            N_SAMPLES=S, HINGE=loss is not None, REDUCTION=reduction, HAS_WEIGHT=weight is not None, BLOCK=block, num_warps=4)
+            go if den is None else den, g, B, n, f64_bits(scale), ignore_index, **const)
     return g
+
+
+@functools.lru_cache(maxsize=1024)                  # asked again at every call of a signature
+def _grad_consts(B: int, n: int, n_samples: int, hinge: bool, reduction: int, has_weight: bool) -> tuple[tuple, dict]:
+    "The gradient kernel's grid, constexprs and options for (B, n) scores, made once: blocks of up to 1024 classes."
+    block = min(1024, next_pow2(n))
+    return (B, cdiv(n, block)), dict(N_SAMPLES=n_samples, HINGE=hinge, REDUCTION=reduction, HAS_WEIGHT=has_weight,
+                                     BLOCK=block, num_warps=4)
 
 
 @torch.library.custom_op(f"{_OPS}::perturbed_grad", mutates_args=())
@@ -567,8 +597,8 @@ def _noised_hinge_op(s: torch.Tensor,                 # (B, n) scores, contiguou
     if reduction == ROWS:
         _, idx, loss = _select(s, seed, None, k, epsilon, n_samples, 0, 0, target, margin, alpha, scale)
         return (*_conventions(loss, target, weight, s.shape[1], ignore_index, ROWS), idx)
-    mean, idx, _ = _select(s, seed, None, k, epsilon, n_samples, 0, 0)
-    return (*_finish(None, target, weight, s.shape[1], ignore_index, reduction, mean, s, margin, alpha, scale,
+    cw, idx, _ = _select(s, seed, None, k, epsilon, n_samples, 0, 0)     # the means: cw's first B words
+    return (*_finish(None, target, weight, s.shape[1], ignore_index, reduction, cw, s, margin, alpha, scale,
                      assert_labels, weighted_rows=reduction > 0), idx)
 
 
@@ -682,9 +712,9 @@ class NoisedHingeLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, s, target, weight, margins, seed, spec: NoisedSpec):
-        mean, idx, _ = _select(s, seed, None, spec.k, spec.epsilon, spec.n_samples, 0, 0, plan=spec.select)
+        cw, idx, _ = _select(s, seed, None, spec.k, spec.epsilon, spec.n_samples, 0, 0, plan=spec.select)
         out, aux = finish_launch(spec.finish if weight is None else spec.finish_w, None, target, weight, s.shape[1],
-                                 spec.ignore_index, s.dtype, mean, s, margins, spec.alpha_bits, spec.scale_bits)
+                                 spec.ignore_index, s.dtype, cw, s, margins, spec.alpha_bits, spec.scale_bits)
         ctx.save_for_backward(idx, out if spec.reduction <= 0 else aux, target, weight, aux, s)
         ctx.spec = spec
         return out

@@ -38,7 +38,7 @@ class RowSpec(NamedTuple):
     kpad: int                  # slots of a row's top list, next_pow2(max(K, 1)): the state's (`row_state`)
     B: int = 0                 # the rows and classes planned for
     n: int = 0
-    words: int = 0             # the state's float32 words: (6 + kpad) B
+    words: int = 0             # the state's float32 words: 2 + (6 + kpad) B
     fwd: dict | None = None    # the forward kernel's constexprs and options (grid: (B,))
     grad_grid: tuple = ()      # the gradient kernel's grid, its constexprs and options (HAS_WEIGHT apart)
     grad: dict | None = None
@@ -153,8 +153,9 @@ if HAS_TRITON:
                 c0, c1, c2 = 1.0, -inside_g, inside_g - 1
                 loss = ce + gap
             c3 = q_G
-        lse_ptr, coef_ptr, cls_ptr = state_ptr + n_rows, state_ptr + 2 * n_rows, state_ptr + 6 * n_rows   # `row_state`
-        tl.store(state_ptr + row, loss)
+        ls_ptr = state_ptr + 2                                           # after aux's two words (`row_state`)
+        lse_ptr, coef_ptr, cls_ptr = ls_ptr + n_rows, ls_ptr + 2 * n_rows, ls_ptr + 6 * n_rows
+        tl.store(ls_ptr + row, loss)
         tl.store(lse_ptr + row, lse)
         tl.store(coef_ptr + row * 4 + 0, c0)
         tl.store(coef_ptr + row * 4 + 1, c1)
@@ -175,7 +176,8 @@ if HAS_TRITON:
         go, y = _row_go(y_ptr, go_ptr, w_ptr, den_ptr, row, n, ignore_index, REDUCTION, HAS_WEIGHT)
         go = go.to(tl.float32)
         at_y = (offs == y).to(tl.float32)
-        lse_ptr, coef_ptr, cls_ptr = state_ptr + n_rows, state_ptr + 2 * n_rows, state_ptr + 6 * n_rows   # `row_state`
+        ls_ptr = state_ptr + 2                                           # after aux's two words (`row_state`)
+        lse_ptr, coef_ptr, cls_ptr = ls_ptr + n_rows, ls_ptr + 2 * n_rows, ls_ptr + 6 * n_rows
         c0 = tl.load(coef_ptr + row * 4 + 0)
         if LOSS <= 1 or LOSS >= 5:
             x = tl.load(s_ptr + row * n + offs, mask=inside, other=0.0).to(tl.float32)
@@ -231,15 +233,15 @@ def row_launches(spec: RowSpec, # a spec of the loss and its conventions
     fwd = dict(LOSS=spec.loss, K=spec.K, KPAD=spec.kpad, DETACH=spec.detach_weight, BLOCK=block,
                num_warps=min(8, max(1, block // 256)))
     grad = dict(LOSS=spec.loss, K=spec.K, KPAD=spec.kpad, REDUCTION=spec.reduction, BLOCK=gblock, num_warps=4)
-    return spec._replace(B=B, n=n, words=B * (6 + spec.kpad), fwd=fwd, grad_grid=(B, cdiv(n, gblock)), grad=grad,
-                         finish=finish_consts(B, spec.reduction, False, assert_labels=True),
-                         finish_w=finish_consts(B, spec.reduction, True, assert_labels=True))
+    return spec._replace(B=B, n=n, words=2 + B * (6 + spec.kpad), fwd=fwd, grad_grid=(B, cdiv(n, gblock)), grad=grad,
+                         finish=finish_consts(B, spec.reduction, False, assert_labels=True, loss_at=2),
+                         finish_w=finish_consts(B, spec.reduction, True, assert_labels=True, loss_at=2))
 
 
 def row_state(s: torch.Tensor, # (B, n) scores
               spec: RowSpec,   # completed by `row_launches`
               ) -> torch.Tensor:
-    "The forward kernel's uninitialised state, one float32 buffer of (6 + kpad) B: each row's loss (B), log-sum-exp (B), the backward's four coefficients (4 B) and selected classes (kpad B, int32 kept as their bits); the losses first, so that `_finish` reads them as (B,)."
+    "The forward kernel's uninitialised state, one float32 buffer of 2 + (6 + kpad) B: `_finish`'s aux (2: the mean's denominator, the labels' flag), each row's loss (B), log-sum-exp (B), the backward's four coefficients (4 B) and selected classes (kpad B, int32 kept as their bits). `_finish` reads the losses after aux and writes aux there: one allocation for the forward."
     return s.new_empty(spec.words)
 
 
@@ -247,7 +249,7 @@ def row_loss_forward(s: torch.Tensor,                 # (B, n) float32 scores, c
                      target: torch.Tensor,            # (B,) int64 labels, contiguous
                      margins: Optional[torch.Tensor], # (n,) LDAM's margins on the device, or None
                      spec: RowSpec) -> torch.Tensor:
-    "Launch `_row_loss_kernel`: its state (`row_state`), whose first B entries are each row's loss."
+    "Launch `_row_loss_kernel`: its state (`row_state`), each row's loss from its third word."
     state = row_state(s, spec)
     _launch(_row_loss_kernel, (spec.B,), s, target, s if margins is None else margins, state, spec.B, spec.n, spec.alpha,
             spec.gamma, spec.scale, **spec.fwd)
@@ -256,7 +258,7 @@ def row_loss_forward(s: torch.Tensor,                 # (B, n) float32 scores, c
 
 def row_loss_backward(s: torch.Tensor, target: torch.Tensor, margins: Optional[torch.Tensor], weight: Optional[torch.Tensor],
                       grad: torch.Tensor,   # dL / d loss: (B,) per row, or () of the reduced loss
-                      den: torch.Tensor,    # `_finish`'s aux: the mean's denominator first
+                      den: torch.Tensor,    # `_finish`'s aux, or the state that holds it: the mean's denominator first
                       state: torch.Tensor,  # the forward kernel's state (`row_state`)
                       spec: RowSpec) -> torch.Tensor:
     "Launch `_row_grad_kernel`: dL/ds (B, n) in the scores' dtype, each element written once."
@@ -274,22 +276,22 @@ class RowLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, s, target, weight, margins, spec: RowSpec):
         state = row_loss_forward(s, target, margins, spec)
-        out, aux = finish_launch(spec.finish if weight is None else spec.finish_w, state, target, weight, spec.n,
-                                 spec.ignore_index, torch.float32)   # the state's first B: the rows' losses
-        ctx.save_for_backward(s, target, weight, margins, aux, state)   # aux: the mean's denominator first
+        out, _ = finish_launch(spec.finish if weight is None else spec.finish_w, state, target, weight, spec.n,
+                               spec.ignore_index, torch.float32, aux=state)   # aux: the state's first two words
+        ctx.save_for_backward(s, target, weight, margins, state)
         ctx.spec = spec
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        s, target, weight, margins, den, state = ctx.saved_tensors
+        s, target, weight, margins, state = ctx.saved_tensors   # state[0]: the mean's denominator
         spec = ctx.spec
         if torch.is_grad_enabled():                       # create_graph=True: the plain formula, by autograd
             n = s.shape[1]
-            go = _row_grads(grad, target, weight, den, n, spec.ignore_index, spec.reduction)
+            go = _row_grads(grad, target, weight, state, n, spec.ignore_index, spec.reduction)
             y = torch.where((target >= 0) & (target < n), target, 0)
             return twice_differentiable(spec.formula, s, go, y), None, None, None, None
-        return row_loss_backward(s, target, margins, weight, grad, den, state, spec), None, None, None, None
+        return row_loss_backward(s, target, margins, weight, grad, state, state, spec), None, None, None, None
 
 # %% ../../nbs/06a_row_kernels.ipynb #09ce2fb3
 def row_plan(module,               # the loss module: its ignore_index, reduction and per_sample (the plain formula)

@@ -13,9 +13,9 @@ import torch
 
 from ..base.core import check_int, check_real, sync_free, transformed, twice_differentiable
 from ..math.esp_backward import tree_svm_loss
-from .launch import (HAS_TRITON, REDUCTION_CODES, ROWS, _FORCE, _conventions, _conventions_fake, _launch,
-                             _row_grads, call_op, cdiv, f64_bits, finish_consts, finish_launch, lean_op, loss_op,
-                             next_pow2)                                                    # chapter 02a
+from .launch import (HAS_TRITON, REDUCTION_CODES, ROWS, _FORCE, _conventions, _conventions_fake, _finish,
+                             _launch, _row_grads, call_op, cdiv, f64_bits, finish_consts, finish_launch, lean_op,
+                             loss_op, next_pow2)                                                    # chapter 02a
 
 if HAS_TRITON:
     import triton
@@ -28,8 +28,9 @@ _OPS = "topk_nb" if __name__.startswith("topk_nb") else "topk_nb_chapter"
 
 # %% auto #0
 __all__ = ['SVM_MAX_K', 'SVM32_MAX_K', 'SVMW_PROGRAMS', 'svm_triton_ok', 'svm_blocks', 'smooth_svm_triton', 'smooth_svm_fused',
-           'smooth_svm_plan', 'svm32_plan', 'svm32_state_words', 'svm32_state_views', 'svm32_tile_views', 'svm32_tiles',
-           'svm32_grad_words', 'svmw_plan', 'Svm32Spec', 'svm32_spec', 'Svm32Loss']
+           'smooth_svm_plan', 'svm32_plan', 'svm32_state_words', 'svm32_state_views', 'svm32_tile_views',
+           'Svm32Launches', 'svm32_launches', 'svm32_tiles', 'svm32_grad_words', 'svmw_plan', 'Svm32Spec', 'svm32_spec',
+           'Svm32Loss']
 
 # %% ../../nbs/03a_svm_kernels.ipynb #b0b16e9c
 SVM_MAX_K = 100           # the largest k the smooth SVM kernels take (the degrees are unrolled into k scans)
@@ -584,14 +585,16 @@ if HAS_TRITON:
 
     @triton.jit
     def _svm32_state_ptrs(st_ptr, n_rows, K: tl.constexpr):
-        "The forward's state for the backward, one buffer of 32-bit words (`svm32_state_views`): rho (n_rows float64), sigma as mantissas and exponents (n_rows (K + 1) each), the largest log2 e_i (n_rows), the backward's constants (n_rows (K + 1))."
+        "The forward's outputs, one buffer of 32-bit words (`svm32_state_views`): two words for `_finish`'s aux, each row's loss (n_rows, padded to an even count), then the state the backward reads: rho (n_rows float64), sigma as mantissas and exponents (n_rows (K + 1) each), the largest log2 e_i (n_rows), the backward's constants (n_rows (K + 1))."
         b = tl.cast(n_rows, tl.int64)                                     # int64 offsets: no 2^31 limit
-        rho_ptr = st_ptr.to(tl.pointer_type(tl.float64), bitcast=True)
-        sc_ptr = st_ptr + 2 * b
-        se_ptr = (st_ptr + (K + 3) * b).to(tl.pointer_type(tl.int32), bitcast=True)
-        dm_ptr = st_ptr + (2 * K + 4) * b
-        rr_ptr = st_ptr + (2 * K + 5) * b
-        return rho_ptr, sc_ptr, se_ptr, dm_ptr, rr_ptr
+        ls_ptr = st_ptr + 2                                              # the rows' losses, after aux
+        base = st_ptr + 2 + (b + 1) // 2 * 2                             # an even word: rho's float64 aligned
+        rho_ptr = base.to(tl.pointer_type(tl.float64), bitcast=True)
+        sc_ptr = base + 2 * b
+        se_ptr = (base + (K + 3) * b).to(tl.pointer_type(tl.int32), bitcast=True)
+        dm_ptr = base + (2 * K + 4) * b
+        rr_ptr = base + (2 * K + 5) * b
+        return ls_ptr, rho_ptr, sc_ptr, se_ptr, dm_ptr, rr_ptr
 
     @triton.jit
     def _svm32_tile_ptrs(tw_ptr, n_rows, n_tiles, K: tl.constexpr):
@@ -604,12 +607,12 @@ if HAS_TRITON:
         return tc_ptr, te_ptr, tm_ptr, tf_ptr
 
     @triton.jit
-    def _svm32_tile_kernel(s_ptr, y_ptr, tw_ptr, loss_ptr, st_ptr, n_rows, n, n_tiles, tile, d_scale, alpha_tau_bits, tau_bits,
+    def _svm32_tile_kernel(s_ptr, y_ptr, tw_ptr, st_ptr, n_rows, n, n_tiles, tile, d_scale, alpha_tau_bits, tau_bits,
                            K: tl.constexpr, L: tl.constexpr, LOG_L: tl.constexpr, R: tl.constexpr, ONE_TILE: tl.constexpr):
-        "Program (row, p): prod (1 + e_i z) over the classes of tile p but the label, truncated at K, e_i = 2^{(s_i - s_y) d_scale}; the tile's largest log2 e_i; its passes on fixed exponents (into tw, `_svm32_tile_ptrs`). ONE_TILE (a row is one tile): the row kernel's outputs instead of the tile's polynomial: the loss and the state st (`_svm32_state_ptrs`)."
+        "Program (row, p): prod (1 + e_i z) over the classes of tile p but the label, truncated at K, e_i = 2^{(s_i - s_y) d_scale}; the tile's largest log2 e_i; its passes on fixed exponents (into tw, `_svm32_tile_ptrs`). ONE_TILE (a row is one tile): the row kernel's outputs instead of the tile's polynomial: the loss and the state, into st (`_svm32_state_ptrs`)."
         row, p = tl.program_id(0).to(tl.int64), tl.program_id(1)       # int64: row n passes 2^31
         tc_ptr, te_ptr, tm_ptr, tf_ptr = _svm32_tile_ptrs(tw_ptr, n_rows, n_tiles, K)
-        rho_ptr, sc_ptr, se_ptr, dm_ptr, rr_ptr = _svm32_state_ptrs(st_ptr, n_rows, K)
+        ls_ptr, rho_ptr, sc_ptr, se_ptr, dm_ptr, rr_ptr = _svm32_state_ptrs(st_ptr, n_rows, K)
         lanes = tl.arange(0, L)                                          # (L,) threads
         y = _class_label(y_ptr, row, n)                                   # a label that is no class reads class 0
         sy = tl.load(s_ptr + row * n + y).to(tl.float32)
@@ -661,7 +664,7 @@ if HAS_TRITON:
             _store_poly(sc_ptr, se_ptr, row * (K + 1), C, E, K, L)
             _svm32_store_ratios(rr_ptr, row, C, E, lanes, K)
             loss, rho = _svm32_loss(C[K], E[K], C[K - 1], E[K - 1], alpha_tau_bits, tau_bits)   # (L,) alike
-            tl.store(loss_ptr + row + lanes, loss, mask=lanes == 0)
+            tl.store(ls_ptr + row + lanes, loss, mask=lanes == 0)
             tl.store(rho_ptr + row + lanes, rho, mask=lanes == 0)
         else:                                                            # the tile's: its polynomial, largest log2 e_i,
             tl.store(tm_ptr + row * n_tiles + p, tl.max(dmax, 0))        # passes on fixed exponents
@@ -680,11 +683,11 @@ if HAS_TRITON:
         return tau * (tl.maximum(z, 0.0) + log1p_u), tl.where(z >= 0, 1.0, u) / (1.0 + u)
 
     @triton.jit
-    def _svm32_row_kernel(tw_ptr, loss_ptr, st_ptr, n_rows, n_tiles, alpha_tau_bits, tau_bits, K: tl.constexpr):
-        "Program row: sigma_0..sigma_K of the others (the tiles' product, from tw), the loss tau softplus(z), rho = sigmoid(z), and the row's largest log2 e_i (into st)."
+    def _svm32_row_kernel(tw_ptr, st_ptr, n_rows, n_tiles, alpha_tau_bits, tau_bits, K: tl.constexpr):
+        "Program row: sigma_0..sigma_K of the others (the tiles' product, from tw), the loss tau softplus(z), rho = sigmoid(z), and the row's largest log2 e_i (into st, the loss too)."
         row = tl.program_id(0).to(tl.int64)
         tc_ptr, te_ptr, tm_ptr, tf_ptr = _svm32_tile_ptrs(tw_ptr, n_rows, n_tiles, K)
-        rho_ptr, sc_ptr, se_ptr, dm_ptr, rr_ptr = _svm32_state_ptrs(st_ptr, n_rows, K)
+        ls_ptr, rho_ptr, sc_ptr, se_ptr, dm_ptr, rr_ptr = _svm32_state_ptrs(st_ptr, n_rows, K)
         C, E = _load_poly(tc_ptr, te_ptr, row * n_tiles * (K + 1), K)
         dmax = tl.load(tm_ptr + row * n_tiles)
         for p in range(1, n_tiles):                                      # the tiles' product, in tile order
@@ -701,7 +704,7 @@ if HAS_TRITON:
             tl.store(se_ptr + row * (K + 1) + j, E[j])
         _svm32_store_ratios(rr_ptr, row, C, E, tl.arange(0, 1), K)
         loss, rho = _svm32_loss(C[K], E[K], C[K - 1], E[K - 1], alpha_tau_bits, tau_bits)
-        tl.store(loss_ptr + row, loss)
+        tl.store(ls_ptr + row, loss)
         tl.store(rho_ptr + row, rho)
 
 # %% ../../nbs/03a_svm_kernels.ipynb #af6c4bcb
@@ -798,7 +801,7 @@ if HAS_TRITON:
                                 REDUCTION: tl.constexpr, HAS_WEIGHT: tl.constexpr, HEAD: tl.constexpr):
         "Program (row, p): dL/ds of the tile's tail by Horner; if the row has a head, the tile's tail polynomial and its head classes listed. HEAD 0: every row; 1: the rows without a head, 2: those with one (two launches for rows of several tiles, so that the rare path's registers do not hold down the common one's programs per SM)."
         row, p = tl.program_id(0).to(tl.int64), tl.program_id(1)
-        rho_ptr, sc_ptr, se_ptr, dm_ptr, rr_ptr = _svm32_state_ptrs(st_ptr, n_rows, K)
+        ls_ptr, rho_ptr, sc_ptr, se_ptr, dm_ptr, rr_ptr = _svm32_state_ptrs(st_ptr, n_rows, K)
         hn_ptr, hi_ptr, fi_ptr, tc_ptr, te_ptr, hd_ptr, fd_ptr = _svm32_grad_ptrs(ws_ptr, n_rows, n_tiles, K, HMAX)
         lanes = tl.arange(0, L)                                          # (L,) threads
         go, y = _row_go(y_ptr, go_ptr, w_ptr, den_ptr, row, n, ignore_index, REDUCTION, HAS_WEIGHT)   # dL/d(row's loss)
@@ -843,7 +846,7 @@ if HAS_TRITON:
                                K: tl.constexpr, HMAX: tl.constexpr, REDUCTION: tl.constexpr, HAS_WEIGHT: tl.constexpr):
         "Program row: dL/ds of the head classes, exactly: sigma(others without i) = sigma(tail) sigma(head without i)."
         row = tl.program_id(0).to(tl.int64)
-        rho_ptr, sc_ptr, se_ptr, dm_ptr, rr_ptr = _svm32_state_ptrs(st_ptr, n_rows, K)
+        ls_ptr, rho_ptr, sc_ptr, se_ptr, dm_ptr, rr_ptr = _svm32_state_ptrs(st_ptr, n_rows, K)
         hn_ptr, hi_ptr, fi_ptr, tc_ptr, te_ptr, hd_ptr, fd_ptr = _svm32_grad_ptrs(ws_ptr, n_rows, n_tiles, K, HMAX)
         h = tl.arange(0, HMAX)                                           # (HMAX,) head classes, one per thread
         hc = 0
@@ -907,24 +910,24 @@ def svm32_plan(B: int,                  # rows
 
 # %% ../../nbs/03a_svm_kernels.ipynb #86023359
 def svm32_state_words(B: int, k: int) -> int:
-    "32-bit words of the float32 forward's state (`_svm32_state_ptrs`): rho (2 a row), sigma's mantissas and exponents, the largest log2 e_i, the backward's constants."
-    return B * (3 * k + 6)
+    "32-bit words of the float32 forward's buffer (`_svm32_state_ptrs`): `_finish`'s aux (2), the rows' losses (B, padded to an even count), rho (2 a row), sigma's mantissas and exponents, the largest log2 e_i, the backward's constants."
+    return 2 + (B + 1) // 2 * 2 + B * (3 * k + 6)
 
 
-def _svm32_state(s: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    "Uninitialised outputs of the float32 forward: the loss (B,) and the state the backward reads, one float32 buffer (`svm32_state_views`): two allocations."
-    B = s.shape[0]
-    return s.new_empty(B), s.new_empty(svm32_state_words(B, k))
+def _svm32_state(s: torch.Tensor, k: int) -> torch.Tensor:
+    "The float32 forward's uninitialised outputs, one float32 buffer (`svm32_state_views`): `_finish`'s aux, the rows' losses and the state the backward reads; one allocation."
+    return s.new_empty(svm32_state_words(s.shape[0], k))
 
 
 def svm32_state_views(st: torch.Tensor,  # the forward's state (`_svm32_forward_op`'s third output)
                       B: int, k: int,
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    "The state's parts as the kernels lay them out (`_svm32_state_ptrs`): rho (B,) float64, sigma's mantissas (B, k + 1) and exponents (B, k + 1) int32, the largest log2 e_i (B,), and the backward's constants (B, k + 1): log2 rho_k, then r_j = rho_j / rho_k."
-    at = [0, 2 * B, (k + 3) * B, (2 * k + 4) * B, (2 * k + 5) * B, (3 * k + 6) * B]
+                      ) -> tuple[torch.Tensor, ...]:
+    "The buffer's parts as the kernels lay them out (`_svm32_state_ptrs`): `_finish`'s aux (2,) (where a kept plan's `_finish` writes it), the rows' losses (B,), rho (B,) float64, sigma's mantissas (B, k + 1) and exponents (B, k + 1) int32, the largest log2 e_i (B,), and the backward's constants (B, k + 1): log2 rho_k, then r_j = rho_j / rho_k."
+    o = 2 + (B + 1) // 2 * 2                                           # the state's first word: an even one
+    at = [o + a for a in (0, 2 * B, (k + 3) * B, (2 * k + 4) * B, (2 * k + 5) * B, (3 * k + 6) * B)]
     part = lambda i: st[at[i]:at[i + 1]]
-    return (part(0).view(torch.float64), part(1).view(B, k + 1), part(2).view(torch.int32).view(B, k + 1), part(3),
-            part(4).view(B, k + 1))
+    return (st[:2], st[2:2 + B], part(0).view(torch.float64), part(1).view(B, k + 1), part(2).view(torch.int32).view(B, k + 1),
+            part(3), part(4).view(B, k + 1))
 
 
 def svm32_tile_views(tw: torch.Tensor, B: int, P: int, k: int) -> tuple[torch.Tensor, ...]:
@@ -944,22 +947,28 @@ def _svm32_tile_consts(B: int, n: int, k: int, tile: int) -> tuple:
     return _svmw_tile_kernel, dict(K=k, M=cdiv(k + 1, 32), num_warps=1), T, P
 
 
-def _svm32_tiles(s: torch.Tensor, target: torch.Tensor, k: int, tau: float, alpha: float,
-                 consts: tuple,                # `_svm32_tile_consts` of the call's signature
-                 row: tuple | None) -> tuple[torch.Tensor | None, int]:
-    "Launch the tile kernel (a polynomial a thread up to k = SVM32_MAX_K, a polynomial a warp above: the next section) and return its tile buffer (`svm32_tile_views`: each tile's polynomial, largest log2 e_i and passes on fixed exponents) and the tiles a row; row: the row kernel's outputs (the loss, the state), which the tile kernel writes instead where a row is one tile (then no tile buffer: None)."
-    (B, n), dev = s.shape, s.device
-    kernel, const, T, P = consts
-    one = row is not None and P == 1
-    if one:                                                            # the row's outputs: no tile buffer allocated
-        loss, st = row
-        tw = st                                                        # a pointer that ONE_TILE never reads
-    else:
-        tw = torch.empty(B * P * (2 * k + 4), dtype=torch.float32, device=dev)   # 32-bit words: `_svm32_tile_ptrs`
-        loss, st = tw, tw                                              # unused pointers where the row kernel follows
-    _launch(kernel, (B, P), s, target, tw, loss, st, B, n, P, T, _LOG2E / (k * tau), f64_bits(alpha / tau), f64_bits(tau),
-            ONE_TILE=one, **const)
-    return (None if one else tw), P
+class Svm32Launches(NamedTuple):
+    "The float32 forward's launches for one signature, made once (`svm32_launches`): nothing is decided at a call."
+    words: int                 # the buffer's 32-bit words (`svm32_state_words`)
+    P: int                     # tiles a row
+    tile_words: int            # the tile buffer's words (`svm32_tile_views`)
+    tile: tuple                # the tile kernel's launch: (kernel, grid, scalar arguments, constexprs and options)
+    row: tuple | None          # the row kernel's, where a row is several tiles; None: the tile kernel ends the row
+
+
+@functools.lru_cache(maxsize=1024)                  # asked again at every call of a signature
+def svm32_launches(B: int, n: int, k: int, tau: float, alpha: float,
+                   tile: int = 0,      # classes per tile (0: the default of `svm32_plan`, or of `svmw_plan` above SVM32_MAX_K)
+                   ) -> Svm32Launches:
+    "The float32 forward's launches for (B, n) scores: the tile kernel (a polynomial a thread up to k = SVM32_MAX_K, a polynomial a warp above: the next section), which fills the buffer itself where a row is one tile (ONE_TILE), else writes each tile's polynomial for the row kernel."
+    kernel, const, T, P = _svm32_tile_consts(B, n, k, tile)
+    bits = (f64_bits(alpha / tau), f64_bits(tau))                      # doubles' bits: the kernels' float64 constants
+    row = None
+    if P > 1:
+        rk, rc = (_svm32_row_kernel, {}) if k <= SVM32_MAX_K else (_svmw_row_kernel, dict(M=cdiv(k + 1, 32)))
+        row = (rk, (B,), (B, P, *bits), dict(K=k, num_warps=1, **rc))
+    return Svm32Launches(svm32_state_words(B, k), P, B * P * (2 * k + 4),
+                         (kernel, (B, P), (B, n, P, T, _LOG2E / (k * tau), *bits), dict(ONE_TILE=P == 1, **const)), row)
 
 
 def svm32_tiles(s: torch.Tensor,       # (B, n) float32 scores, contiguous
@@ -967,21 +976,29 @@ def svm32_tiles(s: torch.Tensor,       # (B, n) float32 scores, contiguous
                 k: int, tau: float,
                 tile: int = 0,         # classes per tile (0: the default of `svm32_plan`, or of `svmw_plan` above SVM32_MAX_K)
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    "The forward's tile kernel alone: each tile's polynomial as mantissas and exponents (B, P, k + 1), its largest log2 e_i (B, P) and its passes on fixed exponents (B, P; above SVM32_MAX_K four a chunk of 32 classes)."
-    tw, P = _svm32_tiles(s, target, k, tau, 1.0, _svm32_tile_consts(*s.shape, k, tile), None)
-    return svm32_tile_views(tw, s.shape[0], P, k)
+    "The forward's tile kernel alone, also on rows of one tile: each tile's polynomial as mantissas and exponents (B, P, k + 1), its largest log2 e_i (B, P) and its passes on fixed exponents (B, P; above SVM32_MAX_K four a chunk of 32 classes)."
+    plan = svm32_launches(*s.shape, k, tau, 1.0, tile)
+    kernel, grid, scalars, const = plan.tile
+    tw = s.new_empty(plan.tile_words)                                  # 32-bit words: `_svm32_tile_ptrs`
+    _launch(kernel, grid, s, target, tw, tw, *scalars, **{**const, "ONE_TILE": False})
+    return svm32_tile_views(tw, s.shape[0], plan.P, k)
 
 
-def _svm32_forward(s: torch.Tensor, target: torch.Tensor, k: int, tau: float, alpha: float,
-                   consts: tuple,      # `_svm32_tile_consts` of the call's signature
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    "The float32 forward's launches: the rows' loss (B,) and the state (`svm32_state_views`); the tile kernel, and the row kernel where a row is several tiles."
-    (B, n), (loss, st) = s.shape, _svm32_state(s, k)
-    tw, P = _svm32_tiles(s, target, k, tau, alpha, consts, (loss, st))   # a row of one tile: its loss too (no tiles)
-    if tw is not None:                                                 # rows of several tiles: their product, the loss
-        kernel, const = (_svm32_row_kernel, {}) if k <= SVM32_MAX_K else (_svmw_row_kernel, dict(M=cdiv(k + 1, 32)))
-        _launch(kernel, (B,), tw, loss, st, B, P, f64_bits(alpha / tau), f64_bits(tau), K=k, num_warps=1, **const)
-    return loss, st
+def _svm32_forward(s: torch.Tensor,    # (B, n) float32 scores, contiguous
+                   target: torch.Tensor,
+                   plan: Svm32Launches,   # `svm32_launches` of the call's signature
+                   ) -> torch.Tensor:
+    "The float32 forward's launches: its buffer (`svm32_state_views`: the rows' losses and the state; aux's two words left for `_finish`); the tile kernel, and the row kernel where a row is several tiles."
+    st = s.new_empty(plan.words)
+    kernel, grid, scalars, const = plan.tile
+    if plan.row is None:                                               # a row of one tile: the tile kernel ends it
+        _launch(kernel, grid, s, target, st, st, *scalars, **const)   # (its tile pointer unread)
+        return st
+    tw = s.new_empty(plan.tile_words)                                  # 32-bit words: `_svm32_tile_ptrs`
+    _launch(kernel, grid, s, target, tw, st, *scalars, **const)
+    kernel, grid, scalars, const = plan.row                            # the tiles' product, the loss
+    _launch(kernel, grid, tw, st, *scalars, **const)
+    return st
 
 
 @torch.library.custom_op(f"{_OPS}::smooth_svm32_forward", mutates_args=())
@@ -994,14 +1011,16 @@ def _svm32_forward_op(s: torch.Tensor,       # (B, n) float32 scores, contiguous
                       reduction: int,        # ROWS (the per-row loss, nothing else) or a value of REDUCTION_CODES
                       assert_labels: bool = False,   # `_finish` asserts the labels on the device
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    "The float32 forward as an operator: (loss, `_finish`'s aux: the denominator and the labels' flag, the state the backward reads: `svm32_state_views`); two launches (one where a row is one tile), one more with `_finish`. Above SVM32_MAX_K the kernels of a polynomial a warp."
-    loss, st = _svm32_forward(s, target, k, tau, alpha, _svm32_tile_consts(*s.shape, k, tile))
-    return (*_conventions(loss, target, weight, s.shape[1], ignore_index, reduction, assert_labels), st)
+    "The float32 forward as an operator: (loss, `_finish`'s aux: the denominator and the labels' flag, the buffer the backward reads: `svm32_state_views`); two launches (one where a row is one tile), one more with `_finish`. Above SVM32_MAX_K the kernels of a polynomial a warp. An operator's outputs share no memory: with ROWS the rows are copied out of the buffer, and aux is a tensor of its own."
+    B, st = s.shape[0], _svm32_forward(s, target, svm32_launches(*s.shape, k, tau, alpha, tile))
+    if reduction == ROWS:
+        return st[2:2 + B].clone(), st.new_empty(2), st
+    return (*_finish(st, target, weight, s.shape[1], ignore_index, reduction, assert_labels=assert_labels, loss_at=2), st)
 
 
 @_svm32_forward_op.register_fake
 def _svm32_forward_fake(s, target, weight, k, tau, alpha, tile, ignore_index, reduction, assert_labels=False):
-    return (*_conventions_fake(s, reduction), _svm32_state(s, k)[1])
+    return (*_conventions_fake(s, reduction), _svm32_state(s, k))
 
 
 def svm32_grad_words(B: int, P: int, k: int, hmax: int) -> int:
@@ -1219,12 +1238,12 @@ if HAS_TRITON:
         return D, gmax, gmin, bad, tl.maximum(dmax, D)
 
     @triton.jit
-    def _svmw_tile_kernel(s_ptr, y_ptr, tw_ptr, loss_ptr, st_ptr, n_rows, n, n_tiles, tile, d_scale, alpha_tau_bits, tau_bits,
+    def _svmw_tile_kernel(s_ptr, y_ptr, tw_ptr, st_ptr, n_rows, n, n_tiles, tile, d_scale, alpha_tau_bits, tau_bits,
                           K: tl.constexpr, M: tl.constexpr, ONE_TILE: tl.constexpr):
         "Program (row, p), one warp: prod (1 + e_i z) over the classes of tile p but the label, truncated at K, in lane layout (M = ceil((K + 1) / 32) degrees a lane); the tile's largest log2 e_i; its passes on fixed exponents. ONE_TILE: the row's outputs instead."
         row, p = tl.program_id(0).to(tl.int64), tl.program_id(1)       # int64: row n passes 2^31
         tc_ptr, te_ptr, tm_ptr, tf_ptr = _svm32_tile_ptrs(tw_ptr, n_rows, n_tiles, K)
-        rho_ptr, sc_ptr, se_ptr, dm_ptr, rr_ptr = _svm32_state_ptrs(st_ptr, n_rows, K)
+        ls_ptr, rho_ptr, sc_ptr, se_ptr, dm_ptr, rr_ptr = _svm32_state_ptrs(st_ptr, n_rows, K)
         l = tl.arange(0, 32)                                             # (32,) lanes
         lm1 = (l + 31) % 32                                              # the lane below
         y = _class_label(y_ptr, row, n)
@@ -1273,7 +1292,7 @@ if HAS_TRITON:
                 C, E = _wnorm(C, E, l, K, M)
         C = _tset(C, 0, tl.where(tl.max(bad.to(tl.int32), 0) == 1, float("nan"), C[0]))   # out of range: NaN
         if ONE_TILE:
-            _svmw_finish(C, E, l, row, tl.max(dmax, 0), loss_ptr, rho_ptr, sc_ptr, se_ptr, dm_ptr, rr_ptr, alpha_tau_bits,
+            _svmw_finish(C, E, l, row, tl.max(dmax, 0), ls_ptr, rho_ptr, sc_ptr, se_ptr, dm_ptr, rr_ptr, alpha_tau_bits,
                          tau_bits, K, M)
         else:                                                            # the tile's (ONE_TILE's tile pointers are others')
             tl.store(tm_ptr + row * n_tiles + p, tl.max(dmax, 0))
@@ -1326,11 +1345,11 @@ if HAS_TRITON:
         return RC, RE
 
     @triton.jit
-    def _svmw_row_kernel(tw_ptr, loss_ptr, st_ptr, n_rows, n_tiles, alpha_tau_bits, tau_bits, K: tl.constexpr, M: tl.constexpr):
+    def _svmw_row_kernel(tw_ptr, st_ptr, n_rows, n_tiles, alpha_tau_bits, tau_bits, K: tl.constexpr, M: tl.constexpr):
         "Program row, one warp: the tiles' product (sigma_0..sigma_K of the others), the loss, rho and the row's largest log2 e_i. R_j = sum_a B_a A_{j-a}: B_a brought to every lane by a shuffle, A moved up a degree per a."
         row = tl.program_id(0).to(tl.int64)
         tc_ptr, te_ptr, tm_ptr, tf_ptr = _svm32_tile_ptrs(tw_ptr, n_rows, n_tiles, K)
-        rho_ptr, sc_ptr, se_ptr, dm_ptr, rr_ptr = _svm32_state_ptrs(st_ptr, n_rows, K)
+        ls_ptr, rho_ptr, sc_ptr, se_ptr, dm_ptr, rr_ptr = _svm32_state_ptrs(st_ptr, n_rows, K)
         l = tl.arange(0, 32)
         lm1 = (l + 31) % 32
         C, E = _wload(tc_ptr, te_ptr, row * n_tiles * (K + 1), l, K, M)  # A: the product so far
@@ -1359,18 +1378,18 @@ if HAS_TRITON:
                         SE = _wshift(SE, lm1, l, _XZERO, M)
             C, E = _wnorm(RC, RE, l, K, M)
             dmax = tl.maximum(dmax, tl.load(tm_ptr + row * n_tiles + p))
-        _svmw_finish(C, E, l, row, dmax, loss_ptr, rho_ptr, sc_ptr, se_ptr, dm_ptr, rr_ptr, alpha_tau_bits, tau_bits, K, M)
+        _svmw_finish(C, E, l, row, dmax, ls_ptr, rho_ptr, sc_ptr, se_ptr, dm_ptr, rr_ptr, alpha_tau_bits, tau_bits, K, M)
 
 # %% ../../nbs/03a_svm_kernels.ipynb #8dfa1ed5
 if HAS_TRITON:
     @triton.jit
     def _svm_head_rows_kernel(s_ptr, y_ptr, go_ptr, w_ptr, den_ptr, loss_ptr, lsig_ptr, st_ptr, rho2_ptr, ckpt_ptr, scratch_ptr,
-                              g_ptr, ws_ptr, n, n_blocks, n_tiles, inv_ktau_bits, tau_bits, ignore_index,
+                              g_ptr, ws_ptr, n_rows, n, n_blocks, n_tiles, inv_ktau_bits, tau_bits, ignore_index,
                               REDUCTION: tl.constexpr, HAS_WEIGHT: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr,
                               BLOCK_K: tl.constexpr):
         "Program `row`, on the rows the Horner kernel marked -1 (a head): the scans' forward for the checkpoints (its loss and rho into loss_ptr, rho2_ptr, unused), then their backward with the row's rho; the other programs return at once."
         row = tl.program_id(0).to(tl.int64)
-        rho_ptr = st_ptr.to(tl.pointer_type(tl.float64), bitcast=True)  # the state's first part (`_svm32_state_ptrs`)
+        rho_ptr = _svm32_state_ptrs(st_ptr, n_rows, K)[1]               # the forward's rho
         hn_ptr = ws_ptr.to(tl.pointer_type(tl.int32), bitcast=True)     # the workspace's (`_svm32_grad_ptrs`)
         if tl.load(hn_ptr + row * n_tiles) == -1:
             no_margin = tl.zeros([], tl.int64)                           # alpha = 0: the bits of 0.0 (the loss is unused)
@@ -1411,7 +1430,7 @@ def _svmw_backward(s: torch.Tensor, target: torch.Tensor, weight: Optional[torch
     BN, nb, BK = svm_blocks(n, k)                                      # the rows with a head: the scans
     loss2, lsig, rho2, ckpt = _svm_state(s, k, 0)                      # the scans' own loss and rho: not used
     scratch = torch.empty(B, k, BN, dtype=torch.float64, device=dev)
-    _launch(_svm_head_rows_kernel, (B,), s, target, g, w, den, loss2, lsig, st, rho2, ckpt, scratch, out, ws, n, nb, P,
+    _launch(_svm_head_rows_kernel, (B,), s, target, g, w, den, loss2, lsig, st, rho2, ckpt, scratch, out, ws, B, n, nb, P,
             f64_bits(1.0 / (k * tau)), f64_bits(tau), ignore_index, K=k, BLOCK_N=BN, BLOCK_K=BK, **conv)
     return out
 
@@ -1423,8 +1442,8 @@ class Svm32Spec(NamedTuple):
     alpha: float
     ignore_index: int
     reduction: int             # a value of REDUCTION_CODES
-    tiles: tuple               # `_svm32_tile_consts`
-    finish: tuple              # `finish_consts`: without class weights, with them
+    fwd: Svm32Launches         # `svm32_launches`
+    finish: tuple              # `finish_consts` (the rows and aux in the forward's buffer): without class weights, with them
     finish_w: tuple
     grad: tuple | None         # `_svm32_grad_consts`: without class weights, with them; None above SVM32_MAX_K
     grad_w: tuple | None
@@ -1436,8 +1455,8 @@ def svm32_spec(B: int, n: int,  # the scores' shape
                ) -> Svm32Spec:
     "The constants of every launch of a float32 smooth SVM call of (B, n) scores, made once a plan."
     code, small = REDUCTION_CODES[reduction], k <= SVM32_MAX_K
-    return Svm32Spec(k, float(tau), float(alpha), int(ignore_index), code, _svm32_tile_consts(B, n, k, 0),
-                     finish_consts(B, code, False, assert_labels=True), finish_consts(B, code, True, assert_labels=True),
+    return Svm32Spec(k, float(tau), float(alpha), int(ignore_index), code, svm32_launches(B, n, k, tau, alpha),
+                     *(finish_consts(B, code, w, assert_labels=True, loss_at=2) for w in (False, True)),
                      _svm32_grad_consts(B, n, k, 0, code, False) if small else None,
                      _svm32_grad_consts(B, n, k, 0, code, True) if small else None)
 
@@ -1447,22 +1466,22 @@ class Svm32Loss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, s, target, weight, spec: Svm32Spec):
-        loss, st = _svm32_forward(s, target, spec.k, spec.tau, spec.alpha, spec.tiles)   # (B,), the state
-        out, aux = finish_launch(spec.finish if weight is None else spec.finish_w, loss, target, weight, s.shape[1],
-                                 spec.ignore_index, torch.float32)
-        ctx.save_for_backward(s, target, weight, aux, st)
+        st = _svm32_forward(s, target, spec.fwd)          # the rows' losses, the state
+        out, _ = finish_launch(spec.finish if weight is None else spec.finish_w, st, target, weight, s.shape[1],
+                               spec.ignore_index, torch.float32, aux=st)   # aux in the buffer's first two words
+        ctx.save_for_backward(s, target, weight, st)
         ctx.spec = spec
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        s, target, weight, aux, st = ctx.saved_tensors
+        s, target, weight, st = ctx.saved_tensors         # st: aux first, its first word the mean's denominator
         p = ctx.spec
         if torch.is_grad_enabled():                       # create_graph=True: the exact log-space tree, by autograd
-            g = _svm_second_order(s, target, weight, aux, grad, p.k, p.tau, p.alpha, p.ignore_index, p.reduction)
+            g = _svm_second_order(s, target, weight, st, grad, p.k, p.tau, p.alpha, p.ignore_index, p.reduction)
         elif p.grad is None:                              # above SVM32_MAX_K: Horner, and the scans on rows with a head
-            g = _svmw_backward(s, target, weight, grad, aux, st, p.k, p.tau, p.ignore_index, p.reduction)
+            g = _svmw_backward(s, target, weight, grad, st, st, p.k, p.tau, p.ignore_index, p.reduction)
         else:
-            g = _svm32_backward(s, target, weight, grad, aux, st, p.k, p.tau, p.ignore_index,
+            g = _svm32_backward(s, target, weight, grad, st, st, p.k, p.tau, p.ignore_index,
                                 p.grad if weight is None else p.grad_w)
         return g, None, None, None

@@ -905,7 +905,7 @@ def _candidates_model(K, mode: str) -> KernelModel:
     if mode not in ("pruned", "overflow", "unpruned"):
         raise ValueError(f"mode must be 'pruned', 'overflow' or 'unpruned', got {mode!r}")
     sig = dict(s_ptr="*fp32", noise_ptr="*fp32", seed_ptr="*i64", top_ptr="*fp32", scratch_ptr="*i16", count_ptr="*i32",
-               cval_ptr="*fp32", cidx_ptr="*i64", n_rows="i32", n="i32", n_chunks="i32", epsilon="fp32", bound="fp32",
+               cw_ptr="*fp32", n_rows="i32", n="i32", n_chunks="i32", epsilon="fp32", bound="fp32",
                KTH="constexpr", N_SAMPLES="constexpr", DRAWS="constexpr", GIVEN_NOISE="constexpr", PRUNE="constexpr",
                OVERFLOW="constexpr", BLOCK="constexpr", CAP="constexpr", SMALL="constexpr", DS="constexpr",
                DC="constexpr", TINY="constexpr", DQ="constexpr")
@@ -932,7 +932,7 @@ def _candidates_model(K, mode: str) -> KernelModel:
          ("for b in range(b_lo, b_hi)", draws),                                                         # the whole chunk
          ("for t in range(KTH)", lambda sh: sh["k"] + 1)),
         lambda sh: (sh["B"] * _plan(sh)["chunks"] * 4 * capped(sh)                                     # the live counts
-                    + (sh["B"] * sh["n"] * 4 + 10 * sh["B"] * _plan(sh)["chunks"] * (sh["k"] + 1) * 12   # scores; candidates
+                    + (sh["B"] * sh["n"] * 4 + 10 * sh["B"] * _plan(sh)["chunks"] * (sh["k"] + 1) * 8    # scores; candidates
                        if whole(sh) or (prune(sh) and tiled(sh)) else 0)
                     + (sh["B"] * sh["n"] * 4 if prune(sh) and not tiled(sh) else 0)                    # scores, no tile
                     + (4 * sh["B"] * _plan(sh)["chunks"] * live_classes(sh, sigma=sh.get("sigma", 2.0))
@@ -959,10 +959,10 @@ def _svm32_models(K) -> dict:
     steps = lambda sh: plan(sh)[2] // (plan(sh)[0] * plan(sh)[1])         # passes of R classes per thread over a tile
     poly = lambda sh: sh["B"] * plan(sh)[3] * (sh["k"] + 1) * 8           # every tile's polynomial, written or read
     ptr = lambda names, kinds: dict(zip(names, kinds))
-    tile = ptr(["s_ptr", "y_ptr", "tw_ptr", "loss_ptr", "st_ptr"], ["*fp32", "*i64", "*fp32", "*fp32", "*fp32"])
+    tile = ptr(["s_ptr", "y_ptr", "tw_ptr", "st_ptr"], ["*fp32", "*i64", "*fp32", "*fp32"])
     tile.update(n_rows="i32", n="i32", n_tiles="i32", tile="i32", d_scale="fp32", alpha_tau_bits="i64", tau_bits="i64", K="constexpr",
                 L="constexpr", LOG_L="constexpr", R="constexpr", ONE_TILE="constexpr")
-    row = ptr(["tw_ptr", "loss_ptr", "st_ptr"], ["*fp32", "*fp32", "*fp32"])
+    row = ptr(["tw_ptr", "st_ptr"], ["*fp32", "*fp32"])
     row.update(n_rows="i32", n_tiles="i32", alpha_tau_bits="i64", tau_bits="i64", K="constexpr")
     gtile = ptr(["s_ptr", "y_ptr", "go_ptr", "w_ptr", "den_ptr", "st_ptr", "g_ptr", "ws_ptr"],
                 ["*fp32", "*i64", "*fp32", "*fp32", "*fp32", "*fp32", "*fp32", "*fp32"])
@@ -1107,8 +1107,7 @@ def _kernel_models() -> dict:
             programs=lambda sh: sh["B"] * (_plan(sh)["chunks"] > 1)),    # a row of one chunk: none
         "perturbed_merge": KernelModel(
             noised_kernels._perturbed_merge_kernel,
-            dict(cval_ptr="*fp32", cidx_ptr="*i64", s_ptr="*fp32", y_ptr="*i64", margin_ptr="*fp32", mean_ptr="*fp32",
-                 idx_ptr="*i64", loss_ptr="*fp32", n_rows="i32", n="i32", n_cand="i32", alpha_bits="i64",
+            dict(cw_ptr="*fp32", s_ptr="*fp32", y_ptr="*i64", margin_ptr="*fp32", idx_ptr="*i64", loss_ptr="*fp32", n_rows="i32", n="i32", n_cand="i32", alpha_bits="i64",
                  scale_bits="i64", KTH="constexpr", N_SAMPLES="constexpr", S_PAD="constexpr", SORTED="constexpr",
                  HINGE="constexpr", HAS_MARGIN="constexpr", BLOCK="constexpr"),
             lambda sh: dict(KTH=sh["k"] + 1, N_SAMPLES=10, S_PAD=16, SORTED=_plan(sh)["chunks"] == 1, HINGE=False,   # a module's: the hinge in `finish`
@@ -1116,7 +1115,7 @@ def _kernel_models() -> dict:
             (("for b in range(N_SAMPLES)", lambda sh: 10),         # one chunk: the draws' K-th candidates added in order
              ("for b in range(N_SAMPLES)", lambda sh: 10),         # several: each draw's K-th of the candidates
              ("for _ in range(KTH - 1)", lambda sh: sh["k"])),     # (SORTED is a constexpr: one of the two is compiled)
-            lambda sh: 10 * sh["B"] * _plan(sh)["chunks"] * (sh["k"] + 1) * 12 + sh["B"] * (8 + 10 * 8 + 16),  # candidates; results
+            lambda sh: 10 * sh["B"] * _plan(sh)["chunks"] * (sh["k"] + 1) * 8 + sh["B"] * (8 + 10 * 8 + 16),  # candidates; results
             num_warps=lambda sh: min(16, max(1, _pow2(_plan(sh)["chunks"] * (sh["k"] + 1)) // 256))),
         "perturbed_grad": KernelModel(
             noised_kernels._perturbed_grad_kernel,
@@ -1144,9 +1143,11 @@ def _kernel_models() -> dict:
             dict(loss_ptr="*fp32", mean_ptr="*fp32", s_ptr="*fp32", margin_ptr="*fp64", y_ptr="*i64", w_ptr="*fp32",
                  out_ptr="*fp32", aux_ptr="*fp32", n_rows="i32", n="i32", ignore_index="i32",
                  alpha_bits="i64", scale_bits="i64", REDUCTION="constexpr", HAS_WEIGHT="constexpr", HINGE="constexpr",
-                 HAS_MARGIN="constexpr", ASSERT="constexpr", WEIGHTED_ROWS="constexpr", BLOCK="constexpr"),
+                 HAS_MARGIN="constexpr", ASSERT="constexpr", WEIGHTED_ROWS="constexpr", LOSS_AT="constexpr",
+                 BLOCK="constexpr"),
             lambda sh, hinge=hinge: dict(**MODULE_MEAN, HINGE=hinge, HAS_MARGIN=False, ASSERT=True,   # a GPU's: it asserts
-                                         WEIGHTED_ROWS=hinge, BLOCK=min(1024, _pow2(sh["B"]))),     # the labels itself
+                                         WEIGHTED_ROWS=hinge, LOSS_AT=0 if hinge else 2,            # the labels itself
+                                         BLOCK=min(1024, _pow2(sh["B"]))),
             (("for start in range(0, n_rows, BLOCK)", lambda sh: -(-sh["B"] // min(1024, _pow2(sh["B"])))),),
             lambda sh, hinge=hinge: sh["B"] * (8 + 4 + 4 + (8 if hinge else 0)),   # labels, loss (or mean and s_y), rows out
             programs=lambda sh: 1, elements=lambda sh: sh["B"])
