@@ -455,9 +455,12 @@ for k in (1, 3, 9):                                # 9: the forward's class loop
     lanes, hmax = {"K": k, "L": 32, "LOG_L": 5, "R": 8}, triton.next_power_of_2(3 * k + 2)
     for fn, sig, const in ((svm_kernels._svm32_tile_kernel, tile, {**lanes, "ONE_TILE": False}),
                            (svm_kernels._svm32_tile_kernel, tile, {**lanes, "ONE_TILE": True}), (svm_kernels._svm32_row_kernel, row, {"K": k}),
-                           *((svm_kernels._svm32_grad_tile_kernel, gtile, {**lanes, "HMAX": hmax, **conv, "HEAD": head})
-                             for head in ((0, 1, 2) if k == 3 else (0,))),   # both paths; rows without a head; with one
-                           (svm_kernels._svm32_grad_row_kernel, grow, {"K": k, "HMAX": hmax, **conv})):
+                           *((svm_kernels._svm32_grad_tile_kernel, gtile, {**lanes, "HMAX": hmax, **conv, "HEAD": head,
+                                                                           "WS_IN_ST": ws})
+                             for head in ((0, 1, 2) if k == 3 else (0,))   # both paths; rows without a head; with one
+                             for ws in (True, False)),                     # lists in the forward's buffer (a module's
+                           *((svm_kernels._svm32_grad_row_kernel, grow, {"K": k, "HMAX": hmax, **conv, "WS_IN_ST": ws})
+                             for ws in (True, False))):                    # call) or their own (the operator's)
         sig = {**sig, **{name: "constexpr" for name in const}}
         assert triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32)).asm["cubin"]
 head = ptrs(["s_ptr", "y_ptr", "go_ptr", "w_ptr", "den_ptr", "loss_ptr", "lsig_ptr", "st_ptr", "rho2_ptr", "ckpt_ptr",
@@ -468,8 +471,10 @@ for k in (33, 100):                                # a polynomial a warp: M = 2,
     m = {"K": k, "M": -(-(k + 1) // 32)}
     for fn, sig, const in ((svm_kernels._svmw_tile_kernel, tile, {**m, "ONE_TILE": False}), (svm_kernels._svmw_tile_kernel, tile, {**m, "ONE_TILE": True}),
                            (svm_kernels._svmw_row_kernel, row, m),
-                           (svm_kernels._svm32_grad_tile_kernel, gtile, {"K": k, "L": 32, "LOG_L": 5, "R": 8, "HMAX": 1, **conv, "HEAD": 1}),
-                           (svm_kernels._svm_head_rows_kernel, head, {**conv, "K": k, "BLOCK_N": 64, "BLOCK_K": 128})):
+                           (svm_kernels._svm32_grad_tile_kernel, gtile, {"K": k, "L": 32, "LOG_L": 5, "R": 8, "HMAX": 1, **conv, "HEAD": 1,
+                                                                         "WS_IN_ST": k == 33}),
+                           (svm_kernels._svm_head_rows_kernel, head, {**conv, "K": k, "BLOCK_N": 64, "BLOCK_K": 128,
+                                                                      "WS_IN_ST": k == 33})):
         sig = {**sig, **{name: "constexpr" for name in const}}
         assert triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32)).asm["cubin"]
 cand = ptrs(["s_ptr", "noise_ptr", "seed_ptr", "top_ptr", "scratch_ptr", "count_ptr", "cw_ptr"],

@@ -84,7 +84,16 @@ def _compile_options(kernel, # a Triton kernel
 def _launch(kernel,          # a Triton kernel
             grid: tuple,     # its launch grid
             *args, **kwargs):
-    "Launch `kernel[grid](*args, **kwargs)` as one unit: counted for `count_launches` (and skipped where it stubs them), and outside any dispatch mode (Triton's interpreter works through aten operators of its own, which a GPU launch does not make). The compile options of `_compile_options` are added. On CUDA a launch whose signature (`_bind_key`) was launched before goes to its compiled kernel directly (`_bound_launch`)."
+    "Launch `kernel[grid](*args, **kwargs)` as one unit: `_launch_packed` of the arguments."
+    return _launch_packed(kernel, grid, args, kwargs)
+
+
+def _launch_packed(kernel,          # a Triton kernel
+                   grid: tuple,     # its launch grid
+                   args: tuple,     # its positional arguments
+                   kwargs: dict,    # its constexprs and options: read, never changed (a plan's, kept for every call)
+                   ):
+    "Launch `kernel[grid](*args, **kwargs)` as one unit: counted for `count_launches` (and skipped where it stubs them), and outside any dispatch mode (Triton's interpreter works through aten operators of its own, which a GPU launch does not make). The compile options of `_compile_options` are added. On CUDA a launch whose signature (`_bind_key`) was launched before goes to its compiled kernel directly (`_bound_launch`). The arguments come packed, as a kept plan has them: a call spreads no dict of constants into a new one (about half a microsecond a launch)."
     if _LAUNCHES.on:                           # counting
         next(_LAUNCHES.ticks)
         if _LAUNCHES.stub: return
@@ -428,9 +437,9 @@ def finish_launch(consts: tuple,                    # `finish_consts`, as a plan
     out = torch.empty(shape, dtype=dtype, device=dev)
     if aux is None: aux = torch.empty(words, dtype=dtype, device=dev)
     some = loss if loss is not None else mean                          # a pointer for the arguments a variant never reads
-    _launch(_finish_kernel, (1,), some, some if mean is None else mean, some if s is None else s,
-            some if margin is None else margin, target, some if weight is None else weight, out, aux, target.shape[0], n,
-            ignore_index, alpha_bits, scale_bits, **const)
+    _launch_packed(_finish_kernel, (1,), (some, some if mean is None else mean, some if s is None else s,
+                   some if margin is None else margin, target, some if weight is None else weight, out, aux,
+                   target.shape[0], n, ignore_index, alpha_bits, scale_bits), const)
     if _INTERPRETED_FINISH and const["ASSERT"] and not _LAUNCHES.stub and _LAUNCHES.record is None:   # run, interpreted:
         with torch.utils._python_dispatch._disable_current_modes():     # the interpreter skips device asserts: this
             torch._assert_async(aux[1] != 0, f"target must hold class indices in [0, {n - 1}]")   # stands in for the

@@ -13,9 +13,8 @@ import torch.nn.functional as F
 
 from ..base.core import check_int, check_real, sync_free
 from .launch import (HAS_TRITON, MAX_ROW, REDUCTION_CODES, ROWS, _conventions, _conventions_fake, _finish,
-                             _launch, _row_grads, call_op, cdiv, f64_bits, finish_consts, finish_launch, lean_op,
-                             loss_op, next_pow2,
-                             unused_arg)                                                  # chapter 02a
+                             _launch, _launch_packed, _row_grads, call_op, cdiv, f64_bits, finish_consts, finish_launch,
+                             lean_op, loss_op, next_pow2, unused_arg)                     # chapter 02a
 
 if HAS_TRITON:
     import triton
@@ -406,17 +405,18 @@ def _select(s: torch.Tensor,                # (B, n) scores, contiguous
                     num_warps=min(16, max(1, merge // 256)), **floor)
     cw = torch.empty(p["words"], dtype=torch.float32, **kw)               # means, candidates: `_cand_ptrs`
     args = (s, z, seed, top, scratch, count, cw, B, n, p["chunks"], epsilon, RANDN_BOUND)
-    _launch(_perturbed_candidates_kernel, p["grid"], *args, **p["first"][given, s.is_cuda])
+    _launch_packed(_perturbed_candidates_kernel, p["grid"], args, p["first"][given, s.is_cuda])
     if p["CAP"]:                                                          # the chunks whose live classes overflowed
-        _launch(_perturbed_candidates_kernel, p["grid"], *args, **p["overflow"][given])
+        _launch_packed(_perturbed_candidates_kernel, p["grid"], args, p["overflow"][given])
     idx = torch.empty(n_samples, B, dtype=torch.int64, **kw)
-    if target is None:                                                    # the selection alone
-        _launch(_perturbed_merge_kernel, (B,), cw, s, s, s, idx, unused_arg(s, s.dtype), B, n, p["chunks"] * k, _ONE_BITS,
-                _ONE_BITS, **p["merges"][False, False])              # (alpha and scale unread: 1.0's bits, as typed)
-        return cw, idx, None
+    if target is None:                                                    # the selection alone (alpha and scale
+        _launch_packed(_perturbed_merge_kernel, (B,), (cw, s, s, s, idx, unused_arg(s, s.dtype), B, n, p["chunks"] * k,
+                                                       _ONE_BITS, _ONE_BITS), p["merges"][False, False])   # unread: 1.0's
+        return cw, idx, None                                              # bits, typed as theirs)
     loss = torch.empty(B, dtype=s.dtype, **kw)                            # the hinge too
-    _launch(_perturbed_merge_kernel, (B,), cw, s, target, s if margin is None else margin, idx, loss, B, n,
-            p["chunks"] * k, f64_bits(alpha), f64_bits(scale), **p["merges"][True, margin is not None])
+    _launch_packed(_perturbed_merge_kernel, (B,), (cw, s, target, s if margin is None else margin, idx, loss, B, n,
+                                                   p["chunks"] * k, f64_bits(alpha), f64_bits(scale)),
+                   p["merges"][True, margin is not None])
     return cw, idx, loss
 
 
@@ -499,9 +499,9 @@ def _grad_launch(idx: torch.Tensor,       # (S, B) each draw's index
     (B, n), S = shape, idx.shape[0]
     grid, const = _grad_consts(B, n, S, loss is not None, reduction, weight is not None)
     g = torch.empty(shape, dtype=dtype, device=go.device) if like is None else torch.empty_like(like)
-    _launch(_perturbed_grad_kernel, grid, idx, go.contiguous(),
-            go if loss is None else loss, go if target is None else target, go if weight is None else weight,
-            go if den is None else den, g, B, n, f64_bits(scale), ignore_index, **const)
+    _launch_packed(_perturbed_grad_kernel, grid, (idx, go.contiguous(), go if loss is None else loss,
+                                                  go if target is None else target, go if weight is None else weight,
+                                                  go if den is None else den, g, B, n, f64_bits(scale), ignore_index), const)
     return g
 
 

@@ -11,7 +11,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from ..base.core import twice_differentiable
-from .launch import (HAS_TRITON, MAX_KTH, REDUCTION_CODES, _launch, _row_grads, cdiv, finish_consts, finish_launch,
+from .launch import (HAS_TRITON, MAX_KTH, REDUCTION_CODES, _launch_packed, _row_grads, cdiv, finish_consts, finish_launch,
                              next_pow2, triton_ok)
 
 if HAS_TRITON:
@@ -40,8 +40,8 @@ class RowSpec(NamedTuple):
     n: int = 0
     words: int = 0             # the state's float32 words: 2 + (6 + kpad) B
     fwd: dict | None = None    # the forward kernel's constexprs and options (grid: (B,))
-    grad_grid: tuple = ()      # the gradient kernel's grid, its constexprs and options (HAS_WEIGHT apart)
-    grad: dict | None = None
+    grad_grid: tuple = ()      # the gradient kernel's grid, its constexprs and options without class weights and with them
+    grad: tuple = ()
     finish: tuple | None = None     # `finish_consts` without class weights, and with them
     finish_w: tuple | None = None
 
@@ -232,7 +232,8 @@ def row_launches(spec: RowSpec, # a spec of the loss and its conventions
     gblock = min(1024, block)
     fwd = dict(LOSS=spec.loss, K=spec.K, KPAD=spec.kpad, DETACH=spec.detach_weight, BLOCK=block,
                num_warps=min(8, max(1, block // 256)))
-    grad = dict(LOSS=spec.loss, K=spec.K, KPAD=spec.kpad, REDUCTION=spec.reduction, BLOCK=gblock, num_warps=4)
+    grad = tuple(dict(LOSS=spec.loss, K=spec.K, KPAD=spec.kpad, REDUCTION=spec.reduction, HAS_WEIGHT=w, BLOCK=gblock,
+                      num_warps=4) for w in (False, True))             # without class weights, with them
     return spec._replace(B=B, n=n, words=2 + B * (6 + spec.kpad), fwd=fwd, grad_grid=(B, cdiv(n, gblock)), grad=grad,
                          finish=finish_consts(B, spec.reduction, False, assert_labels=True, loss_at=2),
                          finish_w=finish_consts(B, spec.reduction, True, assert_labels=True, loss_at=2))
@@ -251,8 +252,8 @@ def row_loss_forward(s: torch.Tensor,                 # (B, n) float32 scores, c
                      spec: RowSpec) -> torch.Tensor:
     "Launch `_row_loss_kernel`: its state (`row_state`), each row's loss from its third word."
     state = row_state(s, spec)
-    _launch(_row_loss_kernel, (spec.B,), s, target, s if margins is None else margins, state, spec.B, spec.n, spec.alpha,
-            spec.gamma, spec.scale, **spec.fwd)
+    _launch_packed(_row_loss_kernel, (spec.B,), (s, target, s if margins is None else margins, state, spec.B, spec.n,
+                                                 spec.alpha, spec.gamma, spec.scale), spec.fwd)
     return state
 
 
@@ -264,9 +265,9 @@ def row_loss_backward(s: torch.Tensor, target: torch.Tensor, margins: Optional[t
     "Launch `_row_grad_kernel`: dL/ds (B, n) in the scores' dtype, each element written once."
     out = torch.empty_like(s)
     g = grad.contiguous()
-    _launch(_row_grad_kernel, spec.grad_grid, s, target, s if margins is None else margins, g,
-            g if weight is None else weight, den, state, out, spec.B, spec.n, spec.ignore_index, spec.scale,
-            HAS_WEIGHT=weight is not None, **spec.grad)
+    _launch_packed(_row_grad_kernel, spec.grad_grid, (s, target, s if margins is None else margins, g,
+                                                      g if weight is None else weight, den, state, out, spec.B, spec.n,
+                                                      spec.ignore_index, spec.scale), spec.grad[weight is not None])
     return out
 
 # %% ../../nbs/06a_row_kernels.ipynb #24f10d9f

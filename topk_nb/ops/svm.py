@@ -14,8 +14,8 @@ import torch
 from ..base.core import check_int, check_real, sync_free, transformed, twice_differentiable
 from ..math.esp_backward import tree_svm_loss
 from .launch import (HAS_TRITON, REDUCTION_CODES, ROWS, _FORCE, _conventions, _conventions_fake, _finish,
-                             _launch, _row_grads, call_op, cdiv, f64_bits, finish_consts, finish_launch, lean_op,
-                             loss_op, next_pow2)                                                    # chapter 02a
+                             _launch, _launch_packed, _row_grads, call_op, cdiv, f64_bits, finish_consts,
+                             finish_launch, lean_op, loss_op, next_pow2)                                                    # chapter 02a
 
 if HAS_TRITON:
     import triton
@@ -28,9 +28,9 @@ _OPS = "topk_nb" if __name__.startswith("topk_nb") else "topk_nb_chapter"
 
 # %% auto #0
 __all__ = ['SVM_MAX_K', 'SVM32_MAX_K', 'SVMW_PROGRAMS', 'svm_triton_ok', 'svm_blocks', 'smooth_svm_triton', 'smooth_svm_fused',
-           'smooth_svm_plan', 'svm32_plan', 'svm32_state_words', 'svm32_state_views', 'svm32_tile_views',
-           'Svm32Launches', 'svm32_launches', 'svm32_tiles', 'svm32_grad_words', 'svmw_plan', 'Svm32Spec', 'svm32_spec',
-           'Svm32Loss']
+           'smooth_svm_plan', 'svm32_plan', 'svm32_state_words', 'svm32_ws_words', 'svm32_buffer_words',
+           'svm32_state_views', 'svm32_tile_views', 'Svm32Launches', 'svm32_launches', 'svm32_tiles',
+           'svm32_grad_words', 'svmw_plan', 'Svm32Spec', 'svm32_spec', 'Svm32Loss']
 
 # %% ../../nbs/03a_svm_kernels.ipynb #b0b16e9c
 SVM_MAX_K = 100           # the largest k the smooth SVM kernels take (the degrees are unrolled into k scans)
@@ -777,6 +777,12 @@ if HAS_TRITON:
         return C, E, cnt + tl.sum(hm, 0)
 
     @triton.jit
+    def _svm32_ws(st_ptr, n_rows, K: tl.constexpr):
+        "The backward's buffers (`_svm32_grad_ptrs`) where a loss module's call keeps them (WS_IN_ST): in the forward's buffer, after its state (`_svm32_state_ptrs`), from an even word."
+        b = tl.cast(n_rows, tl.int64)
+        return st_ptr + 2 + (b + 1) // 2 * 2 + (b * (3 * K + 6) + 1) // 2 * 2
+
+    @triton.jit
     def _svm32_grad_ptrs(ws_ptr, n_rows, n_tiles, K: tl.constexpr, HMAX: tl.constexpr):
         "The backward's buffers in one buffer of 32-bit words (`svm32_grad_words`): each tile's head count (n_rows n_tiles), its head classes (int64) and the row's list of them (int64), each tile's tail polynomial (mantissas, exponents), its head's log2 e_i and the row's list of them."
         rows = tl.cast(n_rows, tl.int64)
@@ -798,10 +804,12 @@ if HAS_TRITON:
     @triton.jit
     def _svm32_grad_tile_kernel(s_ptr, y_ptr, go_ptr, w_ptr, den_ptr, st_ptr, g_ptr, ws_ptr, n_rows, n, n_tiles, tile, d_scale,
                                 ignore_index, K: tl.constexpr, L: tl.constexpr, LOG_L: tl.constexpr, R: tl.constexpr, HMAX: tl.constexpr,
-                                REDUCTION: tl.constexpr, HAS_WEIGHT: tl.constexpr, HEAD: tl.constexpr):
+                                REDUCTION: tl.constexpr, HAS_WEIGHT: tl.constexpr, HEAD: tl.constexpr, WS_IN_ST: tl.constexpr):
         "Program (row, p): dL/ds of the tile's tail by Horner; if the row has a head, the tile's tail polynomial and its head classes listed. HEAD 0: every row; 1: the rows without a head, 2: those with one (two launches for rows of several tiles, so that the rare path's registers do not hold down the common one's programs per SM)."
         row, p = tl.program_id(0).to(tl.int64), tl.program_id(1)
         ls_ptr, rho_ptr, sc_ptr, se_ptr, dm_ptr, rr_ptr = _svm32_state_ptrs(st_ptr, n_rows, K)
+        if WS_IN_ST:                                                     # a module's call: no buffer of their own
+            ws_ptr = _svm32_ws(st_ptr, n_rows, K)
         hn_ptr, hi_ptr, fi_ptr, tc_ptr, te_ptr, hd_ptr, fd_ptr = _svm32_grad_ptrs(ws_ptr, n_rows, n_tiles, K, HMAX)
         lanes = tl.arange(0, L)                                          # (L,) threads
         go, y = _row_go(y_ptr, go_ptr, w_ptr, den_ptr, row, n, ignore_index, REDUCTION, HAS_WEIGHT)   # dL/d(row's loss)
@@ -843,10 +851,13 @@ if HAS_TRITON:
 if HAS_TRITON:
     @triton.jit
     def _svm32_grad_row_kernel(st_ptr, y_ptr, go_ptr, w_ptr, den_ptr, g_ptr, ws_ptr, n_rows, n, n_tiles, ignore_index,
-                               K: tl.constexpr, HMAX: tl.constexpr, REDUCTION: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+                               K: tl.constexpr, HMAX: tl.constexpr, REDUCTION: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+                               WS_IN_ST: tl.constexpr):
         "Program row: dL/ds of the head classes, exactly: sigma(others without i) = sigma(tail) sigma(head without i)."
         row = tl.program_id(0).to(tl.int64)
         ls_ptr, rho_ptr, sc_ptr, se_ptr, dm_ptr, rr_ptr = _svm32_state_ptrs(st_ptr, n_rows, K)
+        if WS_IN_ST:
+            ws_ptr = _svm32_ws(st_ptr, n_rows, K)
         hn_ptr, hi_ptr, fi_ptr, tc_ptr, te_ptr, hd_ptr, fd_ptr = _svm32_grad_ptrs(ws_ptr, n_rows, n_tiles, K, HMAX)
         h = tl.arange(0, HMAX)                                           # (HMAX,) head classes, one per thread
         hc = 0
@@ -914,9 +925,21 @@ def svm32_state_words(B: int, k: int) -> int:
     return 2 + (B + 1) // 2 * 2 + B * (3 * k + 6)
 
 
-def _svm32_state(s: torch.Tensor, k: int) -> torch.Tensor:
-    "The float32 forward's uninitialised outputs, one float32 buffer (`svm32_state_views`): `_finish`'s aux, the rows' losses and the state the backward reads; one allocation."
-    return s.new_empty(svm32_state_words(s.shape[0], k))
+def svm32_ws_words(B: int, n: int, k: int,
+                   tile: int = 0,          # classes per tile (0: the default of `svm32_plan`)
+                   ) -> int:
+    "32-bit words of the float32 backward's buffers: `svm32_grad_words` up to SVM32_MAX_K, the head counts of `_svmw_backward` above."
+    if k <= SVM32_MAX_K:
+        return svm32_grad_words(B, svm32_plan(B, n, tile or None)[3], k, next_pow2(3 * k + 2))
+    return B * svm32_plan(B, n)[3]
+
+
+def svm32_buffer_words(B: int, n: int, k: int, tile: int = 0,
+                       ws: bool = False,       # the backward's buffers too, after the state (`_svm32_ws`)
+                       ) -> int:
+    "32-bit words of the float32 forward's one buffer: its outputs and state (`svm32_state_words`), and with `ws` (a loss module's call) the backward's buffers after them, from an even word."
+    if not ws: return svm32_state_words(B, k)
+    return (svm32_state_words(B, k) + 1) // 2 * 2 + svm32_ws_words(B, n, k, tile)
 
 
 def svm32_state_views(st: torch.Tensor,  # the forward's state (`_svm32_forward_op`'s third output)
@@ -949,7 +972,7 @@ def _svm32_tile_consts(B: int, n: int, k: int, tile: int) -> tuple:
 
 class Svm32Launches(NamedTuple):
     "The float32 forward's launches for one signature, made once (`svm32_launches`): nothing is decided at a call."
-    words: int                 # the buffer's 32-bit words (`svm32_state_words`)
+    words: int                 # the buffer's 32-bit words (`svm32_buffer_words`)
     P: int                     # tiles a row
     tile_words: int            # the tile buffer's words (`svm32_tile_views`)
     tile: tuple                # the tile kernel's launch: (kernel, grid, scalar arguments, constexprs and options)
@@ -959,6 +982,7 @@ class Svm32Launches(NamedTuple):
 @functools.lru_cache(maxsize=1024)                  # asked again at every call of a signature
 def svm32_launches(B: int, n: int, k: int, tau: float, alpha: float,
                    tile: int = 0,      # classes per tile (0: the default of `svm32_plan`, or of `svmw_plan` above SVM32_MAX_K)
+                   ws: bool = False,   # the buffer holds the backward's buffers too (`svm32_buffer_words`)
                    ) -> Svm32Launches:
     "The float32 forward's launches for (B, n) scores: the tile kernel (a polynomial a thread up to k = SVM32_MAX_K, a polynomial a warp above: the next section), which fills the buffer itself where a row is one tile (ONE_TILE), else writes each tile's polynomial for the row kernel."
     kernel, const, T, P = _svm32_tile_consts(B, n, k, tile)
@@ -967,7 +991,7 @@ def svm32_launches(B: int, n: int, k: int, tau: float, alpha: float,
     if P > 1:
         rk, rc = (_svm32_row_kernel, {}) if k <= SVM32_MAX_K else (_svmw_row_kernel, dict(M=cdiv(k + 1, 32)))
         row = (rk, (B,), (B, P, *bits), dict(K=k, num_warps=1, **rc))
-    return Svm32Launches(svm32_state_words(B, k), P, B * P * (2 * k + 4),
+    return Svm32Launches(svm32_buffer_words(B, n, k, tile, ws), P, B * P * (2 * k + 4),
                          (kernel, (B, P), (B, n, P, T, _LOG2E / (k * tau), *bits), dict(ONE_TILE=P == 1, **const)), row)
 
 
@@ -992,12 +1016,12 @@ def _svm32_forward(s: torch.Tensor,    # (B, n) float32 scores, contiguous
     st = s.new_empty(plan.words)
     kernel, grid, scalars, const = plan.tile
     if plan.row is None:                                               # a row of one tile: the tile kernel ends it
-        _launch(kernel, grid, s, target, st, st, *scalars, **const)   # (its tile pointer unread)
+        _launch_packed(kernel, grid, (s, target, st, st, *scalars), const)   # (its tile pointer unread)
         return st
     tw = s.new_empty(plan.tile_words)                                  # 32-bit words: `_svm32_tile_ptrs`
-    _launch(kernel, grid, s, target, tw, st, *scalars, **const)
+    _launch_packed(kernel, grid, (s, target, tw, st, *scalars), const)
     kernel, grid, scalars, const = plan.row                            # the tiles' product, the loss
-    _launch(kernel, grid, tw, st, *scalars, **const)
+    _launch_packed(kernel, grid, (tw, st, *scalars), const)
     return st
 
 
@@ -1020,7 +1044,7 @@ def _svm32_forward_op(s: torch.Tensor,       # (B, n) float32 scores, contiguous
 
 @_svm32_forward_op.register_fake
 def _svm32_forward_fake(s, target, weight, k, tau, alpha, tile, ignore_index, reduction, assert_labels=False):
-    return (*_conventions_fake(s, reduction), _svm32_state(s, k))
+    return (*_conventions_fake(s, reduction), s.new_empty(svm32_buffer_words(*s.shape, k, tile)))
 
 
 def svm32_grad_words(B: int, P: int, k: int, hmax: int) -> int:
@@ -1030,14 +1054,17 @@ def svm32_grad_words(B: int, P: int, k: int, hmax: int) -> int:
 
 
 @functools.lru_cache(maxsize=1024)                  # asked again at every call of a signature
-def _svm32_grad_consts(B: int, n: int, k: int, tile: int, reduction: int, has_weight: bool) -> tuple:
-    "The float32 backward's launches for (B, n) scores, made once: (the tiles a row, the tile, the buffer's words, the tile kernel's constexprs and options for each launch (one, or two where a row is several tiles: the head apart), the row kernel's)."
+def _svm32_grad_consts(B: int, n: int, k: int, tile: int, reduction: int, has_weight: bool,
+                       ws_in_st: bool = False,   # the backward's buffers in the forward's (a loss module's call)
+                       ) -> tuple:
+    "The float32 backward's launches for (B, n) scores, made once: (the tiles a row, the tile, the words of the buffer to allocate for the backward's lists (0: they are in the forward's), the tile kernel's constexprs and options for each launch (one, or two where a row is several tiles: the head apart), the row kernel's)."
     L, R, T, P = svm32_plan(B, n, tile or None)
     hmax = next_pow2(3 * k + 2)                           # fewer than 3k head classes per row
-    conv = dict(REDUCTION=reduction, HAS_WEIGHT=has_weight)
+    conv = dict(REDUCTION=reduction, HAS_WEIGHT=has_weight, WS_IN_ST=ws_in_st)
     heads = tuple(dict(K=k, L=L, LOG_L=L.bit_length() - 1, R=R, HMAX=hmax, HEAD=head, num_warps=L // 32, **conv)
                   for head in ((0,) if P == 1 else (1, 2)))
-    return P, T, svm32_grad_words(B, P, k, hmax), heads, dict(K=k, HMAX=hmax, num_warps=max(1, hmax // 32), **conv)
+    return (P, T, 0 if ws_in_st else svm32_grad_words(B, P, k, hmax), heads,
+            dict(K=k, HMAX=hmax, num_warps=max(1, hmax // 32), **conv))
 
 
 @torch.library.custom_op(f"{_OPS}::smooth_svm32_backward", mutates_args=())
@@ -1046,9 +1073,9 @@ def _svm32_backward_op(s: torch.Tensor, target: torch.Tensor, weight: Optional[t
                        den: torch.Tensor,                   # the forward operator's aux: the mean's denominator first
                        st: torch.Tensor,                    # the forward operator's state
                        k: int, tau: float, tile: int, ignore_index: int, reduction: int) -> torch.Tensor:
-    "The float32 backward as an operator: dL/ds (B, n), the conventions applied by `_row_go`; two launches (three where a row is several tiles) and two allocations (the gradient, one buffer for the rest). Above SVM32_MAX_K, `_svmw_backward`."
+    "The float32 backward as an operator: dL/ds (B, n), the conventions applied by `_row_go`; two launches (three where a row is several tiles) and two allocations (the gradient, one buffer for the rest: an operator's inputs are not written, so the forward's buffer holds no room for it). Above SVM32_MAX_K, `_svmw_backward`. Above SVM32_MAX_K, `_svmw_backward`."
     if k > SVM32_MAX_K:
-        return _svmw_backward(s, target, weight, grad, den, st, k, tau, ignore_index, reduction)
+        return _svmw_backward(s, target, weight, grad, den, st, k, tau, ignore_index, reduction, False)
     return _svm32_backward(s, target, weight, grad, den, st, k, tau, ignore_index,
                            _svm32_grad_consts(*s.shape, k, tile, reduction, weight is not None))
 
@@ -1058,15 +1085,15 @@ def _svm32_backward(s: torch.Tensor, target: torch.Tensor, weight: Optional[torc
                     consts: tuple,     # `_svm32_grad_consts` of the call's signature
                     ) -> torch.Tensor:
     "The float32 backward's launches up to SVM32_MAX_K: the gradient (B, n)."
-    (B, n), dev = s.shape, s.device
+    B, n = s.shape
     P, T, words, heads, row = consts
     out = torch.empty_like(s)
-    ws = torch.empty(words, dtype=torch.float32, device=dev)          # `_svm32_grad_ptrs`
+    ws = s.new_empty(words) if words else st                           # `_svm32_grad_ptrs`; 0: in st (`_svm32_ws`)
     g, w = grad.contiguous(), grad if weight is None else weight
     for const in heads:                                                # rows of several tiles: the head apart
-        _launch(_svm32_grad_tile_kernel, (B, P), s, target, g, w, den, st, out, ws, B, n, P, T, _LOG2E / (k * tau),
-                ignore_index, **const)
-    _launch(_svm32_grad_row_kernel, (B,), st, target, g, w, den, out, ws, B, n, P, ignore_index, **row)
+        _launch_packed(_svm32_grad_tile_kernel, (B, P), (s, target, g, w, den, st, out, ws, B, n, P, T,
+                                                         _LOG2E / (k * tau), ignore_index), const)
+    _launch_packed(_svm32_grad_row_kernel, (B,), (st, target, g, w, den, out, ws, B, n, P, ignore_index), row)
     return out
 
 
@@ -1386,11 +1413,13 @@ if HAS_TRITON:
     def _svm_head_rows_kernel(s_ptr, y_ptr, go_ptr, w_ptr, den_ptr, loss_ptr, lsig_ptr, st_ptr, rho2_ptr, ckpt_ptr, scratch_ptr,
                               g_ptr, ws_ptr, n_rows, n, n_blocks, n_tiles, inv_ktau_bits, tau_bits, ignore_index,
                               REDUCTION: tl.constexpr, HAS_WEIGHT: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr,
-                              BLOCK_K: tl.constexpr):
+                              BLOCK_K: tl.constexpr, WS_IN_ST: tl.constexpr):
         "Program `row`, on the rows the Horner kernel marked -1 (a head): the scans' forward for the checkpoints (its loss and rho into loss_ptr, rho2_ptr, unused), then their backward with the row's rho; the other programs return at once."
         row = tl.program_id(0).to(tl.int64)
         rho_ptr = _svm32_state_ptrs(st_ptr, n_rows, K)[1]               # the forward's rho
-        hn_ptr = ws_ptr.to(tl.pointer_type(tl.int32), bitcast=True)     # the workspace's (`_svm32_grad_ptrs`)
+        if WS_IN_ST:
+            ws_ptr = _svm32_ws(st_ptr, n_rows, K)
+        hn_ptr = ws_ptr.to(tl.pointer_type(tl.int32), bitcast=True)     # the head counts (`_svm32_grad_ptrs`)
         if tl.load(hn_ptr + row * n_tiles) == -1:
             no_margin = tl.zeros([], tl.int64)                           # alpha = 0: the bits of 0.0 (the loss is unused)
             _svm_forward_kernel(s_ptr, y_ptr, loss_ptr, lsig_ptr, rho2_ptr, ckpt_ptr, n, n_blocks, inv_ktau_bits, no_margin,
@@ -1418,13 +1447,16 @@ def svmw_plan(B: int,                  # rows
 
 def _svmw_backward(s: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor], grad: torch.Tensor,
                    den: torch.Tensor, st: torch.Tensor,   # the forward's aux and state
-                   k: int, tau: float, ignore_index: int, reduction: int) -> torch.Tensor:
+                   k: int, tau: float, ignore_index: int, reduction: int,
+                   ws_in_st: bool,                        # the head counts in st (`_svm32_ws`: a loss module's call)
+                   ) -> torch.Tensor:
     "`_svm32_backward_op` above SVM32_MAX_K: Horner on the rows without a head (`_svm32_grad_tile_kernel`, `HEAD` 1, which marks the others -1), the log-space scans' forward and backward on the rows with one (`_svm_head_rows_kernel`, launched for every row; the others return at once); two launches."
     (B, n), dev = s.shape, s.device
     L, R, T, P = svm32_plan(B, n)
     out = torch.empty_like(s)
-    ws = torch.empty(B * P, dtype=torch.float32, device=dev)          # the head counts alone (HEAD 1): -1, a head
-    g, w, conv = grad.contiguous(), grad if weight is None else weight, dict(REDUCTION=reduction, HAS_WEIGHT=weight is not None)
+    ws = st if ws_in_st else torch.empty(B * P, dtype=torch.float32, device=dev)   # the head counts (HEAD 1): -1, a head
+    g, w = grad.contiguous(), grad if weight is None else weight
+    conv = dict(REDUCTION=reduction, HAS_WEIGHT=weight is not None, WS_IN_ST=ws_in_st)
     _launch(_svm32_grad_tile_kernel, (B, P), s, target, g, w, den, st, out, ws, B, n, P, T, _LOG2E / (k * tau), ignore_index,
             K=k, L=L, LOG_L=L.bit_length() - 1, R=R, HMAX=1, HEAD=1, num_warps=L // 32, **conv)
     BN, nb, BK = svm_blocks(n, k)                                      # the rows with a head: the scans
@@ -1442,7 +1474,7 @@ class Svm32Spec(NamedTuple):
     alpha: float
     ignore_index: int
     reduction: int             # a value of REDUCTION_CODES
-    fwd: Svm32Launches         # `svm32_launches`
+    fwd: Svm32Launches         # `svm32_launches`, the backward's buffers in the forward's
     finish: tuple              # `finish_consts` (the rows and aux in the forward's buffer): without class weights, with them
     finish_w: tuple
     grad: tuple | None         # `_svm32_grad_consts`: without class weights, with them; None above SVM32_MAX_K
@@ -1455,10 +1487,9 @@ def svm32_spec(B: int, n: int,  # the scores' shape
                ) -> Svm32Spec:
     "The constants of every launch of a float32 smooth SVM call of (B, n) scores, made once a plan."
     code, small = REDUCTION_CODES[reduction], k <= SVM32_MAX_K
-    return Svm32Spec(k, float(tau), float(alpha), int(ignore_index), code, svm32_launches(B, n, k, tau, alpha),
+    return Svm32Spec(k, float(tau), float(alpha), int(ignore_index), code, svm32_launches(B, n, k, tau, alpha, ws=True),
                      *(finish_consts(B, code, w, assert_labels=True, loss_at=2) for w in (False, True)),
-                     _svm32_grad_consts(B, n, k, 0, code, False) if small else None,
-                     _svm32_grad_consts(B, n, k, 0, code, True) if small else None)
+                     *(_svm32_grad_consts(B, n, k, 0, code, w, ws_in_st=True) if small else None for w in (False, True)))
 
 
 class Svm32Loss(torch.autograd.Function):
@@ -1480,7 +1511,7 @@ class Svm32Loss(torch.autograd.Function):
         if torch.is_grad_enabled():                       # create_graph=True: the exact log-space tree, by autograd
             g = _svm_second_order(s, target, weight, st, grad, p.k, p.tau, p.alpha, p.ignore_index, p.reduction)
         elif p.grad is None:                              # above SVM32_MAX_K: Horner, and the scans on rows with a head
-            g = _svmw_backward(s, target, weight, grad, st, st, p.k, p.tau, p.ignore_index, p.reduction)
+            g = _svmw_backward(s, target, weight, grad, st, st, p.k, p.tau, p.ignore_index, p.reduction, True)
         else:
             g = _svm32_backward(s, target, weight, grad, st, st, p.k, p.tau, p.ignore_index,
                                 p.grad if weight is None else p.grad_w)

@@ -968,11 +968,11 @@ def _svm32_models(K) -> dict:
                 ["*fp32", "*i64", "*fp32", "*fp32", "*fp32", "*fp32", "*fp32", "*fp32"])
     gtile.update(n_rows="i32", n="i32", n_tiles="i32", tile="i32", d_scale="fp32", ignore_index="i32", K="constexpr", L="constexpr",
                  LOG_L="constexpr", R="constexpr", HMAX="constexpr", REDUCTION="constexpr", HAS_WEIGHT="constexpr",
-                 HEAD="constexpr")
+                 HEAD="constexpr", WS_IN_ST="constexpr")
     grow = ptr(["st_ptr", "y_ptr", "go_ptr", "w_ptr", "den_ptr", "g_ptr", "ws_ptr"],
                ["*fp32", "*i64", "*fp32", "*fp32", "*fp32", "*fp32", "*fp32"])
     grow.update(n_rows="i32", n="i32", n_tiles="i32", ignore_index="i32", K="constexpr", HMAX="constexpr", REDUCTION="constexpr",
-                HAS_WEIGHT="constexpr")
+                HAS_WEIGHT="constexpr", WS_IN_ST="constexpr")
     once = lambda sh: 1
     # An unrolled loop (static_range) inside a loop of the program has no SASS loop of its own; the outer loop's SASS
     # loop can be attributed to it (its lines are the body's), so both carry the passes of the outer loop. The forward
@@ -1007,17 +1007,18 @@ def _svm32_models(K) -> dict:
             branches=(("if ok", lambda sh: 1.0),)),                            # the tiles' products: plain multiply-adds
         "smooth_svm32_grad_tile": KernelModel(                              # rows of one tile: both paths (HEAD 0);
             svm_kernels._svm32_grad_tile_kernel, gtile,                                   # else the rows without a head (HEAD 1)
-            lambda sh: {**lanes(sh), "HMAX": hmax(sh), **MODULE_MEAN, "HEAD": 1 if tiled(sh) else 0},
+            lambda sh: {**lanes(sh), "HMAX": hmax(sh), **MODULE_MEAN, "HEAD": 1 if tiled(sh) else 0, "WS_IN_ST": True},
             grad_loops, lambda sh: 2 * sh["B"] * sh["n"] * 4,                   # the scores, the gradient
             num_warps=lambda sh: plan(sh)[0] // 32, programs=lambda sh: sh["B"] * plan(sh)[3], elements=lambda sh: plan(sh)[2],
             branches=grad_branches),
         "smooth_svm32_grad_head": KernelModel(                              # rows of several tiles: those with a head
-            svm_kernels._svm32_grad_tile_kernel, gtile, lambda sh: {**lanes(sh), "HMAX": hmax(sh), **MODULE_MEAN, "HEAD": 2},
+            svm_kernels._svm32_grad_tile_kernel, gtile, lambda sh: {**lanes(sh), "HMAX": hmax(sh), **MODULE_MEAN, "HEAD": 2,
+                                                                 "WS_IN_ST": True},
             grad_loops, lambda sh: sh["B"] * plan(sh)[3] * (sh["k"] + 1) * 16,  # the row's constants: none has a head
             num_warps=lambda sh: plan(sh)[0] // 32, programs=lambda sh: sh["B"] * plan(sh)[3] if tiled(sh) else 0,
             elements=lambda sh: plan(sh)[2], branches=grad_branches),
         "smooth_svm32_grad_row": KernelModel(
-            svm_kernels._svm32_grad_row_kernel, grow, lambda sh: dict(K=sh["k"], HMAX=hmax(sh), **MODULE_MEAN),
+            svm_kernels._svm32_grad_row_kernel, grow, lambda sh: dict(K=sh["k"], HMAX=hmax(sh), **MODULE_MEAN, WS_IN_ST=True),
             (("for p in range(n_tiles)", lambda sh: plan(sh)[3]), ("for p in range(1, n_tiles)", lambda sh: 0),
              ("for gi in range(hc)", lambda sh: 0)),
             lambda sh: sh["B"] * plan(sh)[3] * 4 + sh["B"] * 8,                # the tiles' head counts
@@ -1057,7 +1058,8 @@ def _svmw_models(K, tile, row, gtile, lanes32, plan32, grad_loops, grad_branches
             num_warps=lambda sh: 1, programs=lambda sh: sh["B"] if tiled(sh) else 0,
             branches=(("if tl.min(ok.to(tl.int32), 0) == 1", lambda sh: 1.0),)),   # plain multiply-adds in chord units
         "smooth_svmw_grad": KernelModel(
-            svm_kernels._svm32_grad_tile_kernel, gtile, lambda sh: {**lanes32(sh), "HMAX": 1, **MODULE_MEAN, "HEAD": 1},
+            svm_kernels._svm32_grad_tile_kernel, gtile, lambda sh: {**lanes32(sh), "HMAX": 1, **MODULE_MEAN, "HEAD": 1,
+                                                                   "WS_IN_ST": True},
             grad_loops, lambda sh: 2 * sh["B"] * sh["n"] * 4,                   # the scores, the gradient
             num_warps=lambda sh: plan32(sh)[0] // 32, programs=lambda sh: sh["B"] * plan32(sh)[3],
             elements=lambda sh: plan32(sh)[2], branches=grad_branches),
@@ -1507,8 +1509,8 @@ def host_cost_table(names: Sequence[str] | None = None,  # registry losses; all 
 HOST_TARGET = 1.5         # the host cost each registry loss is to reach: at most 1.5 times F.cross_entropy's
 HOST_CEILINGS = {         # what each loss's ratio (`host_cost_table`) must stay under now: about 1.4 times the ratio
     "ce": 1.7,            # measured when set on a 2-core CPU, so that a regression stops the chapter and noise does not
-    **dict.fromkeys(("focal", "ldam", "topk_hinge", "cvx_hinge", "cal_hinge", "topk_grouping", "topk_transition"), 2.2),
-    "smooth_svm": 2.7, **dict.fromkeys(("noised_bal", "noised_imbal"), 3.3)}
+    **dict.fromkeys(("focal", "ldam", "topk_hinge", "cvx_hinge", "cal_hinge", "topk_grouping", "topk_transition"), 2.0),
+    "smooth_svm": 2.1, **dict.fromkeys(("noised_bal", "noised_imbal"), 2.6)}
 
 
 def host_within_budget(table: Sequence[dict],              # rows of `host_cost_table`
