@@ -380,17 +380,19 @@ def _select(s: torch.Tensor,                # (B, n) scores, contiguous
             margin: Optional[torch.Tensor] = None,   # (B,) per-row margins, or None: `alpha`
             alpha: float = 1.0, scale: float = 1.0,
             plan: dict | None = None,       # `_selection_plan` of the call, where a kept plan has it
+            unused: tuple | None = None,    # `unused_arg` of int16, int32 and the scores' dtype, where a kept plan has them
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     "Launch the kernels (for a long pruned row the chunks' top first), the candidates (pruned: then the chunks whose live classes overflowed their tile) and the merge: the work buffer (float32, `_cand_ptrs`), whose first B words are mean_b top_K(s + eps Z_b), the indices (S, B), and the hinge loss (B,) when `target` is given (else None). Its constants come from the plan: a call decides nothing."
     (B, n), z = s.shape, s if noise is None else noise
     p = _selection_plan(B, n, n_samples, block, cap, k) if plan is None else plan
     kw = dict(device=s.device)
     given = noise is not None
+    if unused is None: unused = (unused_arg(s, torch.int16), unused_arg(s, torch.int32), unused_arg(s, s.dtype))
     if p["CAP"]:                                                          # pruning: each chunk's live classes and their count
         scratch = torch.empty(B * p["chunks"] * p["groups"] * p["CAP"], dtype=torch.int16, **kw)
         count = torch.empty(B * p["chunks"], dtype=torch.int32, **kw)
     else:                                                                 # unread: no allocation
-        scratch, count = unused_arg(s, torch.int16), unused_arg(s, torch.int32)
+        scratch, count = unused[:2]
     top = s                                                               # (read only when pruning)
     if p["CAP"]:                                                          # pruning: the row's K largest scores first,
         tops = torch.empty(B, p["chunks"], k, dtype=torch.float32, **kw)  # and the threshold: their least noised value
@@ -403,14 +405,14 @@ def _select(s: torch.Tensor,                # (B, n) scores, contiguous
             merge = next_pow2(p["chunks"] * k)
             _launch(_row_top_kernel, (B,), s, z, seed, tops, cls, top, n, B, p["chunks"] * k, epsilon, BLOCK=merge,
                     num_warps=min(16, max(1, merge // 256)), **floor)
-    cw = torch.empty(p["words"], dtype=torch.float32, **kw)               # means, candidates: `_cand_ptrs`
+    cw = s.new_empty(p["words"], dtype=torch.float32)                     # means, candidates: `_cand_ptrs`
     args = (s, z, seed, top, scratch, count, cw, B, n, p["chunks"], epsilon, RANDN_BOUND)
     _launch_packed(_perturbed_candidates_kernel, p["grid"], args, p["first"][given, s.is_cuda])
     if p["CAP"]:                                                          # the chunks whose live classes overflowed
         _launch_packed(_perturbed_candidates_kernel, p["grid"], args, p["overflow"][given])
-    idx = torch.empty(n_samples, B, dtype=torch.int64, **kw)
+    idx = s.new_empty((n_samples, B), dtype=torch.int64)
     if target is None:                                                    # the selection alone (alpha and scale
-        _launch_packed(_perturbed_merge_kernel, (B,), (cw, s, s, s, idx, unused_arg(s, s.dtype), B, n, p["chunks"] * k,
+        _launch_packed(_perturbed_merge_kernel, (B,), (cw, s, s, s, idx, unused[2], B, n, p["chunks"] * k,
                                                        _ONE_BITS, _ONE_BITS), p["merges"][False, False])   # unread: 1.0's
         return cw, idx, None                                              # bits, typed as theirs)
     loss = torch.empty(B, dtype=s.dtype, **kw)                            # the hinge too
@@ -703,6 +705,7 @@ class NoisedSpec(NamedTuple):
     alpha_bits: int            # `f64_bits` of alpha and of scale
     scale_bits: int
     select: dict               # `_selection_plan`
+    unused: tuple              # the pointers of the arguments the kernels' variants leave unread (`_select`)
     finish: tuple              # `finish_consts` without class weights, with them
     finish_w: tuple
 
@@ -712,7 +715,7 @@ class NoisedHingeLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, s, target, weight, margins, seed, spec: NoisedSpec):
-        cw, idx, _ = _select(s, seed, None, spec.k, spec.epsilon, spec.n_samples, 0, 0, plan=spec.select)
+        cw, idx, _ = _select(s, seed, None, spec.k, spec.epsilon, spec.n_samples, 0, 0, plan=spec.select, unused=spec.unused)
         out, aux = finish_launch(spec.finish if weight is None else spec.finish_w, None, target, weight, s.shape[1],
                                  spec.ignore_index, s.dtype, cw, s, margins, spec.alpha_bits, spec.scale_bits)
         ctx.save_for_backward(idx, out if spec.reduction <= 0 else aux, target, weight, aux, s)
@@ -740,6 +743,7 @@ def noised_hinge_plan(s: torch.Tensor,                # (B, n) scores of the sig
     (B, n), code = s.shape, REDUCTION_CODES[reduction]
     spec = NoisedSpec(k, float(epsilon), n_samples, float(scale), int(ignore_index), code, f64_bits(alpha), f64_bits(scale),
                       _selection_plan(B, n, n_samples, 0, 0, k),
+                      (unused_arg(s, torch.int16), unused_arg(s, torch.int32), unused_arg(s, s.dtype)),
                       *(finish_consts(B, code, w, True, margins, True, code > 0) for w in (False, True)))
 
     def run(s, target, weight, margins, generator):
