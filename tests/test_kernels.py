@@ -606,6 +606,35 @@ def test_a_trace_keeps_the_operators(name, dtype):
     assert "backward" in ops[1] or "grad" in ops[1], ops
 
 
+_COMPILED = {                                                       # each operator's outputs as compiled code reads them
+    "smooth_svm module": lambda: get_loss("smooth_svm", k=3),      # the forward's buffer, `_finish` reading its rows
+    "smooth_svm rows": lambda: lambda s, y: svm_kernels.smooth_svm_triton(s, y, 3, 1.0),   # ROWS: the rows copied out
+    "noised_bal module": lambda: get_loss("noised_bal", k=3),      # the means in the selection's work buffer
+    "perturbed K-th": lambda: lambda s, y: noised_kernels.perturbed_kth_triton(s, 3, 0.5, 4)[0],   # a view of it
+}
+
+
+@pytest.mark.parametrize("case", list(_COMPILED))
+def test_compiled_operators_equal_the_eager_call(case):
+    "torch.compile(fullgraph=True) runs the registered operators (their buffers, aux and outputs laid out as the operators, not a module's kept plan, lay them): the same value and gradient as the eager call, the random draws included."
+    from topk_nb.base.core import force_sync_free
+    fn = _COMPILED[case]()
+    g = torch.Generator().manual_seed(3)
+    s, y = torch.randn(5, 24, generator=g).to(DEV), torch.randint(0, 24, (5,), generator=g).to(DEV)
+
+    def run(f):
+        torch.manual_seed(0)
+        x = s.clone().requires_grad_()
+        out = f(x, y)
+        out.sum().backward()
+        return out.detach(), x.grad
+
+    torch._dynamo.reset()
+    with force_sync_free(), kernels.force_triton(), torch._inductor.config.patch(fallback_random=True):
+        compiled, eager = run(torch.compile(fn, fullgraph=True)), run(fn)
+    torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-7)
+
+
 # --- the loss modules' conventions inside the kernels ------------------------------------------------------------
 
 from topk_nb.loss.registry import get_loss  # noqa: E402
