@@ -345,7 +345,7 @@ if HAS_TRITON:
                        ignore_index, alpha_bits, scale_bits, REDUCTION: tl.constexpr, HAS_WEIGHT: tl.constexpr,
                        HINGE: tl.constexpr, HAS_MARGIN: tl.constexpr, ASSERT: tl.constexpr, WEIGHTED_ROWS: tl.constexpr,
                        LOSS_AT: tl.constexpr, BLOCK: tl.constexpr):
-        "One program: each row's loss weighted (0 where ignored, NaN where the label is no class) into out (REDUCTION 0) or aux[2:] (WEIGHTED_ROWS), the mean or the sum into out, the sum of the weights into aux[0], and whether every label is a class or ignored into aux[1] (1 or 0); with ASSERT it also asserts that on the device (compiled: Triton's interpreter skips device asserts). With HINGE the loss is scale (margin + mean - s_y)_+ of the merge kernel's mean, the margin per class (HAS_MARGIN) or alpha. The rows' losses are read from loss_ptr + LOSS_AT: a state that keeps aux in its first two words passes itself as both (LOSS_AT 2)."
+        "One program: each row's loss weighted (0 where ignored, NaN where the label is no class) into out (REDUCTION 0) or aux[2:] (WEIGHTED_ROWS), the mean or the sum into out, the sum of the weights into aux[0], and whether every label is a class or ignored into aux[1] (1 or 0); with ASSERT it also asserts that on the device (compiled: Triton's interpreter skips device asserts). With HINGE the loss is scale (margin + mean - s_y)_+ of the merge kernel's mean, the margin per class (HAS_MARGIN) or alpha. The rows' losses (the hinge's means) are read from loss_ptr (mean_ptr) + LOSS_AT: a buffer that keeps aux in its first two words passes itself as both (LOSS_AT 2); the weighted rows then overwrite the means as each block is read."
         lanes = tl.arange(0, BLOCK)
         num = tl.zeros([BLOCK], tl.float64)
         den = tl.zeros([BLOCK], tl.float64)
@@ -363,7 +363,7 @@ if HAS_TRITON:
                     margin = tl.load(margin_ptr + yc).to(s_y.dtype)
                 else:
                     margin = _f64(alpha_bits).to(s_y.dtype)
-                mean = tl.load(mean_ptr + rows, mask=inside, other=0.0)
+                mean = tl.load(mean_ptr + LOSS_AT + rows, mask=inside, other=0.0)
                 loss = _f64(scale_bits).to(s_y.dtype) * tl.maximum(margin + mean.to(s_y.dtype) - s_y, 0.0)
             else:
                 loss = tl.load(loss_ptr + LOSS_AT + rows, mask=inside, other=0.0)
@@ -401,7 +401,7 @@ def _finish(loss: Optional[torch.Tensor],   # (B,) each row's loss, or None: the
             alpha: float = 1.0, scale: float = 1.0,
             assert_labels: bool = False,            # assert on the device that every label is a class or ignored
             weighted_rows: bool = False,            # also keep the weighted rows of a reduced loss, in aux[2:]
-            loss_at: int = 0,                       # the rows' losses are loss[loss_at:loss_at + B]
+            loss_at: int = 0,                       # the rows' losses are loss[loss_at:loss_at + B] (the hinge's means, mean's)
             ) -> tuple[torch.Tensor, torch.Tensor]:
     "Launch `_finish_kernel`: the loss as the module returns it ((B,) weighted rows for 'none', else ()), and `aux`: the mean's denominator, the labels' flag (1 where every label is a class or ignored, else 0), then with `weighted_rows` the weighted rows (B,), in the loss's dtype. With `assert_labels` the flag is asserted on the device (by the kernel where it is compiled, by `torch._assert_async` where it is interpreted)."
     consts = finish_consts(target.shape[0], reduction, weight is not None, loss is None, margin is not None, assert_labels,
@@ -415,7 +415,7 @@ def finish_consts(B: int,                   # rows
                   reduction: int,           # a value of REDUCTION_CODES
                   has_weight: bool, hinge: bool = False, has_margin: bool = False, assert_labels: bool = False,
                   weighted_rows: bool = False,
-                  loss_at: int = 0,         # where the rows' losses start in the loss pointer (2: a state that begins with aux)
+                  loss_at: int = 0,         # where the rows' losses (the hinge's means) start in their pointer (2: after aux)
                   ) -> tuple[tuple, int, dict]:
     "What `_finish` allocates and launches for B rows and these conventions, made once: (the loss's shape, aux's entries, the kernel's constexprs and options: B rows read at a time, rounded up to a power of two, at most 1024)."
     return (((B,) if reduction == 0 else ()), 2 + B if weighted_rows else 2,

@@ -143,11 +143,11 @@ if HAS_TRITON:
 
     @triton.jit
     def _cand_ptrs(cw_ptr, n_rows, n_cand, N_SAMPLES: tl.constexpr):
-        "The selection's work buffer of 32-bit words (`cand_words`): each row's mean over draws (n_rows), then for each draw and row its n_cand candidates: their values (float32), then their classes (int32)."
+        "The selection's work buffer of 32-bit words (`cand_words`): two words for `_finish`'s aux, each row's mean over draws (n_rows), then for each draw and row its n_cand candidates: their values (float32), then their classes (int32)."
         rows = tl.cast(n_rows, tl.int64)                                  # int64 offsets: no 2^31 limit
-        cval_ptr = cw_ptr + rows
+        cval_ptr = cw_ptr + 2 + rows
         cidx_ptr = (cval_ptr + N_SAMPLES * rows * n_cand).to(tl.pointer_type(tl.int32), bitcast=True)
-        return cw_ptr, cval_ptr, cidx_ptr
+        return cw_ptr + 2, cval_ptr, cidx_ptr
 
     @triton.jit
     def _perturbed_candidates_kernel(s_ptr, noise_ptr, seed_ptr, top_ptr, scratch_ptr, count_ptr, cw_ptr,
@@ -248,7 +248,7 @@ if HAS_TRITON:
                                 n_cand, alpha_bits, scale_bits, KTH: tl.constexpr, N_SAMPLES: tl.constexpr,
                                 S_PAD: tl.constexpr, SORTED: tl.constexpr, HINGE: tl.constexpr,
                                 HAS_MARGIN: tl.constexpr, BLOCK: tl.constexpr):
-        "Program `row`: for each draw the KTH largest of the row's candidates and its class (SORTED: one chunk's, the last); the mean over draws (into the work buffer's first n_rows words, `_cand_ptrs`); with HINGE, the loss scale (margin + mean - s_y)_+."
+        "Program `row`: for each draw the KTH largest of the row's candidates and its class (SORTED: one chunk's, the last); the mean over draws (into the work buffer, after two words, `_cand_ptrs`); with HINGE, the loss scale (margin + mean - s_y)_+."
         row = tl.program_id(0).to(tl.int64)
         mean_ptr, cval_ptr, cidx_ptr = _cand_ptrs(cw_ptr, n_rows, n_cand, N_SAMPLES)
         if SORTED:                                                       # one chunk: the KTH-th candidate is the last
@@ -368,8 +368,8 @@ _ONE_BITS = f64_bits(1.0)
 
 
 def cand_words(B: int, n_cand: int, n_samples: int) -> int:
-    "32-bit words of the selection's work buffer (`_cand_ptrs`): each row's mean, then n_cand candidates a draw and row, their values and their classes."
-    return B + 2 * n_samples * B * n_cand
+    "32-bit words of the selection's work buffer (`_cand_ptrs`): two for `_finish`'s aux, each row's mean, then n_cand candidates a draw and row, their values and their classes."
+    return 2 + B + 2 * n_samples * B * n_cand
 
 
 def _select(s: torch.Tensor,                # (B, n) scores, contiguous
@@ -382,7 +382,7 @@ def _select(s: torch.Tensor,                # (B, n) scores, contiguous
             plan: dict | None = None,       # `_selection_plan` of the call, where a kept plan has it
             unused: tuple | None = None,    # `unused_arg` of int16, int32 and the scores' dtype, where a kept plan has them
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    "Launch the kernels (for a long pruned row the chunks' top first), the candidates (pruned: then the chunks whose live classes overflowed their tile) and the merge: the work buffer (float32, `_cand_ptrs`), whose first B words are mean_b top_K(s + eps Z_b), the indices (S, B), and the hinge loss (B,) when `target` is given (else None). Its constants come from the plan: a call decides nothing."
+    "Launch the kernels (for a long pruned row the chunks' top first), the candidates (pruned: then the chunks whose live classes overflowed their tile) and the merge: the work buffer (float32, `_cand_ptrs`), whose words 2 to B + 1 are mean_b top_K(s + eps Z_b), the indices (S, B), and the hinge loss (B,) when `target` is given (else None). Its constants come from the plan: a call decides nothing."
     (B, n), z = s.shape, s if noise is None else noise
     p = _selection_plan(B, n, n_samples, block, cap, k) if plan is None else plan
     kw = dict(device=s.device)
@@ -432,7 +432,7 @@ def _perturbed_kth_op(s: torch.Tensor,                # (B, n) scores, contiguou
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     "The selection kernels as an operator: mean_b top_K(s + eps Z_b) (B,) in float32 and each draw's index (S, B); two launches, five with pruning."
     cw, idx, _ = _select(s, seed, noise, k, epsilon, n_samples, block, cap)
-    return cw[:s.shape[0]], idx                                           # the means: the buffer's first B words
+    return cw[2:2 + s.shape[0]], idx                                      # the means: the buffer's words 2 to B + 1
 
 
 @_perturbed_kth_op.register_fake
@@ -599,9 +599,9 @@ def _noised_hinge_op(s: torch.Tensor,                 # (B, n) scores, contiguou
     if reduction == ROWS:
         _, idx, loss = _select(s, seed, None, k, epsilon, n_samples, 0, 0, target, margin, alpha, scale)
         return (*_conventions(loss, target, weight, s.shape[1], ignore_index, ROWS), idx)
-    cw, idx, _ = _select(s, seed, None, k, epsilon, n_samples, 0, 0)     # the means: cw's first B words
+    cw, idx, _ = _select(s, seed, None, k, epsilon, n_samples, 0, 0)     # the means: cw's words 2 to B + 1
     return (*_finish(None, target, weight, s.shape[1], ignore_index, reduction, cw, s, margin, alpha, scale,
-                     assert_labels, weighted_rows=reduction > 0), idx)
+                     assert_labels, weighted_rows=reduction > 0, loss_at=2), idx)
 
 
 @_noised_hinge_op.register_fake
@@ -623,7 +623,7 @@ def _hinge_second_order(idx, loss, target, weight, aux, s, grad, scale: float, i
                         reduction: int) -> torch.Tensor:
     "dL/ds for create_graph=True: the same gradient by PyTorch operators, in the graph of the incoming gradient and of the scores (a zero second derivative)."
     n = s.shape[1]
-    rows = loss if reduction <= 0 else loss[2:]                        # a reduced hinge's weighted rows: in aux
+    rows = loss if reduction <= 0 else loss[2:2 + target.shape[0]]     # a reduced hinge's weighted rows: in aux
     go = _row_grads(grad, target, weight, aux, n, ignore_index, reduction) * scale * (rows > 0)   # (B,)
     y = torch.where((target >= 0) & (target < n), target, 0)
     return go[:, None] * (_draw_counts(idx, n, s.dtype) - F.one_hot(y, n).to(s.dtype)) + _connected(s)
@@ -717,7 +717,9 @@ class NoisedHingeLoss(torch.autograd.Function):
     def forward(ctx, s, target, weight, margins, seed, spec: NoisedSpec):
         cw, idx, _ = _select(s, seed, None, spec.k, spec.epsilon, spec.n_samples, 0, 0, plan=spec.select, unused=spec.unused)
         out, aux = finish_launch(spec.finish if weight is None else spec.finish_w, None, target, weight, s.shape[1],
-                                 spec.ignore_index, s.dtype, cw, s, margins, spec.alpha_bits, spec.scale_bits)
+                                 spec.ignore_index, s.dtype, cw, s, margins, spec.alpha_bits, spec.scale_bits,
+                                 cw if s.dtype == torch.float32 else None)   # aux in cw's first words (as float32), the
+                                                                              # weighted rows over the means it has read
         ctx.save_for_backward(idx, out if spec.reduction <= 0 else aux, target, weight, aux, s)
         ctx.spec = spec
         return out
@@ -744,7 +746,7 @@ def noised_hinge_plan(s: torch.Tensor,                # (B, n) scores of the sig
     spec = NoisedSpec(k, float(epsilon), n_samples, float(scale), int(ignore_index), code, f64_bits(alpha), f64_bits(scale),
                       _selection_plan(B, n, n_samples, 0, 0, k),
                       (unused_arg(s, torch.int16), unused_arg(s, torch.int32), unused_arg(s, s.dtype)),
-                      *(finish_consts(B, code, w, True, margins, True, code > 0) for w in (False, True)))
+                      *(finish_consts(B, code, w, True, margins, True, code > 0, 2) for w in (False, True)))
 
     def run(s, target, weight, margins, generator):
         return NoisedHingeLoss.apply(s.contiguous(), target.contiguous(), weight, margins,
