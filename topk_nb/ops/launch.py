@@ -93,7 +93,7 @@ def _launch_packed(kernel,          # a Triton kernel
                    args: tuple,     # its positional arguments
                    kwargs: dict,    # its constexprs and options: read, never changed (a plan's, kept for every call)
                    ):
-    "Launch `kernel[grid](*args, **kwargs)` as one unit: counted for `count_launches` (and skipped where it stubs them), and outside any dispatch mode (Triton's interpreter works through aten operators of its own, which a GPU launch does not make). The compile options of `_compile_options` are added. On CUDA a launch whose signature (`_bind_key`) was launched before goes to its compiled kernel directly (`_bound_launch`). The arguments come packed, as a kept plan has them: a call spreads no dict of constants into a new one (about half a microsecond a launch)."
+    "Launch `kernel[grid](*args, **kwargs)` as one unit: counted for `count_launches` (and skipped where it stubs them), and outside any dispatch mode (Triton's interpreter works through aten operators of its own, which a GPU launch does not make). The compile options of `_compile_options` are added. On CUDA a launch whose signature (`_bind_key`) was launched before goes to its compiled kernel directly (`_bound_launch`). The arguments come packed, as a kept plan has them: a call spreads no dict of constants into a new one."
     if _LAUNCHES.on:                           # counting
         next(_LAUNCHES.ticks)
         if _LAUNCHES.stub: return

@@ -367,6 +367,11 @@ def _selection_plan(B: int, n: int, n_samples: int,
 _ONE_BITS = f64_bits(1.0)
 
 
+def _unused_args(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    "The pointers of what `_select`'s kernel variants may leave unread (`unused_arg`): the pruning's int16 scratch and int32 counts, and a hinge loss in the scores' dtype."
+    return unused_arg(s, torch.int16), unused_arg(s, torch.int32), unused_arg(s, s.dtype)
+
+
 def cand_words(B: int, n_cand: int, n_samples: int) -> int:
     "32-bit words of the selection's work buffer (`_cand_ptrs`): two for `_finish`'s aux, each row's mean, then n_cand candidates a draw and row, their values and their classes."
     return 2 + B + 2 * n_samples * B * n_cand
@@ -380,14 +385,14 @@ def _select(s: torch.Tensor,                # (B, n) scores, contiguous
             margin: Optional[torch.Tensor] = None,   # (B,) per-row margins, or None: `alpha`
             alpha: float = 1.0, scale: float = 1.0,
             plan: dict | None = None,       # `_selection_plan` of the call, where a kept plan has it
-            unused: tuple | None = None,    # `unused_arg` of int16, int32 and the scores' dtype, where a kept plan has them
+            unused: tuple | None = None,    # `_unused_args(s)`, where a kept plan has them
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    "Launch the kernels (for a long pruned row the chunks' top first), the candidates (pruned: then the chunks whose live classes overflowed their tile) and the merge: the work buffer (float32, `_cand_ptrs`), whose words 2 to B + 1 are mean_b top_K(s + eps Z_b), the indices (S, B), and the hinge loss (B,) when `target` is given (else None). Its constants come from the plan: a call decides nothing."
+    "Launch the kernels (for a long pruned row the chunks' top first), the candidates (pruned: then the chunks whose live classes overflowed their tile) and the merge: the work buffer (float32, `_cand_ptrs`), whose words 2 to B + 1 are mean_b top_K(s + eps Z_b), the indices (S, B), and the hinge loss (B,) when `target` is given (else None). The launches' constexprs are the plan's, made once (`_selection_plan`)."
     (B, n), z = s.shape, s if noise is None else noise
     p = _selection_plan(B, n, n_samples, block, cap, k) if plan is None else plan
     kw = dict(device=s.device)
     given = noise is not None
-    if unused is None: unused = (unused_arg(s, torch.int16), unused_arg(s, torch.int32), unused_arg(s, s.dtype))
+    if unused is None: unused = _unused_args(s)
     if p["CAP"]:                                                          # pruning: each chunk's live classes and their count
         scratch = torch.empty(B * p["chunks"] * p["groups"] * p["CAP"], dtype=torch.int16, **kw)
         count = torch.empty(B * p["chunks"], dtype=torch.int32, **kw)
@@ -716,10 +721,10 @@ class NoisedHingeLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, s, target, weight, margins, seed, spec: NoisedSpec):
         cw, idx, _ = _select(s, seed, None, spec.k, spec.epsilon, spec.n_samples, 0, 0, plan=spec.select, unused=spec.unused)
+        # float32 scores: aux in cw's first two words, the weighted rows written over the means as they are read
         out, aux = finish_launch(spec.finish if weight is None else spec.finish_w, None, target, weight, s.shape[1],
                                  spec.ignore_index, s.dtype, cw, s, margins, spec.alpha_bits, spec.scale_bits,
-                                 cw if s.dtype == torch.float32 else None)   # aux in cw's first words (as float32), the
-                                                                              # weighted rows over the means it has read
+                                 cw if s.dtype == torch.float32 else None)
         ctx.save_for_backward(idx, out if spec.reduction <= 0 else aux, target, weight, aux, s)
         ctx.spec = spec
         return out
@@ -745,7 +750,7 @@ def noised_hinge_plan(s: torch.Tensor,                # (B, n) scores of the sig
     (B, n), code = s.shape, REDUCTION_CODES[reduction]
     spec = NoisedSpec(k, float(epsilon), n_samples, float(scale), int(ignore_index), code, f64_bits(alpha), f64_bits(scale),
                       _selection_plan(B, n, n_samples, 0, 0, k),
-                      (unused_arg(s, torch.int16), unused_arg(s, torch.int32), unused_arg(s, s.dtype)),
+                      _unused_args(s),
                       *(finish_consts(B, code, w, True, margins, True, code > 0, 2) for w in (False, True)))
 
     def run(s, target, weight, margins, generator):

@@ -960,16 +960,6 @@ def svm32_tile_views(tw: torch.Tensor, B: int, P: int, k: int) -> tuple[torch.Te
             tw[(2 * k + 2) * b:(2 * k + 3) * b].view(B, P), tw[(2 * k + 3) * b:(2 * k + 4) * b].view(torch.int32).view(B, P))
 
 
-@functools.lru_cache(maxsize=1024)                  # asked again at every call of a signature
-def _svm32_tile_consts(B: int, n: int, k: int, tile: int) -> tuple:
-    "The forward's tile kernel for (B, n) scores and this k, made once: (the kernel, its constexprs and options, the tile, the tiles a row); a polynomial a thread up to SVM32_MAX_K (`svm32_plan`), a warp above (`svmw_plan`)."
-    if k <= SVM32_MAX_K:
-        L, R, T, P = svm32_plan(B, n, tile or None)
-        return _svm32_tile_kernel, dict(K=k, L=L, LOG_L=L.bit_length() - 1, R=R, num_warps=L // 32), T, P
-    T, P = svmw_plan(B, n, tile or None)
-    return _svmw_tile_kernel, dict(K=k, M=cdiv(k + 1, 32), num_warps=1), T, P
-
-
 class Svm32Launches(NamedTuple):
     "The float32 forward's launches for one signature, made once (`svm32_launches`): nothing is decided at a call."
     words: int                 # the buffer's 32-bit words (`svm32_buffer_words`)
@@ -984,13 +974,17 @@ def svm32_launches(B: int, n: int, k: int, tau: float, alpha: float,
                    tile: int = 0,      # classes per tile (0: the default of `svm32_plan`, or of `svmw_plan` above SVM32_MAX_K)
                    ws: bool = False,   # the buffer holds the backward's buffers too (`svm32_buffer_words`)
                    ) -> Svm32Launches:
-    "The float32 forward's launches for (B, n) scores: the tile kernel (a polynomial a thread up to k = SVM32_MAX_K, a polynomial a warp above: the next section), which fills the buffer itself where a row is one tile (ONE_TILE), else writes each tile's polynomial for the row kernel."
-    kernel, const, T, P = _svm32_tile_consts(B, n, k, tile)
+    "The float32 forward's launches for (B, n) scores: the tile kernel (a polynomial a thread up to k = SVM32_MAX_K, `svm32_plan`; a polynomial a warp above, `svmw_plan`: the next section), which fills the buffer itself where a row is one tile (ONE_TILE), else writes each tile's polynomial for the row kernel."
+    if k <= SVM32_MAX_K:
+        L, R, T, P = svm32_plan(B, n, tile or None)
+        kernel, const = _svm32_tile_kernel, dict(K=k, L=L, LOG_L=L.bit_length() - 1, R=R, num_warps=L // 32)
+        row_kernel, row_const = _svm32_row_kernel, {}
+    else:
+        T, P = svmw_plan(B, n, tile or None)
+        kernel, const = _svmw_tile_kernel, dict(K=k, M=cdiv(k + 1, 32), num_warps=1)
+        row_kernel, row_const = _svmw_row_kernel, dict(M=cdiv(k + 1, 32))
     bits = (f64_bits(alpha / tau), f64_bits(tau))                      # doubles' bits: the kernels' float64 constants
-    row = None
-    if P > 1:
-        rk, rc = (_svm32_row_kernel, {}) if k <= SVM32_MAX_K else (_svmw_row_kernel, dict(M=cdiv(k + 1, 32)))
-        row = (rk, (B,), (B, P, *bits), dict(K=k, num_warps=1, **rc))
+    row = (row_kernel, (B,), (B, P, *bits), dict(K=k, num_warps=1, **row_const)) if P > 1 else None
     return Svm32Launches(svm32_buffer_words(B, n, k, tile, ws), P, B * P * (2 * k + 4),
                          (kernel, (B, P), (B, n, P, T, _LOG2E / (k * tau), *bits), dict(ONE_TILE=P == 1, **const)), row)
 
@@ -1073,7 +1067,7 @@ def _svm32_backward_op(s: torch.Tensor, target: torch.Tensor, weight: Optional[t
                        den: torch.Tensor,                   # the forward operator's aux: the mean's denominator first
                        st: torch.Tensor,                    # the forward operator's state
                        k: int, tau: float, tile: int, ignore_index: int, reduction: int) -> torch.Tensor:
-    "The float32 backward as an operator: dL/ds (B, n), the conventions applied by `_row_go`; two launches (three where a row is several tiles) and two allocations (the gradient, one buffer for the rest: an operator's inputs are not written, so the forward's buffer holds no room for it). Above SVM32_MAX_K, `_svmw_backward`. Above SVM32_MAX_K, `_svmw_backward`."
+    "The float32 backward as an operator: dL/ds (B, n), the conventions applied by `_row_go`; two launches (three where a row is several tiles) and two allocations (the gradient, one buffer for the rest: an operator's inputs are not written, so the forward's buffer holds no room for it). Above SVM32_MAX_K, `_svmw_backward`."
     if k > SVM32_MAX_K:
         return _svmw_backward(s, target, weight, grad, den, st, k, tau, ignore_index, reduction, False)
     return _svm32_backward(s, target, weight, grad, den, st, k, tau, ignore_index,
